@@ -1,0 +1,58 @@
+// linattn: linear-attention kernels on Eigen 3.4.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include <Eigen/Core>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+/// Library version; CMake reads these three lines.
+#define LINATTN_VERSION_MAJOR 0
+#define LINATTN_VERSION_MINOR 1
+#define LINATTN_VERSION_PATCH 0
+
+/// Checks an internal invariant (a bug, not bad input). Define LINATTN_ASSERT before including
+/// any linattn header to route it elsewhere; compiled out under NDEBUG.
+#ifndef LINATTN_ASSERT
+#ifdef NDEBUG
+#define LINATTN_ASSERT(cond) static_cast<void>(0)
+#else
+#include <cassert>
+#define LINATTN_ASSERT(cond) assert(cond)
+#endif
+#endif
+
+namespace linattn {
+
+/// Row-major dynamic matrix: rows are tokens.
+template <class T>
+using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// Dynamic column vector.
+template <class T>
+using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+
+/// Settings shared by every kernel.
+struct Options {
+  /// Added to the denominator outside the dot product; must be >= 0 and finite.
+  double eps = 1e-6;
+  /// State decay g in (0, 1]; 1 is plain linear attention, below 1 is retention-style decay.
+  /// The non-causal routines ignore it.
+  double decay = 1.0;
+  /// false returns the numerator phi(q)^T S alone.
+  bool normalize = true;
+  /// Tokens per chunk in the parallel causal routine; >= 1. Changes speed, not results.
+  Eigen::Index chunk = 64;
+  /// Scan inputs for NaN and Inf and throw on them.
+  bool check_finite = true;
+};
+
+/// Thrown for bad input at the API boundary; the message names the argument and the shapes.
+class Error : public std::invalid_argument {
+ public:
+  explicit Error(const std::string& what) : std::invalid_argument("linattn: " + what) {}
+};
+
+}  // namespace linattn

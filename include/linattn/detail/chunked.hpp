@@ -1,0 +1,411 @@
+// SPDX-License-Identifier: MIT
+// The chunked (parallel) forms of causal and non-causal linear attention.
+#pragma once
+
+#include <linattn/config.hpp>
+#include <linattn/detail/validate.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+namespace linattn::detail {
+
+/// The recurrence state in scaled form: the true S and z are exp(log_scale) times s and z.
+/// Plain feature maps keep log_scale at 0; exponential maps move it so nothing overflows.
+template <class T>
+struct CarriedState {
+  Matrix<T> s;  ///< C x Dv
+  Vector<T> z;  ///< C
+  /// -infinity until the first token is absorbed.
+  double log_scale = -std::numeric_limits<double>::infinity();
+
+  CarriedState(Eigen::Index feature_dim, Eigen::Index value_dim)
+      : s(Matrix<T>::Zero(feature_dim, value_dim)), z(Vector<T>::Zero(feature_dim)) {}
+
+  bool empty() const { return log_scale == -std::numeric_limits<double>::infinity(); }
+  /// True while the state holds plain (unscaled) sums, so the cheaper unscaled path applies.
+  bool unscaled() const { return empty() || log_scale == 0.0; }
+};
+
+/// Per-call workspace, sized by the chunk length, never by N.
+template <class T>
+struct ChunkBuffers {
+  Matrix<T> q, k, v;              ///< L x C, L x C, L x Dv
+  Vector<double> log_q, log_k;    ///< L: per-row log scales of q and k features
+  Vector<double> running_log;     ///< L: the running log-scale c_i after each token
+  Vector<double> output_log;      ///< L: log_q_i + c_i, the log factor the output row misses
+  Matrix<T> scores;               ///< L x L
+  Matrix<T> weighted_keys;        ///< L x C
+  Matrix<T> num;                  ///< L x Dv
+  Vector<T> den;                  ///< L
+
+  ChunkBuffers(Eigen::Index chunk, Eigen::Index feature_dim, Eigen::Index value_dim)
+      : q(chunk, feature_dim),
+        k(chunk, feature_dim),
+        v(chunk, value_dim),
+        log_q(Vector<double>::Zero(chunk)),
+        log_k(Vector<double>::Zero(chunk)),
+        running_log(chunk),
+        output_log(chunk),
+        scores(chunk, chunk),
+        weighted_keys(chunk, feature_dim),
+        num(chunk, value_dim),
+        den(chunk) {}
+};
+
+/// exp(x) as T; an argument of -infinity gives exactly 0.
+template <class T>
+T exp_as(double x) {
+  return static_cast<T>(std::exp(x));
+}
+
+/// The denominator guard: keeps |d| >= eps so a sign-changing feature map cannot divide by
+/// (nearly) zero. Positive maps always give d >= eps, so for them it never changes a value.
+/// Returns 0 only when eps == 0 and d == 0; the caller then writes a zero row.
+template <class T>
+T guard_denominator(T d, T eps) {
+  if (std::abs(d) >= eps) return d;
+  return d < T(0) ? -eps : eps;
+}
+
+/// Writes one output row from its numerator and denominator, both missing the factor
+/// exp(log_factor) (0 for unscaled sums): num / guard(den + eps exp(-log_factor)), or with
+/// normalize off num exp(log_factor). `out` is a writable row or vector expression.
+template <class T, class NumRow, class OutRow>
+void write_output_row(const Eigen::MatrixBase<NumRow>& num, T den, double log_factor,
+                      const Options& options, const Eigen::MatrixBase<OutRow>& out_expr) {
+  // Eigen's idiom for writing through an expression argument.
+  Eigen::MatrixBase<OutRow>& out = const_cast<Eigen::MatrixBase<OutRow>&>(out_expr);
+  if (!options.normalize) {
+    if (log_factor == 0.0) {
+      out = num;
+    } else {
+      out = num * exp_as<T>(log_factor);
+    }
+    return;
+  }
+  // eps = 0 stays 0 (0 * inf would be NaN); an eps scaled past the range gives a zero row.
+  const double scaled_eps = (options.eps == 0.0 || log_factor == 0.0)
+                                ? options.eps
+                                : options.eps * std::exp(-log_factor);
+  const T eps = static_cast<T>(scaled_eps);
+  const T d = guard_denominator<T>(den + eps, eps);
+  if (d == T(0)) {
+    out.setZero();
+  } else {
+    out = num / d;
+  }
+}
+
+/// Token source over featurized inputs phi_q, phi_k (N x C) and v (N x Dv).
+template <class DQ, class DK, class DV>
+class FeaturizedSource {
+ public:
+  using Scalar = typename DQ::Scalar;
+  static constexpr bool log_scaled = false;
+
+  FeaturizedSource(const DQ& phi_q, const DK& phi_k, const DV& v)
+      : phi_q_(phi_q), phi_k_(phi_k), v_(v) {}
+
+  Eigen::Index rows() const { return phi_q_.rows(); }
+  Eigen::Index feature_dim() const { return phi_q_.cols(); }
+  Eigen::Index value_dim() const { return v_.cols(); }
+
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Scalar>& buf) const {
+    buf.q.topRows(len) = phi_q_.middleRows(begin, len);
+  }
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Scalar>& buf) const {
+    buf.k.topRows(len) = phi_k_.middleRows(begin, len);
+    buf.v.topRows(len) = v_.middleRows(begin, len);
+  }
+
+ private:
+  const DQ& phi_q_;
+  const DK& phi_k_;
+  const DV& v_;
+};
+
+/// Token source over raw q, k (N x Dk) and v, featurized one chunk at a time by `map`.
+template <class DQ, class DK, class DV, class Map>
+class MappedSource {
+ public:
+  using Scalar = typename DQ::Scalar;
+  static constexpr bool log_scaled = is_log_scaled<Map>::value;
+
+  MappedSource(const DQ& q, const DK& k, const DV& v, const Map& map, bool check_finite,
+               const char* where)
+      : q_(q), k_(k), v_(v), map_(map), feature_dim_(map.feature_dim(q.cols())),
+        check_finite_(check_finite), where_(where) {
+    if (feature_dim_ < 1) {
+      throw Error(std::string(where) + ": the feature map gives feature_dim " +
+                  std::to_string(feature_dim_) + " for input_dim " + std::to_string(q.cols()));
+    }
+  }
+
+  Eigen::Index rows() const { return q_.rows(); }
+  Eigen::Index feature_dim() const { return feature_dim_; }
+  Eigen::Index value_dim() const { return v_.cols(); }
+
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Scalar>& buf) const {
+    if constexpr (log_scaled) {
+      store(map_.scaled_features(q_.middleRows(begin, len), log_scratch_), buf.q, len, "queries");
+      buf.log_q.head(len) = log_scratch_;
+    } else {
+      store(map_.queries(q_.middleRows(begin, len)), buf.q, len, "queries");
+    }
+  }
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Scalar>& buf) const {
+    if constexpr (log_scaled) {
+      store(map_.scaled_features(k_.middleRows(begin, len), log_scratch_), buf.k, len, "keys");
+      buf.log_k.head(len) = log_scratch_;
+    } else {
+      store(map_.keys(k_.middleRows(begin, len)), buf.k, len, "keys");
+    }
+    buf.v.topRows(len) = v_.middleRows(begin, len);
+  }
+
+ private:
+  void store(const Matrix<Scalar>& phi, Matrix<Scalar>& dst, Eigen::Index len,
+             const char* what) const {
+    if (phi.rows() != len || phi.cols() != feature_dim_) {
+      throw Error(std::string(where_) + ": the feature map's " + what + " returned " +
+                  shape_string(phi) + " for " + std::to_string(len) + " rows; expected " +
+                  shape_string(len, feature_dim_));
+    }
+    if (check_finite_) require_finite(phi, where_, what);
+    dst.topRows(len) = phi;
+  }
+
+  const DQ& q_;
+  const DK& k_;
+  const DV& v_;
+  const Map& map_;
+  Eigen::Index feature_dim_;
+  bool check_finite_;
+  const char* where_;
+  mutable Vector<double> log_scratch_;
+};
+
+/// Runs the recurrence chunk by chunk: inside a chunk a masked, decay-weighted product of
+/// queries and keys; across chunks the carried state. All products are Eigen GEMMs.
+template <class T>
+class ChunkedKernel {
+ public:
+  ChunkedKernel(Eigen::Index feature_dim, Eigen::Index value_dim, Eigen::Index rows,
+                const Options& options)
+      : chunk_(std::max<Eigen::Index>(1, std::min(options.chunk, rows))),
+        options_(options),
+        log_decay_(std::log(options.decay)),
+        buf_(chunk_, feature_dim, value_dim) {
+    if (options.decay != 1.0) {
+      // decay_pow_(d) = g^d for d = 0..L, and the L x L Toeplitz mask g^(i-j) below the diagonal.
+      decay_pow_.resize(chunk_ + 1);
+      for (Eigen::Index d = 0; d <= chunk_; ++d) {
+        decay_pow_(d) = static_cast<T>(std::pow(options.decay, static_cast<double>(d)));
+      }
+      decay_mask_ = Matrix<T>::Zero(chunk_, chunk_);
+      for (Eigen::Index i = 0; i < chunk_; ++i) {
+        for (Eigen::Index j = 0; j <= i; ++j) decay_mask_(i, j) = decay_pow_(i - j);
+      }
+    }
+  }
+
+  /// Causal attention over all rows of `src`, continuing from `state` and leaving it after the
+  /// last token. out: N x Dv.
+  template <class Source>
+  void causal(const Source& src, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+    const bool scaled = Source::log_scaled || !state.unscaled();
+    for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
+      const Eigen::Index len = std::min(chunk_, src.rows() - begin);
+      src.load_queries(begin, len, buf_);
+      src.load_keys_values(begin, len, buf_);
+      if (scaled) {
+        if (!Source::log_scaled) {
+          buf_.log_q.head(len).setZero();
+          buf_.log_k.head(len).setZero();
+        }
+        scaled_chunk(len, state, out.middleRows(begin, len));
+      } else {
+        unscaled_chunk(len, state, out.middleRows(begin, len));
+      }
+    }
+  }
+
+  /// Non-causal attention: every query sees the sums over all keys; the decay is not used.
+  template <class Source>
+  void non_causal(const Source& src, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+    const Eigen::Index n = src.rows();
+    for (Eigen::Index begin = 0; begin < n; begin += chunk_) {
+      const Eigen::Index len = std::min(chunk_, n - begin);
+      src.load_keys_values(begin, len, buf_);
+      Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
+      Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
+      if constexpr (Source::log_scaled) {
+        // Keys are weighted relative to the largest log-scale seen so far (all of them may be
+        // tiny or huge); earlier sums are rescaled when it grows.
+        const double top = std::max(state.log_scale, buf_.log_k.head(len).maxCoeff());
+        const T carry = exp_as<T>(state.log_scale - top);
+        Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
+        for (Eigen::Index r = 0; r < len; ++r) {
+          weighted.row(r) = keys.row(r) * exp_as<T>(buf_.log_k(r) - top);
+        }
+        state.s *= carry;
+        state.z *= carry;
+        state.s.noalias() += weighted.transpose() * values;
+        state.z += weighted.colwise().sum().transpose();
+        state.log_scale = top;
+      } else {
+        state.s.noalias() += keys.transpose() * values;
+        state.z += keys.colwise().sum().transpose();
+        state.log_scale = 0.0;
+      }
+    }
+    for (Eigen::Index begin = 0; begin < n; begin += chunk_) {
+      const Eigen::Index len = std::min(chunk_, n - begin);
+      src.load_queries(begin, len, buf_);
+      Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
+      Eigen::Ref<Matrix<T>> num = buf_.num.topRows(len);
+      Eigen::Ref<Vector<T>> den = buf_.den.head(len);
+      num.noalias() = queries * state.s;
+      den.noalias() = queries * state.z;
+      if constexpr (Source::log_scaled) {
+        buf_.output_log.head(len) = buf_.log_q.head(len).array() + state.log_scale;
+        write_scaled_output(len, out.middleRows(begin, len));
+      } else {
+        write_unscaled_output(len, out.middleRows(begin, len));
+      }
+    }
+  }
+
+ private:
+  bool has_decay() const { return options_.decay != 1.0; }
+
+  /// One chunk with plain sums: the common path for elu+1, relu and Fourier features.
+  void unscaled_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+    Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
+    Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
+    Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
+    Eigen::Ref<Matrix<T>> scores = buf_.scores.topLeftCorner(len, len);
+    Eigen::Ref<Matrix<T>> num = buf_.num.topRows(len);
+    Eigen::Ref<Vector<T>> den = buf_.den.head(len);
+
+    scores.noalias() = queries * keys.transpose();
+    if (has_decay()) {
+      scores.array() *= decay_mask_.topLeftCorner(len, len).array();
+    } else {
+      scores.template triangularView<Eigen::StrictlyUpper>().setZero();
+    }
+    if (state.empty()) {
+      num.setZero();
+      den.setZero();
+    } else {
+      // Token r of the chunk sees the carried state decayed r + 1 times.
+      num.noalias() = queries * state.s;
+      den.noalias() = queries * state.z;
+      if (has_decay()) {
+        num.array().colwise() *= decay_pow_.segment(1, len).array();
+        den.array() *= decay_pow_.segment(1, len).array();
+      }
+    }
+    num.noalias() += scores * values;
+    den += scores.rowwise().sum();
+
+    if (has_decay()) {
+      Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
+      weighted = decay_pow_.head(len).reverse().asDiagonal() * keys;
+      state.s *= decay_pow_(len);
+      state.z *= decay_pow_(len);
+      state.s.noalias() += weighted.transpose() * values;
+      state.z += weighted.colwise().sum().transpose();
+    } else {
+      state.s.noalias() += keys.transpose() * values;
+      state.z += keys.colwise().sum().transpose();
+    }
+    state.log_scale = 0.0;
+    write_unscaled_output(len, out);
+  }
+
+  /// One chunk with per-row log scales (exponential maps, or a state that already carries a
+  /// scale). Token i's output is computed relative to its own running scale
+  /// c_i = max(c_{i-1} + log g, log_k_i), which looks at no later token, so every weight below
+  /// is exp of a non-positive number and nothing overflows.
+  void scaled_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+    Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
+    Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
+    Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
+    Eigen::Ref<Matrix<T>> scores = buf_.scores.topLeftCorner(len, len);
+    Eigen::Ref<Matrix<T>> num = buf_.num.topRows(len);
+    Eigen::Ref<Vector<T>> den = buf_.den.head(len);
+    const double lg = log_decay_;
+    const double carried = state.log_scale;
+
+    double previous = carried;
+    for (Eigen::Index r = 0; r < len; ++r) {
+      previous = std::max(previous + lg, buf_.log_k(r));
+      buf_.running_log(r) = previous;
+    }
+
+    scores.noalias() = queries * keys.transpose();
+    for (Eigen::Index i = 0; i < len; ++i) {
+      const double c_i = buf_.running_log(i);
+      for (Eigen::Index j = 0; j <= i; ++j) {
+        scores(i, j) *= exp_as<T>(buf_.log_k(j) + static_cast<double>(i - j) * lg - c_i);
+      }
+      for (Eigen::Index j = i + 1; j < len; ++j) scores(i, j) = T(0);
+    }
+    if (state.empty()) {
+      num.setZero();
+      den.setZero();
+    } else {
+      num.noalias() = queries * state.s;
+      den.noalias() = queries * state.z;
+      for (Eigen::Index r = 0; r < len; ++r) {
+        const T carry = exp_as<T>(carried + static_cast<double>(r + 1) * lg - buf_.running_log(r));
+        num.row(r) *= carry;
+        den(r) *= carry;
+      }
+    }
+    num.noalias() += scores * values;
+    den += scores.rowwise().sum();
+
+    const double last = buf_.running_log(len - 1);
+    Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
+    for (Eigen::Index r = 0; r < len; ++r) {
+      weighted.row(r) =
+          keys.row(r) * exp_as<T>(buf_.log_k(r) + static_cast<double>(len - 1 - r) * lg - last);
+    }
+    const T carry = exp_as<T>(carried + static_cast<double>(len) * lg - last);
+    state.s *= carry;
+    state.z *= carry;
+    state.s.noalias() += weighted.transpose() * values;
+    state.z += weighted.colwise().sum().transpose();
+    state.log_scale = last;
+
+    buf_.output_log.head(len) = buf_.log_q.head(len) + buf_.running_log.head(len);
+    write_scaled_output(len, out);
+  }
+
+  void write_unscaled_output(Eigen::Index len, Eigen::Ref<Matrix<T>> out) const {
+    for (Eigen::Index r = 0; r < len; ++r) {
+      write_output_row(buf_.num.row(r), buf_.den(r), 0.0, options_, out.row(r));
+    }
+  }
+
+  /// Rows whose num and den miss the factor exp(output_log).
+  void write_scaled_output(Eigen::Index len, Eigen::Ref<Matrix<T>> out) const {
+    for (Eigen::Index r = 0; r < len; ++r) {
+      write_output_row(buf_.num.row(r), buf_.den(r), buf_.output_log(r), options_, out.row(r));
+    }
+  }
+
+  Eigen::Index chunk_;
+  Options options_;
+  double log_decay_;
+  Vector<T> decay_pow_;
+  Matrix<T> decay_mask_;
+  ChunkBuffers<T> buf_;
+};
+
+}  // namespace linattn::detail

@@ -1,0 +1,111 @@
+// SPDX-License-Identifier: MIT
+// Little-endian binary encoding with a running CRC-32, for RecurrentState::save/load.
+#pragma once
+
+#include <linattn/config.hpp>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <istream>
+#include <ostream>
+#include <string>
+#include <type_traits>
+
+namespace linattn::detail {
+
+/// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320), table built at compile time.
+class Crc32 {
+ public:
+  void update(const unsigned char* data, std::size_t size) {
+    for (std::size_t i = 0; i < size; ++i) {
+      crc_ = table()[(crc_ ^ data[i]) & 0xFFu] ^ (crc_ >> 8);
+    }
+  }
+  std::uint32_t value() const { return crc_ ^ 0xFFFFFFFFu; }
+
+ private:
+  static const std::array<std::uint32_t, 256>& table() {
+    static constexpr std::array<std::uint32_t, 256> entries = [] {
+      std::array<std::uint32_t, 256> t{};
+      for (std::uint32_t n = 0; n < 256; ++n) {
+        std::uint32_t c = n;
+        for (int bit = 0; bit < 8; ++bit) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        t[n] = c;
+      }
+      return t;
+    }();
+    return entries;
+  }
+  std::uint32_t crc_ = 0xFFFFFFFFu;
+};
+
+/// The unsigned integer with the same width as T (T: an integer or float/double).
+template <class T>
+using bits_of = std::conditional_t<sizeof(T) == 8, std::uint64_t,
+                                   std::conditional_t<sizeof(T) == 4, std::uint32_t,
+                                                       std::conditional_t<sizeof(T) == 2,
+                                                                          std::uint16_t,
+                                                                          std::uint8_t>>>;
+
+/// Writes values little-endian whatever the host, checksumming every byte.
+class LittleEndianWriter {
+ public:
+  explicit LittleEndianWriter(std::ostream& os) : os_(os) {}
+
+  template <class T>
+  void put(T value) {
+    static_assert(std::is_arithmetic_v<T>);
+    bits_of<T> bits;
+    std::memcpy(&bits, &value, sizeof(T));
+    unsigned char bytes[sizeof(T)];
+    for (std::size_t i = 0; i < sizeof(T); ++i) {
+      bytes[i] = static_cast<unsigned char>((bits >> (8 * i)) & 0xFFu);
+    }
+    put_bytes(bytes, sizeof(T));
+  }
+  void put_bytes(const unsigned char* data, std::size_t size) {
+    crc_.update(data, size);
+    os_.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
+  }
+  std::uint32_t checksum() const { return crc_.value(); }
+
+ private:
+  std::ostream& os_;
+  Crc32 crc_;
+};
+
+/// Reads what LittleEndianWriter wrote; throws Error on a short stream.
+class LittleEndianReader {
+ public:
+  explicit LittleEndianReader(std::istream& is) : is_(is) {}
+
+  template <class T>
+  T get(const char* what) {
+    static_assert(std::is_arithmetic_v<T>);
+    unsigned char bytes[sizeof(T)];
+    get_bytes(bytes, sizeof(T), what);
+    bits_of<T> bits = 0;
+    for (std::size_t i = 0; i < sizeof(T); ++i) {
+      bits = static_cast<bits_of<T>>(bits | (static_cast<bits_of<T>>(bytes[i]) << (8 * i)));
+    }
+    T value;
+    std::memcpy(&value, &bits, sizeof(T));
+    return value;
+  }
+  void get_bytes(unsigned char* data, std::size_t size, const char* what) {
+    is_.read(reinterpret_cast<char*>(data), static_cast<std::streamsize>(size));
+    if (static_cast<std::size_t>(is_.gcount()) != size) {
+      throw Error(std::string("RecurrentState::load: stream ends inside ") + what +
+                  " (truncated state)");
+    }
+    crc_.update(data, size);
+  }
+  std::uint32_t checksum() const { return crc_.value(); }
+
+ private:
+  std::istream& is_;
+  Crc32 crc_;
+};
+
+}  // namespace linattn::detail

@@ -1,0 +1,344 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include <linattn/config.hpp>
+#include <linattn/detail/random.hpp>
+#include <linattn/detail/validate.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+namespace linattn {
+
+/// phi(x) = elu(x) + 1 (x + 1 for x > 0, exp(x) otherwise), C = Dk. Positive, the map of
+/// "Transformers are RNNs".
+struct EluPlusOne {
+  /// @return C = input_dim
+  Eigen::Index feature_dim(Eigen::Index input_dim) const { return input_dim; }
+
+  /// @param x  N x Dk queries, one row per token
+  /// @return   N x Dk features
+  template <class Derived>
+  Matrix<typename Derived::Scalar> queries(const Eigen::MatrixBase<Derived>& x) const {
+    return map(x);
+  }
+
+  /// @param x  N x Dk keys, one row per token
+  /// @return   N x Dk features
+  template <class Derived>
+  Matrix<typename Derived::Scalar> keys(const Eigen::MatrixBase<Derived>& x) const {
+    return map(x);
+  }
+
+ private:
+  template <class Derived>
+  static Matrix<typename Derived::Scalar> map(const Eigen::MatrixBase<Derived>& x) {
+    using Scalar = typename Derived::Scalar;
+    Matrix<Scalar> phi = x;
+    phi = (phi.array() > Scalar(0)).select(phi.array() + Scalar(1), phi.array().exp());
+    return phi;
+  }
+};
+
+/// phi(x) = max(x, 0), C = Dk. A row of non-positive inputs maps to zeros; the denominator
+/// guard then gives a zero output for that query (see Options::eps).
+struct Relu {
+  /// @return C = input_dim
+  Eigen::Index feature_dim(Eigen::Index input_dim) const { return input_dim; }
+
+  /// @param x  N x Dk queries
+  /// @return   N x Dk features
+  template <class Derived>
+  Matrix<typename Derived::Scalar> queries(const Eigen::MatrixBase<Derived>& x) const {
+    return x.cwiseMax(typename Derived::Scalar(0));
+  }
+
+  /// @param x  N x Dk keys
+  /// @return   N x Dk features
+  template <class Derived>
+  Matrix<typename Derived::Scalar> keys(const Eigen::MatrixBase<Derived>& x) const {
+    return x.cwiseMax(typename Derived::Scalar(0));
+  }
+};
+
+/// How the random projection W (m x Dk) is drawn.
+enum class Projection {
+  orthogonal,  ///< blocks of Dk orthogonal rows (lower estimator variance), the default
+  iid          ///< independent Gaussian entries
+};
+
+/// The norms given to the rows of W.
+enum class RowNorm {
+  chi,   ///< each row's norm drawn as the norm of a Dk-dim Gaussian (unbiased), the default
+  fixed  ///< every row has norm sqrt(Dk)
+};
+
+/// Settings of the random-feature maps.
+struct RandomFeatureOptions {
+  Projection projection = Projection::orthogonal;
+  RowNorm row_norm = RowNorm::chi;
+  /// Softmax temperature tau: the map estimates exp(tau q.k) (positive features) or
+  /// exp(-tau |q - k|^2 / 2) (Fourier features); u = sqrt(tau) x. Negative means 1/sqrt(Dk).
+  double temperature = -1.0;
+  /// PositiveRandomFeatures only: [exp(W u), exp(-W u)] features (C = 2m), lower variance.
+  bool hyperbolic = false;
+};
+
+namespace detail {
+
+/// The random projection shared by both random-feature maps: W (m x Dk) kept in double, with
+/// a float copy so float inputs multiply at float speed.
+class RandomProjection {
+ public:
+  RandomProjection(Eigen::Index input_dim, Eigen::Index num_features, std::uint64_t seed,
+                   const RandomFeatureOptions& options, const char* owner)
+      : options_(options) {
+    if (input_dim < 1 || num_features < 1) {
+      throw Error(std::string(owner) + ": input_dim and num_features must be >= 1, got " +
+                  std::to_string(input_dim) + " and " + std::to_string(num_features));
+    }
+    const bool default_temperature = options.temperature < 0.0;
+    if (!default_temperature && !(options.temperature > 0.0 && std::isfinite(options.temperature))) {
+      throw Error(std::string(owner) + ": temperature must be positive and finite, got " +
+                  std::to_string(options.temperature));
+    }
+    temperature_ = default_temperature ? 1.0 / std::sqrt(static_cast<double>(input_dim))
+                                             : options.temperature;
+    w_.resize(num_features, input_dim);
+    redraw(seed);
+  }
+
+  void redraw(std::uint64_t seed) {
+    const Eigen::Index m = w_.rows();
+    const Eigen::Index d = w_.cols();
+    NormalSampler sample(seed);
+    if (options_.projection == Projection::orthogonal) {
+      for (Eigen::Index row = 0; row < m; row += d) {
+        Matrix<double> block = gaussian_matrix(d, d, sample);
+        orthonormalize_rows(block);
+        const Eigen::Index take = std::min(d, m - row);
+        w_.middleRows(row, take) = block.topRows(take);
+      }
+    } else {
+      w_ = gaussian_matrix(m, d, sample);
+    }
+    const bool chi = options_.row_norm == RowNorm::chi;
+    // iid Gaussian rows already have chi-distributed norms.
+    if (!(chi && options_.projection == Projection::iid)) {
+      for (Eigen::Index row = 0; row < m; ++row) {
+        const double norm =
+            chi ? gaussian_matrix(1, d, sample).norm() : std::sqrt(static_cast<double>(d));
+        w_.row(row) *= norm / w_.row(row).norm();
+      }
+    }
+    w_float_ = w_.cast<float>();
+    seed_ = seed;
+  }
+
+  template <class Scalar>
+  const Matrix<Scalar>& weights() const {
+    if constexpr (std::is_same_v<Scalar, float>) {
+      return w_float_;
+    } else {
+      return w_;
+    }
+  }
+
+  /// Checks the input width and returns U W^T with U = sqrt(tau) X (N x m) and |u_i|^2 / 2.
+  template <class Derived>
+  void project(const Eigen::MatrixBase<Derived>& x, Matrix<typename Derived::Scalar>& logits,
+               Vector<typename Derived::Scalar>& half_sq_norm, const char* owner) const {
+    using Scalar = typename Derived::Scalar;
+    static_assert(is_supported_scalar<Scalar>, "linattn supports float and double");
+    if (x.cols() != w_.cols()) {
+      throw Error(std::string(owner) + ": x is " + shape_string(x) + " but the map was built for " +
+                  std::to_string(w_.cols()) + " input columns");
+    }
+    const Matrix<Scalar> u = x * static_cast<Scalar>(std::sqrt(temperature_));
+    logits.resize(u.rows(), w_.rows());
+    logits.noalias() = u * weights<Scalar>().transpose();
+    half_sq_norm = Scalar(0.5) * u.rowwise().squaredNorm();
+  }
+
+  Eigen::Index input_dim() const { return w_.cols(); }
+  Eigen::Index num_features() const { return w_.rows(); }
+  double temperature() const { return temperature_; }
+  std::uint64_t seed() const { return seed_; }
+  const RandomFeatureOptions& options() const { return options_; }
+  const Matrix<double>& matrix() const { return w_; }
+
+  Eigen::Index checked_feature_dim(Eigen::Index input_dim, Eigen::Index per_row,
+                                   const char* owner) const {
+    if (input_dim != w_.cols()) {
+      throw Error(std::string(owner) + ": built for input_dim " + std::to_string(w_.cols()) +
+                  ", asked for " + std::to_string(input_dim));
+    }
+    return per_row * w_.rows();
+  }
+
+ private:
+  RandomFeatureOptions options_;
+  double temperature_ = 1.0;
+  std::uint64_t seed_ = 0;
+  Matrix<double> w_;
+  Matrix<float> w_float_;
+};
+
+}  // namespace detail
+
+/// FAVOR+ positive random features (Performer): phi(x) = exp(W u - |u|^2 / 2) / sqrt(m),
+/// u = sqrt(tau) x, so E[phi(q) . phi(k)] = exp(tau q . k) and attention with it estimates
+/// softmax attention at scale tau (default 1/sqrt(Dk)).
+///
+/// The kernels use `scaled_features`, which returns each row divided by its largest entry and
+/// the log of that factor; the state carries a running log-scale, so nothing overflows and the
+/// result is the same as with exact features. `queries`/`keys` return the unscaled features,
+/// which can overflow float for large inputs.
+class PositiveRandomFeatures {
+ public:
+  /// Tells the kernels to use scaled_features and the log-scale stabiliser.
+  static constexpr bool log_scaled = true;
+
+  /// @param input_dim     Dk, the width of q and k
+  /// @param num_features  m, rows of W (C = m, or 2m when hyperbolic)
+  /// @param seed          W is a function of the seed alone, the same on every platform
+  PositiveRandomFeatures(Eigen::Index input_dim, Eigen::Index num_features,
+                         std::uint64_t seed = 0, const RandomFeatureOptions& options = {})
+      : projection_(input_dim, num_features, seed, options, "PositiveRandomFeatures") {}
+
+  /// Draws a new W from `seed`, keeping every other setting.
+  void redraw(std::uint64_t seed) { projection_.redraw(seed); }
+
+  /// @return C = m, or 2m when hyperbolic; throws if input_dim is not the one it was built for
+  Eigen::Index feature_dim(Eigen::Index input_dim) const {
+    return projection_.checked_feature_dim(input_dim, projection_.options().hyperbolic ? 2 : 1,
+                                           "PositiveRandomFeatures");
+  }
+
+  /// @param x  N x Dk queries
+  /// @return   N x C unscaled features
+  template <class Derived>
+  Matrix<typename Derived::Scalar> queries(const Eigen::MatrixBase<Derived>& x) const {
+    return unscaled(x);
+  }
+
+  /// @param x  N x Dk keys
+  /// @return   N x C unscaled features
+  template <class Derived>
+  Matrix<typename Derived::Scalar> keys(const Eigen::MatrixBase<Derived>& x) const {
+    return unscaled(x);
+  }
+
+  /// Features with each row divided by its largest entry, so every entry is in (0, 1].
+  /// @param x          N x Dk inputs (queries or keys)
+  /// @param log_scale  out: N, the natural log of the factor each row was divided by
+  /// @return           N x C scaled features; phi(x_i) = exp(log_scale_i) * row i
+  template <class Derived>
+  Matrix<typename Derived::Scalar> scaled_features(const Eigen::MatrixBase<Derived>& x,
+                                                   Vector<double>& log_scale) const {
+    using Scalar = typename Derived::Scalar;
+    Matrix<Scalar> logits;
+    Vector<Scalar> half_sq;
+    projection_.project(x, logits, half_sq, "PositiveRandomFeatures");
+    const bool hyperbolic = projection_.options().hyperbolic;
+    const Eigen::Index m = logits.cols();
+    Matrix<Scalar> phi(logits.rows(), hyperbolic ? 2 * m : m);
+    log_scale.resize(logits.rows());
+    const double log_norm = 0.5 * std::log(static_cast<double>(phi.cols()));
+    for (Eigen::Index r = 0; r < logits.rows(); ++r) {
+      const Scalar top = hyperbolic ? logits.row(r).cwiseAbs().maxCoeff() : logits.row(r).maxCoeff();
+      phi.row(r).head(m) = (logits.row(r).array() - top).exp();
+      if (hyperbolic) phi.row(r).tail(m) = (-logits.row(r).array() - top).exp();
+      log_scale(r) = static_cast<double>(top) - static_cast<double>(half_sq(r)) - log_norm;
+    }
+    return phi;
+  }
+
+  /// W, m x Dk, in double.
+  const Matrix<double>& projection() const { return projection_.matrix(); }
+  /// tau: E[phi(q) . phi(k)] = exp(tau q . k).
+  double temperature() const { return projection_.temperature(); }
+  Eigen::Index input_dim() const { return projection_.input_dim(); }
+  Eigen::Index num_features() const { return projection_.num_features(); }
+  std::uint64_t seed() const { return projection_.seed(); }
+  const RandomFeatureOptions& options() const { return projection_.options(); }
+
+ private:
+  template <class Derived>
+  Matrix<typename Derived::Scalar> unscaled(const Eigen::MatrixBase<Derived>& x) const {
+    using Scalar = typename Derived::Scalar;
+    Vector<double> log_scale;
+    Matrix<Scalar> phi = scaled_features(x, log_scale);
+    for (Eigen::Index r = 0; r < phi.rows(); ++r) {
+      phi.row(r) *= static_cast<Scalar>(std::exp(log_scale(r)));
+    }
+    return phi;
+  }
+
+  detail::RandomProjection projection_;
+};
+
+/// Random Fourier features of the Gaussian kernel: phi(x) = [sin(W u), cos(W u)] / sqrt(m),
+/// u = sqrt(tau) x, so E[phi(q) . phi(k)] = exp(-tau |q - k|^2 / 2). C = 2m. Features can be
+/// negative, so phi(q) . z can be near zero; the kernels' denominator guard handles it.
+class RandomFourierFeatures {
+ public:
+  /// @param input_dim     Dk
+  /// @param num_features  m, rows of W (C = 2m)
+  /// @param seed          W is a function of the seed alone
+  RandomFourierFeatures(Eigen::Index input_dim, Eigen::Index num_features, std::uint64_t seed = 0,
+                        const RandomFeatureOptions& options = {})
+      : projection_(input_dim, num_features, seed, options, "RandomFourierFeatures") {}
+
+  /// Draws a new W from `seed`, keeping every other setting.
+  void redraw(std::uint64_t seed) { projection_.redraw(seed); }
+
+  /// @return C = 2m; throws if input_dim is not the one it was built for
+  Eigen::Index feature_dim(Eigen::Index input_dim) const {
+    return projection_.checked_feature_dim(input_dim, 2, "RandomFourierFeatures");
+  }
+
+  /// @param x  N x Dk queries
+  /// @return   N x 2m features
+  template <class Derived>
+  Matrix<typename Derived::Scalar> queries(const Eigen::MatrixBase<Derived>& x) const {
+    return map(x);
+  }
+
+  /// @param x  N x Dk keys
+  /// @return   N x 2m features
+  template <class Derived>
+  Matrix<typename Derived::Scalar> keys(const Eigen::MatrixBase<Derived>& x) const {
+    return map(x);
+  }
+
+  /// W, m x Dk, in double.
+  const Matrix<double>& projection() const { return projection_.matrix(); }
+  double temperature() const { return projection_.temperature(); }
+  Eigen::Index input_dim() const { return projection_.input_dim(); }
+  Eigen::Index num_features() const { return projection_.num_features(); }
+  std::uint64_t seed() const { return projection_.seed(); }
+  const RandomFeatureOptions& options() const { return projection_.options(); }
+
+ private:
+  template <class Derived>
+  Matrix<typename Derived::Scalar> map(const Eigen::MatrixBase<Derived>& x) const {
+    using Scalar = typename Derived::Scalar;
+    Matrix<Scalar> logits;
+    Vector<Scalar> half_sq;
+    projection_.project(x, logits, half_sq, "RandomFourierFeatures");
+    const Eigen::Index m = logits.cols();
+    const Scalar norm = Scalar(1) / std::sqrt(static_cast<Scalar>(m));
+    Matrix<Scalar> phi(logits.rows(), 2 * m);
+    phi.leftCols(m) = norm * logits.array().sin();
+    phi.rightCols(m) = norm * logits.array().cos();
+    return phi;
+  }
+
+  detail::RandomProjection projection_;
+};
+
+}  // namespace linattn

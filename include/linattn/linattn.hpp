@@ -1,0 +1,8 @@
+// SPDX-License-Identifier: MIT
+// linattn: header-only linear-attention kernels on Eigen 3.4. The umbrella header.
+#pragma once
+
+#include <linattn/config.hpp>
+#include <linattn/feature_maps.hpp>
+#include <linattn/linear_attention.hpp>
+#include <linattn/recurrent_state.hpp>

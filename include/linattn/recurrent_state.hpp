@@ -1,0 +1,393 @@
+// SPDX-License-Identifier: MIT
+// The recurrent (decoding) form: S <- g S + phi(k) v^T, z <- g z + phi(k), one token at a time.
+#pragma once
+
+#include <linattn/config.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/serialize.hpp>
+#include <linattn/detail/validate.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <istream>
+#include <limits>
+#include <ostream>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace linattn {
+
+/// The running sums of causal linear attention for one sequence: S (C x Dv), z (C) and the
+/// tokens seen. `step` adds one token in O(C * Dv); `prefill` adds many through the chunked
+/// form; both give the outputs of one causal_linear_attention call over the whole sequence.
+///
+/// S and z are stored scaled: the true sums are exp(log_scale()) * s() and z(). With plain
+/// feature maps log_scale() is 0 and s(), z() are the sums themselves; exponential maps
+/// (PositiveRandomFeatures, passed to the map overloads) move it so nothing overflows.
+template <class T>
+class RecurrentState {
+  static_assert(detail::is_supported_scalar<T>, "RecurrentState<T> takes float or double");
+
+ public:
+  /// @param feature_dim  C, the width of phi(q) and phi(k)
+  /// @param value_dim    Dv, the width of v
+  /// @param options      eps, decay, normalize, check_finite (and chunk, for prefill)
+  RecurrentState(Eigen::Index feature_dim, Eigen::Index value_dim, const Options& options = {})
+      : state_(checked_dim(feature_dim, "feature_dim"), checked_dim(value_dim, "value_dim")),
+        options_(options),
+        query_(feature_dim),
+        key_(feature_dim),
+        value_(value_dim) {
+    detail::validate_options(options, "RecurrentState");
+  }
+
+  /// Adds one token and returns its output. Allocates only the returned vector.
+  /// @param phi_q  C featurized query (any row or column vector expression)
+  /// @param phi_k  C featurized key
+  /// @param v      Dv value
+  /// @return       Dv output
+  template <class DQ, class DK, class DV>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                 const Eigen::MatrixBase<DV>& v) {
+    Vector<T> out(value_dim());
+    step_into(phi_q, phi_k, v, out);
+    return out;
+  }
+
+  /// Adds one token and writes its output; allocates nothing. On a throw the state is unchanged.
+  /// @param phi_q  C featurized query
+  /// @param phi_k  C featurized key
+  /// @param v      Dv value
+  /// @param out    Dv output
+  template <class DQ, class DK, class DV>
+  void step_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                 const Eigen::MatrixBase<DV>& v, Eigen::Ref<Vector<T>> out) {
+    constexpr const char* where = "RecurrentState::step";
+    load_token(phi_q, phi_k, v, out, where, "phi_q", "phi_k");
+    advance(0.0, 0.0, !state_.unscaled(), out);
+  }
+
+  /// Adds one raw token through a feature map and returns its output. Exponential maps go
+  /// through the log-scale stabiliser.
+  /// @param q    Dk query
+  /// @param k    Dk key
+  /// @param v    Dv value
+  /// @param map  feature map with map.feature_dim(Dk) == C
+  /// @return     Dv output
+  template <class DQ, class DK, class DV, class Map,
+            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Map& map) {
+    Vector<T> out(value_dim());
+    step_into(q, k, v, map, out);
+    return out;
+  }
+
+  /// As step(q, k, v, map), writing the output into `out` (Dv).
+  template <class DQ, class DK, class DV, class Map,
+            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Vector<T>> out) {
+    constexpr const char* where = "RecurrentState::step";
+    check_vector(q, q.size(), where, "q");
+    check_vector(k, q.size(), where, "k");
+    const Matrix<T> raw_q = q.reshaped().transpose();
+    const Matrix<T> raw_k = k.reshaped().transpose();
+    if (options_.check_finite) {
+      detail::require_finite(raw_q, where, "q");
+      detail::require_finite(raw_k, where, "k");
+    }
+    const Eigen::Index dim = map.feature_dim(raw_q.cols());
+    if (dim != feature_dim()) {
+      throw Error(std::string(where) + ": the feature map gives " + std::to_string(dim) +
+                  " features for q of size " + std::to_string(raw_q.cols()) +
+                  " but the state holds " + std::to_string(feature_dim()));
+    }
+    if constexpr (detail::is_log_scaled<Map>::value) {
+      Vector<double> log_q, log_k;
+      const Matrix<T> phi_q = map.scaled_features(raw_q, log_q);
+      const Matrix<T> phi_k = map.scaled_features(raw_k, log_k);
+      load_token(phi_q, phi_k, v, out, where, "phi(q)", "phi(k)");
+      advance(log_q(0), log_k(0), true, out);
+    } else {
+      load_token(map.queries(raw_q), map.keys(raw_k), v, out, where, "phi(q)", "phi(k)");
+      advance(0.0, 0.0, !state_.unscaled(), out);
+    }
+  }
+
+  /// Adds many tokens through the chunked form; returns their outputs, the same (within
+  /// rounding) as calling step for each row. On a throw the state is unchanged.
+  /// @param phi_q  N x C featurized queries
+  /// @param phi_k  N x C featurized keys
+  /// @param v      N x Dv values
+  /// @return       N x Dv outputs
+  template <class DQ, class DK, class DV>
+  Matrix<T> prefill(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                    const Eigen::MatrixBase<DV>& v) {
+    Matrix<T> out(phi_q.rows(), value_dim());
+    prefill_into(phi_q, phi_k, v, out);
+    return out;
+  }
+
+  /// As prefill(phi_q, phi_k, v), writing into `out` (N x Dv).
+  template <class DQ, class DK, class DV>
+  void prefill_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                    const Eigen::MatrixBase<DV>& v, Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "RecurrentState::prefill";
+    check_scalars<DQ, DK, DV>();
+    detail::validate_sequence(phi_q, phi_k, v, options_, where, "phi_q", "phi_k");
+    check_dims(phi_q.cols(), v.cols(), where, "phi_q");
+    detail::require_output_shape(out, phi_q.rows(), value_dim(), where);
+    run_chunked(detail::FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(),
+                                                     v.derived()),
+                out);
+  }
+
+  /// Adds many raw tokens through a feature map, chunk by chunk.
+  /// @param q    N x Dk queries
+  /// @param k    N x Dk keys
+  /// @param v    N x Dv values
+  /// @param map  feature map with map.feature_dim(Dk) == C
+  /// @return     N x Dv outputs
+  template <class DQ, class DK, class DV, class Map,
+            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  Matrix<T> prefill(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Map& map) {
+    Matrix<T> out(q.rows(), value_dim());
+    prefill_into(q, k, v, map, out);
+    return out;
+  }
+
+  /// As prefill(q, k, v, map), writing into `out` (N x Dv).
+  template <class DQ, class DK, class DV, class Map,
+            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  void prefill_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "RecurrentState::prefill";
+    check_scalars<DQ, DK, DV>();
+    detail::validate_sequence(q, k, v, options_, where, "q", "k");
+    const detail::MappedSource<DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(), map,
+                                                        options_.check_finite, where);
+    check_dims(source.feature_dim(), v.cols(), where, "phi(q)");
+    detail::require_output_shape(out, q.rows(), value_dim(), where);
+    run_chunked(source, out);
+  }
+
+  /// S scaled by exp(-log_scale()), C x Dv.
+  const Matrix<T>& s() const { return state_.s; }
+  /// z scaled by exp(-log_scale()), C.
+  const Vector<T>& z() const { return state_.z; }
+  /// Natural log of the factor s() and z() miss: 0 for plain maps, -infinity before any token.
+  double log_scale() const { return state_.log_scale; }
+  /// Tokens added since construction or reset.
+  std::int64_t tokens() const { return tokens_; }
+  Eigen::Index feature_dim() const { return state_.s.rows(); }
+  Eigen::Index value_dim() const { return state_.s.cols(); }
+  const Options& options() const { return options_; }
+
+  /// Forgets every token; keeps the dimensions and options.
+  void reset() {
+    state_.s.setZero();
+    state_.z.setZero();
+    state_.log_scale = -std::numeric_limits<double>::infinity();
+    tokens_ = 0;
+  }
+
+  /// Writes the state (dims, options, token count, log scale, S, z) in a little-endian binary
+  /// format with a CRC-32; load reads it back bit for bit.
+  void save(std::ostream& os) const {
+    detail::LittleEndianWriter out(os);
+    out.put_bytes(magic(), sizeof(kMagic));
+    out.put<std::uint32_t>(kFormatVersion);
+    out.put<std::uint32_t>(static_cast<std::uint32_t>(sizeof(T)));
+    out.put<std::uint64_t>(static_cast<std::uint64_t>(feature_dim()));
+    out.put<std::uint64_t>(static_cast<std::uint64_t>(value_dim()));
+    out.put<double>(options_.eps);
+    out.put<double>(options_.decay);
+    out.put<std::uint8_t>(options_.normalize ? 1 : 0);
+    out.put<std::uint8_t>(options_.check_finite ? 1 : 0);
+    out.put<std::uint64_t>(static_cast<std::uint64_t>(options_.chunk));
+    out.put<std::int64_t>(tokens_);
+    out.put<double>(state_.log_scale);
+    for (Eigen::Index r = 0; r < feature_dim(); ++r) {
+      for (Eigen::Index c = 0; c < value_dim(); ++c) out.put<T>(state_.s(r, c));
+    }
+    for (Eigen::Index r = 0; r < feature_dim(); ++r) out.put<T>(state_.z(r));
+    const std::uint32_t checksum = out.checksum();
+    out.put<std::uint32_t>(checksum);
+    if (!os) throw Error("RecurrentState::save: the stream failed while writing");
+  }
+
+  /// Reads a state written by save. Throws Error, and returns nothing, for a truncated or
+  /// corrupt stream, a wrong magic, format version or scalar type, or dims over 2^26 entries.
+  static RecurrentState load(std::istream& is) {
+    constexpr const char* where = "RecurrentState::load";
+    detail::LittleEndianReader in(is);
+    unsigned char magic_bytes[sizeof(kMagic)];
+    in.get_bytes(magic_bytes, sizeof(kMagic), "the magic bytes");
+    if (std::memcmp(magic_bytes, magic(), sizeof(kMagic)) != 0) {
+      throw Error(std::string(where) + ": wrong magic bytes, not a linattn state");
+    }
+    const auto version = in.get<std::uint32_t>("the format version");
+    if (version != kFormatVersion) {
+      throw Error(std::string(where) + ": format version " + std::to_string(version) +
+                  ", this build reads version " + std::to_string(kFormatVersion));
+    }
+    const auto scalar_size = in.get<std::uint32_t>("the scalar type");
+    if (scalar_size != sizeof(T)) {
+      throw Error(std::string(where) + ": the stream holds " + std::to_string(scalar_size) +
+                  "-byte scalars, RecurrentState<" + scalar_name() + "> needs " +
+                  std::to_string(sizeof(T)));
+    }
+    const auto feature_dim = in.get<std::uint64_t>("feature_dim");
+    const auto value_dim = in.get<std::uint64_t>("value_dim");
+    constexpr std::uint64_t kMaxEntries = std::uint64_t{1} << 26;
+    if (feature_dim < 1 || value_dim < 1 || feature_dim > kMaxEntries || value_dim > kMaxEntries ||
+        feature_dim * value_dim > kMaxEntries) {
+      throw Error(std::string(where) + ": dims " + std::to_string(feature_dim) + " x " +
+                  std::to_string(value_dim) + " are empty or over the limit of 2^26 entries");
+    }
+    Options options;
+    options.eps = in.get<double>("eps");
+    options.decay = in.get<double>("decay");
+    options.normalize = in.get<std::uint8_t>("normalize") != 0;
+    options.check_finite = in.get<std::uint8_t>("check_finite") != 0;
+    options.chunk = static_cast<Eigen::Index>(in.get<std::uint64_t>("chunk"));
+    const auto tokens = in.get<std::int64_t>("the token count");
+    const auto log_scale = in.get<double>("the log scale");
+    RecurrentState state(static_cast<Eigen::Index>(feature_dim),
+                         static_cast<Eigen::Index>(value_dim), Options{});
+    for (Eigen::Index r = 0; r < state.feature_dim(); ++r) {
+      for (Eigen::Index c = 0; c < state.value_dim(); ++c) state.state_.s(r, c) = in.get<T>("S");
+    }
+    for (Eigen::Index r = 0; r < state.feature_dim(); ++r) state.state_.z(r) = in.get<T>("z");
+    const std::uint32_t computed = in.checksum();
+    const auto stored = in.get<std::uint32_t>("the checksum");
+    if (stored != computed) {
+      throw Error(std::string(where) + ": checksum mismatch, the state is corrupt");
+    }
+    detail::validate_options(options, where);
+    if (tokens < 0 || std::isnan(log_scale) || log_scale == std::numeric_limits<double>::infinity()) {
+      throw Error(std::string(where) + ": invalid token count or log scale");
+    }
+    if (!state.state_.s.allFinite() || !state.state_.z.allFinite()) {
+      throw Error(std::string(where) + ": S or z holds a non-finite value");
+    }
+    state.options_ = options;
+    state.tokens_ = tokens;
+    state.state_.log_scale = log_scale;
+    return state;
+  }
+
+ private:
+  static constexpr char kMagic[8] = {'L', 'N', 'A', 'T', 'T', 'N', 'S', '\0'};
+  static constexpr std::uint32_t kFormatVersion = 1;
+
+  static const unsigned char* magic() { return reinterpret_cast<const unsigned char*>(kMagic); }
+  static std::string scalar_name() { return std::is_same_v<T, float> ? "float" : "double"; }
+
+  static Eigen::Index checked_dim(Eigen::Index dim, const char* name) {
+    if (dim < 1) {
+      throw Error(std::string("RecurrentState: ") + name + " must be >= 1, got " +
+                  std::to_string(dim));
+    }
+    return dim;
+  }
+
+  template <class DQ, class DK, class DV>
+  static void check_scalars() {
+    static_assert(std::is_same_v<typename DQ::Scalar, T> && std::is_same_v<typename DK::Scalar, T> &&
+                      std::is_same_v<typename DV::Scalar, T>,
+                  "inputs must have the state's scalar type");
+  }
+
+  template <class Derived>
+  static void check_vector(const Eigen::MatrixBase<Derived>& x, Eigen::Index size,
+                           const char* where, const char* name) {
+    if ((x.rows() != 1 && x.cols() != 1) || x.size() != size || size == 0) {
+      throw Error(std::string(where) + ": " + name + " is " + detail::shape_string(x) +
+                  ", expected a vector of " + std::to_string(size) + " entries");
+    }
+  }
+
+  void check_dims(Eigen::Index features, Eigen::Index values, const char* where,
+                  const char* feature_name) const {
+    if (features != feature_dim() || values != value_dim()) {
+      throw Error(std::string(where) + ": " + feature_name + " has " + std::to_string(features) +
+                  " columns and v has " + std::to_string(values) + "; the state is " +
+                  detail::shape_string(feature_dim(), value_dim()) + " (C x Dv)");
+    }
+  }
+
+  /// Validates one token and copies it into the step workspace (no allocation).
+  template <class DQ, class DK, class DV>
+  void load_token(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                  const Eigen::MatrixBase<DV>& v, const Eigen::Ref<Vector<T>>& out,
+                  const char* where, const char* q_name, const char* k_name) {
+    check_scalars<DQ, DK, DV>();
+    check_vector(phi_q, feature_dim(), where, q_name);
+    check_vector(phi_k, feature_dim(), where, k_name);
+    check_vector(v, value_dim(), where, "v");
+    if (out.size() != value_dim()) {
+      throw Error(std::string(where) + ": out has " + std::to_string(out.size()) +
+                  " entries, expected " + std::to_string(value_dim()));
+    }
+    if (options_.check_finite) {
+      detail::require_finite(phi_q, where, q_name);
+      detail::require_finite(phi_k, where, k_name);
+      detail::require_finite(v, where, "v");
+    }
+    query_ = phi_q.reshaped();
+    key_ = phi_k.reshaped();
+    value_ = v.reshaped();
+  }
+
+  /// The recurrence for the token in the workspace, S and z updated and read in one pass.
+  /// `scaled`: key_ and query_ miss exp(log_k) and exp(log_q), or the state carries a scale.
+  void advance(double log_q, double log_k, bool scaled, Eigen::Ref<Vector<T>> out) {
+    T carry = static_cast<T>(options_.decay);
+    double new_log = 0.0;
+    if (scaled) {
+      const double log_decay = std::log(options_.decay);
+      new_log = std::max(state_.log_scale + log_decay, log_k);
+      carry = detail::exp_as<T>(state_.log_scale + log_decay - new_log);
+      key_ *= detail::exp_as<T>(log_k - new_log);
+    }
+    out.setZero();
+    T den(0);
+    for (Eigen::Index c = 0; c < feature_dim(); ++c) {
+      if (carry != T(1)) {
+        state_.s.row(c) *= carry;
+        state_.z(c) *= carry;
+      }
+      state_.s.row(c) += key_(c) * value_.transpose();
+      state_.z(c) += key_(c);
+      out += query_(c) * state_.s.row(c).transpose();
+      den += query_(c) * state_.z(c);
+    }
+    state_.log_scale = new_log;
+    ++tokens_;
+    // out holds the numerator; normalising it in place is coefficient-wise.
+    detail::write_output_row(out, den, log_q + new_log, options_, out);
+  }
+
+  template <class Source>
+  void run_chunked(const Source& source, Eigen::Ref<Matrix<T>> out) {
+    // Work on a copy so a throw from a feature map leaves the state as it was.
+    detail::CarriedState<T> next = state_;
+    detail::ChunkedKernel<T> kernel(feature_dim(), value_dim(), source.rows(), options_);
+    kernel.causal(source, next, out);
+    state_ = std::move(next);
+    tokens_ += source.rows();
+  }
+
+  detail::CarriedState<T> state_;
+  Options options_;
+  std::int64_t tokens_ = 0;
+  Vector<T> query_, key_, value_;
+};
+
+}  // namespace linattn
