@@ -1,0 +1,10 @@
+# ctest case consumer_subdirectory: build and run tests/consumer/ with
+# add_subdirectory(<linattn source>).
+# Extra input (-D): LINATTN_SOURCE_DIR, the linattn source tree.
+include("${CMAKE_CURRENT_LIST_DIR}/common.cmake")
+
+if(NOT LINATTN_SOURCE_DIR)
+  message(FATAL_ERROR "consumer_subdirectory: -DLINATTN_SOURCE_DIR=... is required")
+endif()
+
+linattn_consumer_build_and_run(subdirectory "-DLINATTN_SOURCE_DIR=${LINATTN_SOURCE_DIR}")
