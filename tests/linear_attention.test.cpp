@@ -1,0 +1,313 @@
+// The chunked causal and the non-causal routines against the naive O(N^2) formula.
+#include <catch2/catch.hpp>
+#include <linattn/feature_maps.hpp>
+#include <linattn/linear_attention.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "support.hpp"
+
+using linattn::Matrix;
+using linattn_test::gaussian;
+using linattn_test::naive_linear_attention;
+using linattn_test::relative_error;
+
+namespace {
+
+constexpr Eigen::Index kDk = 12;  // Dk != Dv on purpose
+constexpr Eigen::Index kDv = 7;
+
+template <class T>
+double tolerance() {
+  return std::is_same_v<T, float> ? 2e-5 : 1e-12;
+}
+
+/// Inputs for a map: Fourier features get small inputs so the Gaussian kernel stays near 1
+/// and denominators stay away from zero (the comparison is then well conditioned).
+template <class T>
+struct Inputs {
+  Matrix<T> q, k, v;
+  Inputs(Eigen::Index n, std::uint64_t seed, double stddev)
+      : q(gaussian<T>(n, kDk, seed, stddev)),
+        k(gaussian<T>(n, kDk, seed + 1, stddev)),
+        v(gaussian<T>(n, kDv, seed + 2)) {}
+};
+
+/// Compares both entry points (featurized and with the map) against the naive formula for
+/// every N, chunk, decay and normalize setting; returns the worst relative error.
+template <class T, class Map>
+double worst_error_against_reference(const Map& map, double stddev, bool causal,
+                                     const std::vector<Eigen::Index>& sizes) {
+  double worst = 0.0;
+  for (const Eigen::Index n : sizes) {
+    const Inputs<T> in(n, 1000 + static_cast<std::uint64_t>(n), stddev);
+    // The reference sees the same (rounded) inputs, featurized in double.
+    const Matrix<double> qd = in.q.template cast<double>();
+    const Matrix<double> kd = in.k.template cast<double>();
+    const Matrix<double> vd = in.v.template cast<double>();
+    const Matrix<double> phi_q_ref = map.queries(qd);
+    const Matrix<double> phi_k_ref = map.keys(kd);
+    const Matrix<T> phi_q = map.queries(in.q);
+    const Matrix<T> phi_k = map.keys(in.k);
+    for (const double decay : {1.0, 0.93}) {
+      if (!causal && decay != 1.0) continue;  // non-causal ignores the decay
+      for (const bool normalize : {true, false}) {
+        const Matrix<double> expected =
+            naive_linear_attention(phi_q_ref, phi_k_ref, vd, causal, decay, 1e-6, normalize);
+        for (const Eigen::Index chunk : {16, 64, 128}) {
+          linattn::Options options;
+          options.decay = decay;
+          options.normalize = normalize;
+          options.chunk = chunk;
+          const Matrix<T> featurized =
+              causal ? linattn::causal_linear_attention(phi_q, phi_k, in.v, options)
+                     : linattn::linear_attention(phi_q, phi_k, in.v, options);
+          const Matrix<T> mapped =
+              causal ? linattn::causal_linear_attention(in.q, in.k, in.v, map, options)
+                     : linattn::linear_attention(in.q, in.k, in.v, map, options);
+          const double e1 = relative_error(featurized, expected);
+          const double e2 = relative_error(mapped, expected);
+          INFO("N = " << n << ", decay = " << decay << ", normalize = " << normalize
+                      << ", chunk = " << chunk);
+          CHECK(e1 <= tolerance<T>());
+          CHECK(e2 <= tolerance<T>());
+          worst = std::max({worst, e1, e2});
+        }
+      }
+    }
+  }
+  return worst;
+}
+
+const std::vector<Eigen::Index> kCausalSizes = {1, 2, 63, 64, 65, 500, 1000, 4096};
+const std::vector<Eigen::Index> kNonCausalSizes = {1, 2, 63, 65, 500};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("causal: chunked form matches the naive formula for every feature map",
+                   "[linear_attention]", float, double) {
+  using T = TestType;
+  SECTION("EluPlusOne") {
+    const double worst = worst_error_against_reference<T>(linattn::EluPlusOne{}, 1.0, true,
+                                                          kCausalSizes);
+    WARN("EluPlusOne worst relative error " << worst);
+  }
+  SECTION("Relu") {
+    const double worst =
+        worst_error_against_reference<T>(linattn::Relu{}, 1.0, true, kCausalSizes);
+    WARN("Relu worst relative error " << worst);
+  }
+  SECTION("PositiveRandomFeatures") {
+    const linattn::PositiveRandomFeatures map(kDk, 24, 7);
+    const double worst = worst_error_against_reference<T>(map, 1.0, true, kCausalSizes);
+    WARN("PositiveRandomFeatures worst relative error " << worst);
+  }
+  SECTION("PositiveRandomFeatures, hyperbolic") {
+    linattn::RandomFeatureOptions settings;
+    settings.hyperbolic = true;
+    const linattn::PositiveRandomFeatures map(kDk, 12, 8, settings);
+    const double worst =
+        worst_error_against_reference<T>(map, 1.0, true, {1, 63, 65, 500, 1000});
+    WARN("hyperbolic PositiveRandomFeatures worst relative error " << worst);
+  }
+  SECTION("RandomFourierFeatures") {
+    const linattn::RandomFourierFeatures map(kDk, 10, 9);
+    const double worst = worst_error_against_reference<T>(map, 0.3, true, kCausalSizes);
+    WARN("RandomFourierFeatures worst relative error " << worst);
+  }
+}
+
+TEMPLATE_TEST_CASE("non-causal: matches the naive formula for every feature map",
+                   "[linear_attention]", float, double) {
+  using T = TestType;
+  double worst = 0.0;
+  worst = std::max(worst, worst_error_against_reference<T>(linattn::EluPlusOne{}, 1.0, false,
+                                                           kNonCausalSizes));
+  worst = std::max(worst,
+                   worst_error_against_reference<T>(linattn::Relu{}, 1.0, false, kNonCausalSizes));
+  worst = std::max(worst, worst_error_against_reference<T>(linattn::PositiveRandomFeatures(kDk, 24, 3),
+                                                           1.0, false, kNonCausalSizes));
+  worst = std::max(worst, worst_error_against_reference<T>(linattn::RandomFourierFeatures(kDk, 10, 4),
+                                                           0.3, false, kNonCausalSizes));
+  WARN("non-causal worst relative error " << worst);
+  CHECK(worst <= tolerance<T>());
+}
+
+TEMPLATE_TEST_CASE("inputs may be any Eigen expression and out any row-major block",
+                   "[linear_attention]", float, double) {
+  using T = TestType;
+  using ColMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
+  const Eigen::Index n = 150;
+  const Matrix<T> q = gaussian<T>(n, kDk, 11);
+  const Matrix<T> k = gaussian<T>(n, kDk, 12);
+  const Matrix<T> v = gaussian<T>(n, kDv, 13);
+  linattn::Options options;
+  options.decay = 0.97;
+  options.chunk = 32;
+  const linattn::EluPlusOne map;
+  const Matrix<T> expected = linattn::causal_linear_attention(q, k, v, map, options);
+
+  const ColMajor q_cm = q, k_cm = k, v_cm = v;
+  CHECK(relative_error(linattn::causal_linear_attention(q_cm, k_cm, v_cm, map, options),
+                       expected) <= tolerance<T>());
+
+  // Eigen::Map over a caller's buffer, and blocks of bigger matrices.
+  std::vector<T> buffer(static_cast<std::size_t>(n * kDk));
+  Eigen::Map<Matrix<T>>(buffer.data(), n, kDk) = q;
+  const Eigen::Map<const Matrix<T>> q_map(buffer.data(), n, kDk);
+  Matrix<T> wide = Matrix<T>::Zero(n + 4, kDk + 3);
+  wide.block(2, 1, n, kDk) = k;
+  Matrix<T> big_out = Matrix<T>::Constant(n + 2, kDv + 5, T(-7));
+  linattn::causal_linear_attention_into(q_map, wide.block(2, 1, n, kDk), v, map,
+                                        big_out.block(1, 2, n, kDv), options);
+  CHECK(relative_error(big_out.block(1, 2, n, kDv), expected) <= tolerance<T>());
+  // Nothing outside the block was touched.
+  CHECK((big_out.row(0).array() == T(-7)).all());
+  CHECK((big_out.row(n + 1).array() == T(-7)).all());
+  CHECK((big_out.leftCols(2).array() == T(-7)).all());
+  CHECK((big_out.rightCols(3).array() == T(-7)).all());
+
+  // Featurized inputs as expressions.
+  const Matrix<T> phi_k = map.keys(k);
+  const Matrix<T> from_expr = linattn::causal_linear_attention(
+      map.queries(q), phi_k.array().matrix(), v.leftCols(kDv), options);
+  CHECK(relative_error(from_expr, expected) <= tolerance<T>());
+}
+
+TEMPLATE_TEST_CASE("the chunk size changes nothing but rounding", "[linear_attention]", float,
+                   double) {
+  using T = TestType;
+  const Eigen::Index n = 777;
+  const Matrix<T> q = gaussian<T>(n, kDk, 21), k = gaussian<T>(n, kDk, 22);
+  const Matrix<T> v = gaussian<T>(n, kDv, 23);
+  const linattn::PositiveRandomFeatures map(kDk, 32, 5);
+  linattn::Options options;
+  options.decay = 0.99;
+  options.chunk = 1;
+  const Matrix<T> one = linattn::causal_linear_attention(q, k, v, map, options);
+  for (const Eigen::Index chunk : {3, 50, 256, 776, 777, 5000}) {
+    options.chunk = chunk;
+    INFO("chunk = " << chunk);
+    CHECK(relative_error(linattn::causal_linear_attention(q, k, v, map, options), one) <=
+          tolerance<T>());
+  }
+}
+
+TEST_CASE("a million tokens run in memory linear in N (no N x N buffer)", "[linear_attention]") {
+  const Eigen::Index n = 1 << 20;
+  const Matrix<float> q = gaussian<float>(n, 4, 31), k = gaussian<float>(n, 4, 32);
+  const Matrix<float> v = gaussian<float>(n, 2, 33);
+  const linattn::EluPlusOne map;
+  const Matrix<float> out = linattn::causal_linear_attention(q, k, v, map);
+  REQUIRE(out.allFinite());
+  // The last row is a weighted mean of all values: check it against a direct double sum.
+  const Matrix<double> phi_q = map.queries(q.bottomRows(1).cast<double>());
+  const Matrix<double> phi_k = map.keys(k.cast<double>());
+  const Eigen::VectorXd w = phi_k * phi_q.transpose();
+  const Eigen::RowVectorXd expected = (w.transpose() * v.cast<double>()) / (w.sum() + 1e-6);
+  CHECK(relative_error(out.bottomRows(1), expected) <= 1e-4);
+}
+
+TEMPLATE_TEST_CASE("bad input throws linattn::Error naming the argument and leaves out alone",
+                   "[linear_attention][errors]", float, double) {
+  using T = TestType;
+  using Catch::Matchers::Contains;
+  const Matrix<T> q = gaussian<T>(10, 4, 41), k = gaussian<T>(10, 4, 42);
+  const Matrix<T> v = gaussian<T>(10, 3, 43);
+  Matrix<T> out = Matrix<T>::Constant(10, 3, T(5));
+  const Matrix<T> untouched = out;
+  const linattn::EluPlusOne map;
+  const linattn::Options ok;
+
+  auto causal = [&](const auto& a, const auto& b, const auto& c, const linattn::Options& o) {
+    linattn::causal_linear_attention_into(a, b, c, out, o);
+  };
+  auto non_causal = [&](const auto& a, const auto& b, const auto& c, const linattn::Options& o) {
+    linattn::linear_attention_into(a, b, c, out, o);
+  };
+
+  SECTION("shape mismatches") {
+    CHECK_THROWS_WITH(causal(q, k.topRows(9), v, ok), Contains("phi_k is 9 x 4"));
+    CHECK_THROWS_WITH(causal(q, k.leftCols(3), v, ok), Contains("phi_k is 10 x 3"));
+    CHECK_THROWS_WITH(causal(q, k, v.topRows(8), ok), Contains("v is 8 x 3"));
+    CHECK_THROWS_WITH(non_causal(q, k, v.topRows(8), ok), Contains("v is 8 x 3"));
+    CHECK_THROWS_WITH(linattn::causal_linear_attention(q, k.topRows(9), v, map),
+                      Contains("k is 9 x 4"));
+    Matrix<T> wrong(10, 2);
+    CHECK_THROWS_WITH(linattn::causal_linear_attention_into(q, k, v, wrong), Contains("out is 10 x 2"));
+    CHECK_THROWS_WITH(linattn::causal_linear_attention_into(q, k, v, map, wrong),
+                      Contains("out is 10 x 2"));
+    const linattn::PositiveRandomFeatures prf(5, 8, 1);
+    CHECK_THROWS_AS(linattn::causal_linear_attention(q, k, v, prf), linattn::Error);
+    CHECK_THROWS_AS(linattn::linear_attention(q, k, v, prf), linattn::Error);
+  }
+  SECTION("empty sizes") {
+    const Matrix<T> none(0, 4), no_cols(10, 0), no_values(10, 0);
+    CHECK_THROWS_WITH(causal(none, none, v.topRows(0), ok), Contains("phi_q is empty"));
+    CHECK_THROWS_WITH(causal(no_cols, no_cols, v, ok), Contains("phi_q is empty"));
+    CHECK_THROWS_WITH(causal(q, k, no_values, ok), Contains("v is empty"));
+    CHECK_THROWS_WITH(non_causal(none, none, v.topRows(0), ok), Contains("phi_q is empty"));
+  }
+  SECTION("options out of range") {
+    for (const double eps : {-1e-9, std::numeric_limits<double>::quiet_NaN(),
+                             std::numeric_limits<double>::infinity()}) {
+      linattn::Options bad;
+      bad.eps = eps;
+      CHECK_THROWS_WITH(causal(q, k, v, bad), Contains("Options::eps"));
+      CHECK_THROWS_WITH(non_causal(q, k, v, bad), Contains("Options::eps"));
+    }
+    for (const double decay : {0.0, -0.5, 1.0000001, std::numeric_limits<double>::quiet_NaN()}) {
+      linattn::Options bad;
+      bad.decay = decay;
+      CHECK_THROWS_WITH(causal(q, k, v, bad), Contains("Options::decay"));
+    }
+    for (const Eigen::Index chunk : {0, -3}) {
+      linattn::Options bad;
+      bad.chunk = chunk;
+      CHECK_THROWS_WITH(causal(q, k, v, bad), Contains("Options::chunk"));
+    }
+  }
+  SECTION("NaN or Inf in an input, named by row and column") {
+    for (const T poison : {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity()}) {
+      Matrix<T> bad = q;
+      bad(6, 2) = poison;
+      CHECK_THROWS_WITH(causal(bad, k, v, ok), Contains("phi_q") && Contains("row 6, column 2"));
+      CHECK_THROWS_WITH(causal(q, bad, v, ok), Contains("phi_k") && Contains("row 6, column 2"));
+      CHECK_THROWS_WITH(linattn::causal_linear_attention(q, bad, v, map),
+                        Contains("k has a non-finite value"));
+      Matrix<T> bad_v = v;
+      bad_v(9, 0) = poison;
+      CHECK_THROWS_WITH(non_causal(q, k, bad_v, ok), Contains("v") && Contains("row 9, column 0"));
+      // With the check off the caller gets what the arithmetic gives, and no throw.
+      linattn::Options unchecked;
+      unchecked.check_finite = false;
+      CHECK_NOTHROW(causal(bad, k, v, unchecked));
+      out = untouched;
+    }
+  }
+  CHECK(out == untouched);
+}
+
+TEMPLATE_TEST_CASE("zero feature rows give zero outputs, never NaN", "[linear_attention]", float,
+                   double) {
+  using T = TestType;
+  // Relu of all-negative inputs is a zero feature row: 0 / (0 + eps) = 0, and with eps = 0 the
+  // guard writes a zero row instead of 0 / 0.
+  Matrix<T> q = gaussian<T>(40, 5, 51), k = gaussian<T>(40, 5, 52);
+  const Matrix<T> v = gaussian<T>(40, 3, 53);
+  q.row(0) = -q.row(0).cwiseAbs();
+  q.row(17) = -q.row(17).cwiseAbs();
+  k.row(0) = -k.row(0).cwiseAbs();
+  for (const double eps : {1e-6, 0.0}) {
+    linattn::Options options;
+    options.eps = eps;
+    const Matrix<T> out = linattn::causal_linear_attention(q, k, v, linattn::Relu{}, options);
+    REQUIRE(out.allFinite());
+    CHECK(out.row(0).cwiseAbs().maxCoeff() == T(0));
+    CHECK(out.row(17).cwiseAbs().maxCoeff() == T(0));
+  }
+}

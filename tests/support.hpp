@@ -1,0 +1,68 @@
+// Test helpers: seeded inputs and the naive O(N^2) reference, independent of the library's
+// kernels (it uses only linattn's Matrix alias).
+#pragma once
+
+#include <linattn/config.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+
+namespace linattn_test {
+
+using linattn::Matrix;
+using linattn::Vector;
+
+/// rows x cols of N(mean, stddev^2) entries from a fixed seed.
+template <class T>
+Matrix<T> gaussian(Eigen::Index rows, Eigen::Index cols, std::uint64_t seed, double stddev = 1.0,
+                   double mean = 0.0) {
+  std::mt19937_64 engine(seed);
+  std::normal_distribution<double> normal(mean, stddev);
+  Matrix<T> m(rows, cols);
+  for (Eigen::Index r = 0; r < rows; ++r) {
+    for (Eigen::Index c = 0; c < cols; ++c) m(r, c) = static_cast<T>(normal(engine));
+  }
+  return m;
+}
+
+/// max|a - b| / max|b|, in double.
+template <class DA, class DB>
+double relative_error(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b) {
+  const double scale = b.template cast<double>().cwiseAbs().maxCoeff();
+  const double diff = (a.template cast<double>() - b.template cast<double>()).cwiseAbs().maxCoeff();
+  return scale > 0 ? diff / scale : diff;
+}
+
+/// Naive causal (or full) linear attention straight from the formula, in double:
+/// out_i = sum_j w_ij v_j / (sum_j w_ij + eps), w_ij = g^(i-j) phi_q_i . phi_k_j, j <= i.
+/// The denominator guard mirrors the documented one: |d| < eps becomes sign(d) eps.
+inline Matrix<double> naive_linear_attention(const Matrix<double>& phi_q,
+                                             const Matrix<double>& phi_k,
+                                             const Matrix<double>& v, bool causal, double decay,
+                                             double eps, bool normalize) {
+  const Eigen::Index n = phi_q.rows();
+  Matrix<double> out(n, v.cols());
+  for (Eigen::Index i = 0; i < n; ++i) {
+    Eigen::RowVectorXd num = Eigen::RowVectorXd::Zero(v.cols());
+    double den = 0.0;
+    const Eigen::Index last = causal ? i : n - 1;
+    for (Eigen::Index j = 0; j <= last; ++j) {
+      const double w =
+          phi_q.row(i).dot(phi_k.row(j)) * (causal ? std::pow(decay, double(i - j)) : 1.0);
+      num += w * v.row(j);
+      den += w;
+    }
+    if (!normalize) {
+      out.row(i) = num;
+      continue;
+    }
+    double d = den + eps;
+    if (std::abs(d) < eps) d = d < 0 ? -eps : eps;
+    out.row(i) = d == 0.0 ? Eigen::RowVectorXd::Zero(v.cols()) : Eigen::RowVectorXd(num / d);
+  }
+  return out;
+}
+
+}  // namespace linattn_test
