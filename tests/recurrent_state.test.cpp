@@ -1,0 +1,363 @@
+// RecurrentState: step-by-step and prefill against the parallel routine, save/load, errors.
+// EIGEN_RUNTIME_NO_MALLOC lets a test forbid heap allocation inside Eigen.
+#define EIGEN_RUNTIME_NO_MALLOC
+#include <catch2/catch.hpp>
+#include <linattn/feature_maps.hpp>
+#include <linattn/linear_attention.hpp>
+#include <linattn/recurrent_state.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include "support.hpp"
+
+using linattn::Matrix;
+using linattn::RecurrentState;
+using linattn::Vector;
+using linattn_test::gaussian;
+using linattn_test::relative_error;
+
+namespace {
+
+template <class T>
+double agreement_tolerance() {  // DESIGN.md: parallel and recurrent forms agree to this
+  return std::is_same_v<T, float> ? 2e-5 : 1e-12;
+}
+
+/// Runs the sequence one token at a time through a state, returns N x Dv.
+template <class T, class Map>
+Matrix<T> step_by_step(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v, const Map& map,
+                       const linattn::Options& options) {
+  RecurrentState<T> state(map.feature_dim(q.cols()), v.cols(), options);
+  Matrix<T> out(q.rows(), v.cols());
+  for (Eigen::Index i = 0; i < q.rows(); ++i) {
+    out.row(i) = state.step(q.row(i), k.row(i), v.row(i), map).transpose();
+  }
+  CHECK(state.tokens() == q.rows());
+  return out;
+}
+
+/// Parallel vs recurrent for one map at length n, decay on and off; returns the worst error.
+template <class T, class Map>
+double worst_agreement(const Map& map, Eigen::Index n, Eigen::Index dk, Eigen::Index dv,
+                       double stddev, std::uint64_t seed) {
+  const Matrix<T> q = gaussian<T>(n, dk, seed, stddev), k = gaussian<T>(n, dk, seed + 1, stddev);
+  const Matrix<T> v = gaussian<T>(n, dv, seed + 2);
+  double worst = 0.0;
+  for (const double decay : {1.0, 0.995}) {
+    linattn::Options options;
+    options.decay = decay;
+    const Matrix<T> parallel = linattn::causal_linear_attention(q, k, v, map, options);
+    const Matrix<T> recurrent = step_by_step(q, k, v, map, options);
+    const double error = relative_error(recurrent, parallel);
+    INFO("N = " << n << ", decay = " << decay);
+    CHECK(error <= agreement_tolerance<T>());
+    worst = std::max(worst, error);
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("step by step equals the parallel form, N = 65,536", "[recurrent_state]",
+                   float, double) {
+  using T = TestType;
+  const Eigen::Index n = 65536;
+  SECTION("EluPlusOne") {
+    WARN("EluPlusOne, N = 65536: worst |recurrent - parallel| / max = "
+         << worst_agreement<T>(linattn::EluPlusOne{}, n, 32, 24, 1.0, 101));
+  }
+  SECTION("PositiveRandomFeatures (stabilised)") {
+    WARN("PositiveRandomFeatures, N = 65536: worst relative error "
+         << worst_agreement<T>(linattn::PositiveRandomFeatures(16, 32, 3), n, 16, 16, 1.0, 102));
+  }
+  SECTION("Relu") {
+    WARN("Relu, N = 65536: worst relative error "
+         << worst_agreement<T>(linattn::Relu{}, n, 16, 16, 1.0, 103));
+  }
+  SECTION("RandomFourierFeatures") {
+    WARN("RandomFourierFeatures, N = 65536: worst relative error "
+         << worst_agreement<T>(linattn::RandomFourierFeatures(16, 8, 4), n, 16, 16, 0.3, 104));
+  }
+}
+
+TEMPLATE_TEST_CASE("featurized steps equal the featurized parallel form", "[recurrent_state]",
+                   float, double) {
+  using T = TestType;
+  const Eigen::Index n = 3000, c = 20, dv = 9;
+  const linattn::EluPlusOne map;
+  const Matrix<T> phi_q = map.queries(gaussian<T>(n, c, 111)), phi_k = map.keys(gaussian<T>(n, c, 112));
+  const Matrix<T> v = gaussian<T>(n, dv, 113);
+  for (const bool normalize : {true, false}) {
+    linattn::Options options;
+    options.decay = 0.9;
+    options.normalize = normalize;
+    const Matrix<T> parallel = linattn::causal_linear_attention(phi_q, phi_k, v, options);
+    RecurrentState<T> state(c, dv, options);
+    Matrix<T> recurrent(n, dv);
+    for (Eigen::Index i = 0; i < n; ++i) {
+      // Column-vector inputs work as well as rows.
+      const Vector<T> qi = phi_q.row(i).transpose();
+      recurrent.row(i) = state.step(qi, phi_k.row(i), v.row(i)).transpose();
+    }
+    INFO("normalize = " << normalize);
+    CHECK(relative_error(recurrent, parallel) <= agreement_tolerance<T>());
+  }
+}
+
+TEMPLATE_TEST_CASE("prefill then step equals one parallel call", "[recurrent_state]", float,
+                   double) {
+  using T = TestType;
+  const Eigen::Index n = 1500, dk = 16, dv = 12;
+  const Matrix<T> q = gaussian<T>(n, dk, 121), k = gaussian<T>(n, dk, 122);
+  const Matrix<T> v = gaussian<T>(n, dv, 123);
+  const linattn::PositiveRandomFeatures prf(dk, 48, 9);
+  const linattn::EluPlusOne elu;
+  for (const double decay : {1.0, 0.98}) {
+    linattn::Options options;
+    options.decay = decay;
+    options.chunk = 64;
+    const Matrix<T> whole_prf = linattn::causal_linear_attention(q, k, v, prf, options);
+    const Matrix<T> whole_elu = linattn::causal_linear_attention(q, k, v, elu, options);
+    for (const Eigen::Index split : {Eigen::Index(1), Eigen::Index(100), Eigen::Index(128),
+                                     Eigen::Index(1000), n - 1, n}) {
+      INFO("decay = " << decay << ", prefill " << split << " tokens");
+      RecurrentState<T> with_prf(prf.feature_dim(dk), dv, options);
+      RecurrentState<T> with_elu(dk, dv, options);
+      Matrix<T> out_prf(n, dv), out_elu(n, dv);
+      out_prf.topRows(split) = with_prf.prefill(q.topRows(split), k.topRows(split),
+                                                v.topRows(split), prf);
+      // The featurized prefill for elu+1, to cover that overload.
+      out_elu.topRows(split) =
+          with_elu.prefill(elu.queries(q.topRows(split)), elu.keys(k.topRows(split)),
+                           v.topRows(split));
+      for (Eigen::Index i = split; i < n; ++i) {
+        out_prf.row(i) = with_prf.step(q.row(i), k.row(i), v.row(i), prf).transpose();
+        out_elu.row(i) = with_elu.step(q.row(i), k.row(i), v.row(i), elu).transpose();
+      }
+      CHECK(relative_error(out_prf, whole_prf) <= agreement_tolerance<T>());
+      CHECK(relative_error(out_elu, whole_elu) <= agreement_tolerance<T>());
+      CHECK(with_prf.tokens() == n);
+    }
+    // Two prefills in a row are one prefill.
+    RecurrentState<T> twice(prf.feature_dim(dk), dv, options);
+    Matrix<T> out(n, dv);
+    out.topRows(700) = twice.prefill(q.topRows(700), k.topRows(700), v.topRows(700), prf);
+    out.bottomRows(n - 700) =
+        twice.prefill(q.bottomRows(n - 700), k.bottomRows(n - 700), v.bottomRows(n - 700), prf);
+    CHECK(relative_error(out, whole_prf) <= agreement_tolerance<T>());
+  }
+}
+
+TEMPLATE_TEST_CASE("the state holds the documented sums", "[recurrent_state]", float, double) {
+  using T = TestType;
+  const Eigen::Index n = 40, c = 6, dv = 4;
+  const double decay = 0.8;
+  const linattn::EluPlusOne map;
+  const Matrix<T> phi_k = map.keys(gaussian<T>(n, c, 131));
+  const Matrix<T> phi_q = map.queries(gaussian<T>(n, c, 132));
+  const Matrix<T> v = gaussian<T>(n, dv, 133);
+  linattn::Options options;
+  options.decay = decay;
+  RecurrentState<T> state(c, dv, options);
+  CHECK(state.tokens() == 0);
+  CHECK(state.log_scale() == -std::numeric_limits<double>::infinity());
+  state.prefill(phi_q, phi_k, v);
+  Matrix<double> s = Matrix<double>::Zero(c, dv);
+  Eigen::VectorXd z = Eigen::VectorXd::Zero(c);
+  for (Eigen::Index j = 0; j < n; ++j) {
+    const double w = std::pow(decay, double(n - 1 - j));
+    s += w * phi_k.row(j).transpose().template cast<double>() * v.row(j).template cast<double>();
+    z += w * phi_k.row(j).transpose().template cast<double>();
+  }
+  CHECK(state.log_scale() == 0.0);
+  CHECK(relative_error(state.s(), s) <= agreement_tolerance<T>());
+  CHECK(relative_error(state.z(), z) <= agreement_tolerance<T>());
+  CHECK(state.tokens() == n);
+  CHECK(state.feature_dim() == c);
+  CHECK(state.value_dim() == dv);
+  CHECK(state.options().decay == decay);
+  state.reset();
+  CHECK(state.tokens() == 0);
+  CHECK(state.s().cwiseAbs().maxCoeff() == T(0));
+  CHECK(state.z().cwiseAbs().maxCoeff() == T(0));
+  // After reset it behaves as new.
+  RecurrentState<T> fresh(c, dv, options);
+  const Vector<T> a = state.step(phi_q.row(0), phi_k.row(0), v.row(0));
+  const Vector<T> b = fresh.step(phi_q.row(0), phi_k.row(0), v.row(0));
+  CHECK(a == b);
+}
+
+TEMPLATE_TEST_CASE("step_into allocates nothing", "[recurrent_state]", float, double) {
+  using T = TestType;
+  const Eigen::Index c = 64, dv = 64, n = 50;
+  const linattn::EluPlusOne map;
+  const Matrix<T> phi_q = map.queries(gaussian<T>(n, c, 141)), phi_k = map.keys(gaussian<T>(n, c, 142));
+  const Matrix<T> v = gaussian<T>(n, dv, 143);
+  for (const double decay : {1.0, 0.9}) {
+    linattn::Options options;
+    options.decay = decay;
+    RecurrentState<T> state(c, dv, options);
+    Vector<T> out(dv);
+    Eigen::internal::set_is_malloc_allowed(false);
+    for (Eigen::Index i = 0; i < n; ++i) state.step_into(phi_q.row(i), phi_k.row(i), v.row(i), out);
+    Eigen::internal::set_is_malloc_allowed(true);
+    CHECK(out.allFinite());
+    CHECK(state.tokens() == n);
+  }
+}
+
+TEMPLATE_TEST_CASE("save and load round-trip bit for bit and continue the sequence",
+                   "[recurrent_state][persistence]", float, double) {
+  using T = TestType;
+  const Eigen::Index n = 300, dk = 8, dv = 5;
+  const Matrix<T> q = gaussian<T>(n, dk, 151), k = gaussian<T>(n, dk, 152);
+  const Matrix<T> v = gaussian<T>(n, dv, 153);
+  const linattn::PositiveRandomFeatures map(dk, 16, 2);
+  linattn::Options options;
+  options.decay = 0.97;
+  options.eps = 1e-5;
+  options.chunk = 32;
+  RecurrentState<T> original(map.feature_dim(dk), dv, options);
+  original.prefill(q.topRows(200), k.topRows(200), v.topRows(200), map);
+
+  std::stringstream stream;
+  original.save(stream);
+  RecurrentState<T> loaded = RecurrentState<T>::load(stream);
+  CHECK(loaded.s() == original.s());
+  CHECK(loaded.z() == original.z());
+  CHECK(loaded.log_scale() == original.log_scale());
+  CHECK(loaded.tokens() == original.tokens());
+  CHECK(loaded.options().decay == options.decay);
+  CHECK(loaded.options().eps == options.eps);
+  CHECK(loaded.options().chunk == options.chunk);
+  for (Eigen::Index i = 200; i < n; ++i) {
+    const Vector<T> a = original.step(q.row(i), k.row(i), v.row(i), map);
+    const Vector<T> b = loaded.step(q.row(i), k.row(i), v.row(i), map);
+    REQUIRE(a == b);
+  }
+}
+
+TEMPLATE_TEST_CASE("load rejects every truncation and every flipped byte",
+                   "[recurrent_state][persistence][errors]", float, double) {
+  using T = TestType;
+  RecurrentState<T> state(3, 2);
+  const linattn::EluPlusOne map;
+  state.step(map.queries(gaussian<T>(1, 3, 161)), map.keys(gaussian<T>(1, 3, 162)),
+             gaussian<T>(1, 2, 163));
+  std::stringstream stream;
+  state.save(stream);
+  const std::string bytes = stream.str();
+  REQUIRE(bytes.size() > 60);
+  for (std::size_t len = 0; len < bytes.size(); ++len) {
+    std::istringstream truncated(bytes.substr(0, len));
+    INFO("truncated to " << len << " bytes");
+    CHECK_THROWS_AS(RecurrentState<T>::load(truncated), linattn::Error);
+  }
+  for (std::size_t pos = 0; pos < bytes.size(); ++pos) {
+    std::string corrupt = bytes;
+    corrupt[pos] = static_cast<char>(corrupt[pos] ^ 0x10);
+    std::istringstream in(corrupt);
+    INFO("byte " << pos << " flipped");
+    CHECK_THROWS_AS(RecurrentState<T>::load(in), linattn::Error);
+  }
+  std::istringstream intact(bytes);
+  CHECK_NOTHROW(RecurrentState<T>::load(intact));
+}
+
+TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persistence][errors]") {
+  using Catch::Matchers::Contains;
+  RecurrentState<double> state(3, 2);
+  std::stringstream stream;
+  state.save(stream);
+  const std::string bytes = stream.str();
+  {
+    std::string other = bytes;
+    other[0] = 'X';
+    std::istringstream in(other);
+    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("magic"));
+  }
+  {
+    std::string future = bytes;
+    future[8] = 2;  // the format version follows the 8 magic bytes
+    std::istringstream in(future);
+    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("format version 2"));
+  }
+  {
+    std::istringstream in(bytes);
+    CHECK_THROWS_WITH(RecurrentState<float>::load(in), Contains("8-byte scalars"));
+  }
+  {
+    std::string huge = bytes;
+    for (int i = 16; i < 24; ++i) huge[i] = static_cast<char>(0xFF);  // feature_dim
+    std::istringstream in(huge);
+    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("over the limit"));
+  }
+  {
+    std::istringstream in(bytes.substr(0, 30));
+    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("truncated"));
+  }
+  {
+    std::string flipped = bytes;
+    flipped[bytes.size() - 10] ^= 1;  // inside z
+    std::istringstream in(flipped);
+    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("checksum"));
+  }
+}
+
+TEMPLATE_TEST_CASE("bad input throws and leaves the state as it was",
+                   "[recurrent_state][errors]", float, double) {
+  using T = TestType;
+  using Catch::Matchers::Contains;
+  const Eigen::Index c = 4, dv = 3;
+  linattn::Options options;
+  options.decay = 0.9;
+  RecurrentState<T> state(c, dv, options);
+  const linattn::EluPlusOne map;
+  const Matrix<T> q = gaussian<T>(5, c, 171), k = gaussian<T>(5, c, 172), v = gaussian<T>(5, dv, 173);
+  state.prefill(map.queries(q), map.keys(k), v);
+  const Matrix<T> s = state.s();
+  const Vector<T> z = state.z();
+  const auto tokens = state.tokens();
+
+  const Vector<T> good_q = map.queries(q.row(0)).transpose(), good_k = map.keys(k.row(0)).transpose();
+  const Vector<T> good_v = v.row(0).transpose();
+  CHECK_THROWS_WITH(state.step(good_q.head(3), good_k, good_v), Contains("phi_q is 3 x 1"));
+  CHECK_THROWS_WITH(state.step(good_q, good_k.head(2), good_v), Contains("phi_k is 2 x 1"));
+  CHECK_THROWS_WITH(state.step(good_q, good_k, good_v.head(2)), Contains("v is 2 x 1"));
+  const Matrix<T> block = Matrix<T>::Ones(2, 2);
+  CHECK_THROWS_AS(state.step(block, good_k, good_v), linattn::Error);  // 4 entries, not a vector
+  Vector<T> short_out(2);
+  CHECK_THROWS_WITH(state.step_into(good_q, good_k, good_v, short_out), Contains("out has 2"));
+  Vector<T> bad_k = good_k;
+  bad_k(1) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_WITH(state.step(good_q, bad_k, good_v), Contains("phi_k") && Contains("column 0"));
+  Vector<T> bad_v = good_v;
+  bad_v(2) = std::numeric_limits<T>::infinity();
+  CHECK_THROWS_AS(state.step(q.row(0), k.row(0), bad_v, map), linattn::Error);
+  CHECK_THROWS_AS(state.step(q.row(0).head(3), k.row(0).head(3), good_v, map), linattn::Error);
+  const linattn::PositiveRandomFeatures wrong_width(c, 8, 1);  // C = 8, state has 4
+  CHECK_THROWS_WITH(state.step(q.row(0), k.row(0), good_v, wrong_width), Contains("8 features"));
+  CHECK_THROWS_WITH(state.prefill(map.queries(q), map.keys(k), v.leftCols(2)),
+                    Contains("the state is 4 x 3"));
+  CHECK_THROWS_WITH(state.prefill(map.queries(q), map.keys(k).topRows(4), v),
+                    Contains("phi_k is 4 x 4"));
+  CHECK_THROWS_AS(state.prefill(q, k, v, wrong_width), linattn::Error);
+  Matrix<T> bad_q = q;
+  bad_q(3, 1) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_WITH(state.prefill(bad_q, k, v, map), Contains("row 3, column 1"));
+
+  CHECK(state.s() == s);
+  CHECK(state.z() == z);
+  CHECK(state.tokens() == tokens);
+
+  CHECK_THROWS_WITH(RecurrentState<T>(0, 3), Contains("feature_dim must be >= 1"));
+  CHECK_THROWS_WITH(RecurrentState<T>(3, 0), Contains("value_dim must be >= 1"));
+  linattn::Options bad;
+  bad.decay = 1.5;
+  CHECK_THROWS_WITH(RecurrentState<T>(3, 3, bad), Contains("Options::decay"));
+}
