@@ -1,11 +1,10 @@
 // The chunked causal and the non-causal routines against the naive O(N^2) formula.
-#include <catch2/catch.hpp>
-#include <linattn/feature_maps.hpp>
-#include <linattn/linear_attention.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <limits>
+#include <linattn/feature_maps.hpp>
+#include <linattn/linear_attention.hpp>
 #include <string>
 #include <vector>
 
@@ -92,13 +91,12 @@ TEMPLATE_TEST_CASE("causal: chunked form matches the naive formula for every fea
                    "[linear_attention]", float, double) {
   using T = TestType;
   SECTION("EluPlusOne") {
-    const double worst = worst_error_against_reference<T>(linattn::EluPlusOne{}, 1.0, true,
-                                                          kCausalSizes);
+    const double worst =
+        worst_error_against_reference<T>(linattn::EluPlusOne{}, 1.0, true, kCausalSizes);
     WARN("EluPlusOne worst relative error " << worst);
   }
   SECTION("Relu") {
-    const double worst =
-        worst_error_against_reference<T>(linattn::Relu{}, 1.0, true, kCausalSizes);
+    const double worst = worst_error_against_reference<T>(linattn::Relu{}, 1.0, true, kCausalSizes);
     WARN("Relu worst relative error " << worst);
   }
   SECTION("PositiveRandomFeatures") {
@@ -110,8 +108,7 @@ TEMPLATE_TEST_CASE("causal: chunked form matches the naive formula for every fea
     linattn::RandomFeatureOptions settings;
     settings.hyperbolic = true;
     const linattn::PositiveRandomFeatures map(kDk, 12, 8, settings);
-    const double worst =
-        worst_error_against_reference<T>(map, 1.0, true, {1, 63, 65, 500, 1000});
+    const double worst = worst_error_against_reference<T>(map, 1.0, true, {1, 63, 65, 500, 1000});
     WARN("hyperbolic PositiveRandomFeatures worst relative error " << worst);
   }
   SECTION("RandomFourierFeatures") {
@@ -125,14 +122,16 @@ TEMPLATE_TEST_CASE("non-causal: matches the naive formula for every feature map"
                    "[linear_attention]", float, double) {
   using T = TestType;
   double worst = 0.0;
-  worst = std::max(worst, worst_error_against_reference<T>(linattn::EluPlusOne{}, 1.0, false,
-                                                           kNonCausalSizes));
+  worst = std::max(
+      worst, worst_error_against_reference<T>(linattn::EluPlusOne{}, 1.0, false, kNonCausalSizes));
   worst = std::max(worst,
                    worst_error_against_reference<T>(linattn::Relu{}, 1.0, false, kNonCausalSizes));
-  worst = std::max(worst, worst_error_against_reference<T>(linattn::PositiveRandomFeatures(kDk, 24, 3),
-                                                           1.0, false, kNonCausalSizes));
-  worst = std::max(worst, worst_error_against_reference<T>(linattn::RandomFourierFeatures(kDk, 10, 4),
-                                                           0.3, false, kNonCausalSizes));
+  worst =
+      std::max(worst, worst_error_against_reference<T>(linattn::PositiveRandomFeatures(kDk, 24, 3),
+                                                       1.0, false, kNonCausalSizes));
+  worst =
+      std::max(worst, worst_error_against_reference<T>(linattn::RandomFourierFeatures(kDk, 10, 4),
+                                                       0.3, false, kNonCausalSizes));
   WARN("non-causal worst relative error " << worst);
   CHECK(worst <= tolerance<T>());
 }
@@ -238,7 +237,8 @@ TEMPLATE_TEST_CASE("bad input throws linattn::Error naming the argument and leav
     CHECK_THROWS_WITH(linattn::causal_linear_attention(q, k.topRows(9), v, map),
                       Contains("k is 9 x 4"));
     Matrix<T> wrong(10, 2);
-    CHECK_THROWS_WITH(linattn::causal_linear_attention_into(q, k, v, wrong), Contains("out is 10 x 2"));
+    CHECK_THROWS_WITH(linattn::causal_linear_attention_into(q, k, v, wrong),
+                      Contains("out is 10 x 2"));
     CHECK_THROWS_WITH(linattn::causal_linear_attention_into(q, k, v, map, wrong),
                       Contains("out is 10 x 2"));
     const linattn::PositiveRandomFeatures prf(5, 8, 1);
@@ -272,7 +272,8 @@ TEMPLATE_TEST_CASE("bad input throws linattn::Error naming the argument and leav
     }
   }
   SECTION("NaN or Inf in an input, named by row and column") {
-    for (const T poison : {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity()}) {
+    for (const T poison :
+         {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity()}) {
       Matrix<T> bad = q;
       bad(6, 2) = poison;
       CHECK_THROWS_WITH(causal(bad, k, v, ok), Contains("phi_q") && Contains("row 6, column 2"));

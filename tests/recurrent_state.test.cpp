@@ -1,15 +1,14 @@
 // RecurrentState: step-by-step and prefill against the parallel routine, save/load, errors.
 // EIGEN_RUNTIME_NO_MALLOC lets a test forbid heap allocation inside Eigen.
 #define EIGEN_RUNTIME_NO_MALLOC
-#include <catch2/catch.hpp>
-#include <linattn/feature_maps.hpp>
-#include <linattn/linear_attention.hpp>
-#include <linattn/recurrent_state.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <linattn/feature_maps.hpp>
+#include <linattn/linear_attention.hpp>
+#include <linattn/recurrent_state.hpp>
 #include <sstream>
 #include <string>
 
@@ -63,13 +62,13 @@ double worst_agreement(const Map& map, Eigen::Index n, Eigen::Index dk, Eigen::I
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("step by step equals the parallel form, N = 65,536", "[recurrent_state]",
-                   float, double) {
+TEMPLATE_TEST_CASE("step by step equals the parallel form, N = 65,536", "[recurrent_state]", float,
+                   double) {
   using T = TestType;
   const Eigen::Index n = 65536;
   SECTION("EluPlusOne") {
-    WARN("EluPlusOne, N = 65536: worst |recurrent - parallel| / max = "
-         << worst_agreement<T>(linattn::EluPlusOne{}, n, 32, 24, 1.0, 101));
+    WARN("EluPlusOne, N = 65536: worst |recurrent - parallel| / max = " << worst_agreement<T>(
+             linattn::EluPlusOne{}, n, 32, 24, 1.0, 101));
   }
   SECTION("PositiveRandomFeatures (stabilised)") {
     WARN("PositiveRandomFeatures, N = 65536: worst relative error "
@@ -90,7 +89,8 @@ TEMPLATE_TEST_CASE("featurized steps equal the featurized parallel form", "[recu
   using T = TestType;
   const Eigen::Index n = 3000, c = 20, dv = 9;
   const linattn::EluPlusOne map;
-  const Matrix<T> phi_q = map.queries(gaussian<T>(n, c, 111)), phi_k = map.keys(gaussian<T>(n, c, 112));
+  const Matrix<T> phi_q = map.queries(gaussian<T>(n, c, 111)),
+                  phi_k = map.keys(gaussian<T>(n, c, 112));
   const Matrix<T> v = gaussian<T>(n, dv, 113);
   for (const bool normalize : {true, false}) {
     linattn::Options options;
@@ -123,18 +123,17 @@ TEMPLATE_TEST_CASE("prefill then step equals one parallel call", "[recurrent_sta
     options.chunk = 64;
     const Matrix<T> whole_prf = linattn::causal_linear_attention(q, k, v, prf, options);
     const Matrix<T> whole_elu = linattn::causal_linear_attention(q, k, v, elu, options);
-    for (const Eigen::Index split : {Eigen::Index(1), Eigen::Index(100), Eigen::Index(128),
-                                     Eigen::Index(1000), n - 1, n}) {
+    for (const Eigen::Index split :
+         {Eigen::Index(1), Eigen::Index(100), Eigen::Index(128), Eigen::Index(1000), n - 1, n}) {
       INFO("decay = " << decay << ", prefill " << split << " tokens");
       RecurrentState<T> with_prf(prf.feature_dim(dk), dv, options);
       RecurrentState<T> with_elu(dk, dv, options);
       Matrix<T> out_prf(n, dv), out_elu(n, dv);
-      out_prf.topRows(split) = with_prf.prefill(q.topRows(split), k.topRows(split),
-                                                v.topRows(split), prf);
+      out_prf.topRows(split) =
+          with_prf.prefill(q.topRows(split), k.topRows(split), v.topRows(split), prf);
       // The featurized prefill for elu+1, to cover that overload.
-      out_elu.topRows(split) =
-          with_elu.prefill(elu.queries(q.topRows(split)), elu.keys(k.topRows(split)),
-                           v.topRows(split));
+      out_elu.topRows(split) = with_elu.prefill(elu.queries(q.topRows(split)),
+                                                elu.keys(k.topRows(split)), v.topRows(split));
       for (Eigen::Index i = split; i < n; ++i) {
         out_prf.row(i) = with_prf.step(q.row(i), k.row(i), v.row(i), prf).transpose();
         out_elu.row(i) = with_elu.step(q.row(i), k.row(i), v.row(i), elu).transpose();
@@ -196,7 +195,8 @@ TEMPLATE_TEST_CASE("step_into allocates nothing", "[recurrent_state]", float, do
   using T = TestType;
   const Eigen::Index c = 64, dv = 64, n = 50;
   const linattn::EluPlusOne map;
-  const Matrix<T> phi_q = map.queries(gaussian<T>(n, c, 141)), phi_k = map.keys(gaussian<T>(n, c, 142));
+  const Matrix<T> phi_q = map.queries(gaussian<T>(n, c, 141)),
+                  phi_k = map.keys(gaussian<T>(n, c, 142));
   const Matrix<T> v = gaussian<T>(n, dv, 143);
   for (const double decay : {1.0, 0.9}) {
     linattn::Options options;
@@ -309,8 +309,8 @@ TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persist
   }
 }
 
-TEMPLATE_TEST_CASE("bad input throws and leaves the state as it was",
-                   "[recurrent_state][errors]", float, double) {
+TEMPLATE_TEST_CASE("bad input throws and leaves the state as it was", "[recurrent_state][errors]",
+                   float, double) {
   using T = TestType;
   using Catch::Matchers::Contains;
   const Eigen::Index c = 4, dv = 3;
@@ -318,13 +318,15 @@ TEMPLATE_TEST_CASE("bad input throws and leaves the state as it was",
   options.decay = 0.9;
   RecurrentState<T> state(c, dv, options);
   const linattn::EluPlusOne map;
-  const Matrix<T> q = gaussian<T>(5, c, 171), k = gaussian<T>(5, c, 172), v = gaussian<T>(5, dv, 173);
+  const Matrix<T> q = gaussian<T>(5, c, 171), k = gaussian<T>(5, c, 172),
+                  v = gaussian<T>(5, dv, 173);
   state.prefill(map.queries(q), map.keys(k), v);
   const Matrix<T> s = state.s();
   const Vector<T> z = state.z();
   const auto tokens = state.tokens();
 
-  const Vector<T> good_q = map.queries(q.row(0)).transpose(), good_k = map.keys(k.row(0)).transpose();
+  const Vector<T> good_q = map.queries(q.row(0)).transpose(),
+                  good_k = map.keys(k.row(0)).transpose();
   const Vector<T> good_v = v.row(0).transpose();
   CHECK_THROWS_WITH(state.step(good_q.head(3), good_k, good_v), Contains("phi_q is 3 x 1"));
   CHECK_THROWS_WITH(state.step(good_q, good_k.head(2), good_v), Contains("phi_k is 2 x 1"));

@@ -2,11 +2,10 @@
 // kernels (it uses only linattn's Matrix alias).
 #pragma once
 
-#include <linattn/config.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <linattn/config.hpp>
 #include <random>
 
 namespace linattn_test {
@@ -39,9 +38,9 @@ double relative_error(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB
 /// out_i = sum_j w_ij v_j / (sum_j w_ij + eps), w_ij = g^(i-j) phi_q_i . phi_k_j, j <= i.
 /// The denominator guard mirrors the documented one: |d| < eps becomes sign(d) eps.
 inline Matrix<double> naive_linear_attention(const Matrix<double>& phi_q,
-                                             const Matrix<double>& phi_k,
-                                             const Matrix<double>& v, bool causal, double decay,
-                                             double eps, bool normalize) {
+                                             const Matrix<double>& phi_k, const Matrix<double>& v,
+                                             bool causal, double decay, double eps,
+                                             bool normalize) {
   const Eigen::Index n = phi_q.rows();
   Matrix<double> out(n, v.cols());
   for (Eigen::Index i = 0; i < n; ++i) {

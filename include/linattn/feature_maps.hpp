@@ -1,13 +1,12 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
-#include <linattn/config.hpp>
-#include <linattn/detail/random.hpp>
-#include <linattn/detail/validate.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <linattn/config.hpp>
+#include <linattn/detail/random.hpp>
+#include <linattn/detail/validate.hpp>
 #include <string>
 #include <type_traits>
 
@@ -101,12 +100,13 @@ class RandomProjection {
                   std::to_string(input_dim) + " and " + std::to_string(num_features));
     }
     const bool default_temperature = options.temperature < 0.0;
-    if (!default_temperature && !(options.temperature > 0.0 && std::isfinite(options.temperature))) {
+    if (!default_temperature &&
+        !(options.temperature > 0.0 && std::isfinite(options.temperature))) {
       throw Error(std::string(owner) + ": temperature must be positive and finite, got " +
                   std::to_string(options.temperature));
     }
-    temperature_ = default_temperature ? 1.0 / std::sqrt(static_cast<double>(input_dim))
-                                             : options.temperature;
+    temperature_ =
+        default_temperature ? 1.0 / std::sqrt(static_cast<double>(input_dim)) : options.temperature;
     w_.resize(num_features, input_dim);
     redraw(seed);
   }
@@ -205,8 +205,8 @@ class PositiveRandomFeatures {
   /// @param input_dim     Dk, the width of q and k
   /// @param num_features  m, rows of W (C = m, or 2m when hyperbolic)
   /// @param seed          W is a function of the seed alone, the same on every platform
-  PositiveRandomFeatures(Eigen::Index input_dim, Eigen::Index num_features,
-                         std::uint64_t seed = 0, const RandomFeatureOptions& options = {})
+  PositiveRandomFeatures(Eigen::Index input_dim, Eigen::Index num_features, std::uint64_t seed = 0,
+                         const RandomFeatureOptions& options = {})
       : projection_(input_dim, num_features, seed, options, "PositiveRandomFeatures") {}
 
   /// Draws a new W from `seed`, keeping every other setting.
@@ -249,7 +249,8 @@ class PositiveRandomFeatures {
     log_scale.resize(logits.rows());
     const double log_norm = 0.5 * std::log(static_cast<double>(phi.cols()));
     for (Eigen::Index r = 0; r < logits.rows(); ++r) {
-      const Scalar top = hyperbolic ? logits.row(r).cwiseAbs().maxCoeff() : logits.row(r).maxCoeff();
+      const Scalar top =
+          hyperbolic ? logits.row(r).cwiseAbs().maxCoeff() : logits.row(r).maxCoeff();
       phi.row(r).head(m) = (logits.row(r).array() - top).exp();
       if (hyperbolic) phi.row(r).tail(m) = (-logits.row(r).array() - top).exp();
       log_scale(r) = static_cast<double>(top) - static_cast<double>(half_sq(r)) - log_norm;

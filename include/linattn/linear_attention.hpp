@@ -5,7 +5,6 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/validate.hpp>
-
 #include <type_traits>
 
 namespace linattn {
@@ -20,9 +19,44 @@ using enable_if_same_scalar =
 template <class Map>
 using enable_if_feature_map = std::enable_if_t<is_feature_map<Map>::value>;
 
-template <class Scalar>
-void static_check_scalar() {
+/// Runs the causal or non-causal kernel over `source` from an empty state into `out`.
+template <class Source>
+void run_attention(const Source& source, Eigen::Ref<Matrix<typename Source::Scalar>> out,
+                   const Options& options, bool causal) {
+  using Scalar = typename Source::Scalar;
   static_assert(is_supported_scalar<Scalar>, "linattn kernels take float or double inputs");
+  CarriedState<Scalar> state(source.feature_dim(), source.value_dim());
+  ChunkedKernel<Scalar> kernel(source.feature_dim(), source.value_dim(), source.rows(), options);
+  if (causal) {
+    kernel.causal(source, state, out);
+  } else {
+    kernel.non_causal(source, state, out);
+  }
+}
+
+/// Validates featurized inputs and runs the causal or non-causal kernel into `out`.
+template <class DQ, class DK, class DV>
+void featurized_attention(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                          const Eigen::MatrixBase<DV>& v,
+                          Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
+                          bool causal, const char* where) {
+  validate_sequence(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
+  require_output_shape(out, phi_q.rows(), v.cols(), where);
+  run_attention(FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()), out,
+                options, causal);
+}
+
+/// Validates raw inputs and runs the kernel with `map` applied chunk by chunk.
+template <class DQ, class DK, class DV, class Map>
+void mapped_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                      const Eigen::MatrixBase<DV>& v, const Map& map,
+                      Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
+                      bool causal, const char* where) {
+  validate_sequence(q, k, v, options, where, "q", "k");
+  require_output_shape(out, q.rows(), v.cols(), where);
+  run_attention(MappedSource<DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(), map,
+                                              options.check_finite, where),
+                out, options, causal);
 }
 
 }  // namespace detail
@@ -41,15 +75,7 @@ void causal_linear_attention_into(const Eigen::MatrixBase<DQ>& phi_q,
                                   const Eigen::MatrixBase<DV>& v,
                                   Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                                   const Options& options = {}) {
-  using Scalar = typename DQ::Scalar;
-  detail::static_check_scalar<Scalar>();
-  constexpr const char* where = "causal_linear_attention";
-  detail::validate_sequence(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
-  detail::require_output_shape(out, phi_q.rows(), v.cols(), where);
-  const detail::FeaturizedSource<DQ, DK, DV> source(phi_q.derived(), phi_k.derived(), v.derived());
-  detail::CarriedState<Scalar> state(phi_q.cols(), v.cols());
-  detail::ChunkedKernel<Scalar> kernel(phi_q.cols(), v.cols(), phi_q.rows(), options);
-  kernel.causal(source, state, out);
+  detail::featurized_attention(phi_q, phi_k, v, out, options, true, "causal_linear_attention");
 }
 
 /// Causal linear attention on featurized inputs; returns N x Dv. See causal_linear_attention_into.
@@ -80,16 +106,7 @@ void causal_linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::M
                                   const Eigen::MatrixBase<DV>& v, const Map& map,
                                   Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                                   const Options& options = {}) {
-  using Scalar = typename DQ::Scalar;
-  detail::static_check_scalar<Scalar>();
-  constexpr const char* where = "causal_linear_attention";
-  detail::validate_sequence(q, k, v, options, where, "q", "k");
-  detail::require_output_shape(out, q.rows(), v.cols(), where);
-  const detail::MappedSource<DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(), map,
-                                                      options.check_finite, where);
-  detail::CarriedState<Scalar> state(source.feature_dim(), v.cols());
-  detail::ChunkedKernel<Scalar> kernel(source.feature_dim(), v.cols(), q.rows(), options);
-  kernel.causal(source, state, out);
+  detail::mapped_attention(q, k, v, map, out, options, true, "causal_linear_attention");
 }
 
 /// Causal linear attention with a feature map; returns N x Dv.
@@ -102,8 +119,8 @@ template <class DQ, class DK, class DV, class Map,
           class = detail::enable_if_feature_map<Map>>
 Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>& q,
                                                     const Eigen::MatrixBase<DK>& k,
-                                                    const Eigen::MatrixBase<DV>& v,
-                                                    const Map& map, const Options& options = {}) {
+                                                    const Eigen::MatrixBase<DV>& v, const Map& map,
+                                                    const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
   causal_linear_attention_into(q, k, v, map, out, options);
   return out;
@@ -120,15 +137,7 @@ void linear_attention_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matr
                            const Eigen::MatrixBase<DV>& v,
                            Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                            const Options& options = {}) {
-  using Scalar = typename DQ::Scalar;
-  detail::static_check_scalar<Scalar>();
-  constexpr const char* where = "linear_attention";
-  detail::validate_sequence(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
-  detail::require_output_shape(out, phi_q.rows(), v.cols(), where);
-  const detail::FeaturizedSource<DQ, DK, DV> source(phi_q.derived(), phi_k.derived(), v.derived());
-  detail::CarriedState<Scalar> state(phi_q.cols(), v.cols());
-  detail::ChunkedKernel<Scalar> kernel(phi_q.cols(), v.cols(), phi_q.rows(), options);
-  kernel.non_causal(source, state, out);
+  detail::featurized_attention(phi_q, phi_k, v, out, options, false, "linear_attention");
 }
 
 /// Non-causal linear attention on featurized inputs; returns N x Dv.
@@ -158,16 +167,7 @@ void linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBa
                            const Eigen::MatrixBase<DV>& v, const Map& map,
                            Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                            const Options& options = {}) {
-  using Scalar = typename DQ::Scalar;
-  detail::static_check_scalar<Scalar>();
-  constexpr const char* where = "linear_attention";
-  detail::validate_sequence(q, k, v, options, where, "q", "k");
-  detail::require_output_shape(out, q.rows(), v.cols(), where);
-  const detail::MappedSource<DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(), map,
-                                                      options.check_finite, where);
-  detail::CarriedState<Scalar> state(source.feature_dim(), v.cols());
-  detail::ChunkedKernel<Scalar> kernel(source.feature_dim(), v.cols(), q.rows(), options);
-  kernel.non_causal(source, state, out);
+  detail::mapped_attention(q, k, v, map, out, options, false, "linear_attention");
 }
 
 /// Non-causal linear attention with a feature map; returns N x Dv.

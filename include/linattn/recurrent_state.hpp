@@ -2,17 +2,16 @@
 // The recurrent (decoding) form: S <- g S + phi(k) v^T, z <- g z + phi(k), one token at a time.
 #pragma once
 
-#include <linattn/config.hpp>
-#include <linattn/detail/chunked.hpp>
-#include <linattn/detail/serialize.hpp>
-#include <linattn/detail/validate.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <istream>
 #include <limits>
+#include <linattn/config.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/serialize.hpp>
+#include <linattn/detail/validate.hpp>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -141,8 +140,7 @@ class RecurrentState {
     detail::validate_sequence(phi_q, phi_k, v, options_, where, "phi_q", "phi_k");
     check_dims(phi_q.cols(), v.cols(), where, "phi_q");
     detail::require_output_shape(out, phi_q.rows(), value_dim(), where);
-    run_chunked(detail::FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(),
-                                                     v.derived()),
+    run_chunked(detail::FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()),
                 out);
   }
 
@@ -170,7 +168,7 @@ class RecurrentState {
     check_scalars<DQ, DK, DV>();
     detail::validate_sequence(q, k, v, options_, where, "q", "k");
     const detail::MappedSource<DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(), map,
-                                                        options_.check_finite, where);
+                                                       options_.check_finite, where);
     check_dims(source.feature_dim(), v.cols(), where, "phi(q)");
     detail::require_output_shape(out, q.rows(), value_dim(), where);
     run_chunked(source, out);
@@ -270,7 +268,8 @@ class RecurrentState {
       throw Error(std::string(where) + ": checksum mismatch, the state is corrupt");
     }
     detail::validate_options(options, where);
-    if (tokens < 0 || std::isnan(log_scale) || log_scale == std::numeric_limits<double>::infinity()) {
+    if (tokens < 0 || std::isnan(log_scale) ||
+        log_scale == std::numeric_limits<double>::infinity()) {
       throw Error(std::string(where) + ": invalid token count or log scale");
     }
     if (!state.state_.s.allFinite() || !state.state_.z.allFinite()) {
@@ -299,7 +298,8 @@ class RecurrentState {
 
   template <class DQ, class DK, class DV>
   static void check_scalars() {
-    static_assert(std::is_same_v<typename DQ::Scalar, T> && std::is_same_v<typename DK::Scalar, T> &&
+    static_assert(std::is_same_v<typename DQ::Scalar, T> &&
+                      std::is_same_v<typename DK::Scalar, T> &&
                       std::is_same_v<typename DV::Scalar, T>,
                   "inputs must have the state's scalar type");
   }

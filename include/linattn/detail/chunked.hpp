@@ -2,12 +2,11 @@
 // The chunked (parallel) forms of causal and non-causal linear attention.
 #pragma once
 
-#include <linattn/config.hpp>
-#include <linattn/detail/validate.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <linattn/config.hpp>
+#include <linattn/detail/validate.hpp>
 #include <string>
 
 namespace linattn::detail {
@@ -32,14 +31,14 @@ struct CarriedState {
 /// Per-call workspace, sized by the chunk length, never by N.
 template <class T>
 struct ChunkBuffers {
-  Matrix<T> q, k, v;              ///< L x C, L x C, L x Dv
-  Vector<double> log_q, log_k;    ///< L: per-row log scales of q and k features
-  Vector<double> running_log;     ///< L: the running log-scale c_i after each token
-  Vector<double> output_log;      ///< L: log_q_i + c_i, the log factor the output row misses
-  Matrix<T> scores;               ///< L x L
-  Matrix<T> weighted_keys;        ///< L x C
-  Matrix<T> num;                  ///< L x Dv
-  Vector<T> den;                  ///< L
+  Matrix<T> q, k, v;            ///< L x C, L x C, L x Dv
+  Vector<double> log_q, log_k;  ///< L: per-row log scales of q and k features
+  Vector<double> running_log;   ///< L: the running log-scale c_i after each token
+  Vector<double> output_log;    ///< L: log_q_i + c_i, the log factor the output row misses
+  Matrix<T> scores;             ///< L x L
+  Matrix<T> weighted_keys;      ///< L x C
+  Matrix<T> num;                ///< L x Dv
+  Vector<T> den;                ///< L
 
   ChunkBuffers(Eigen::Index chunk, Eigen::Index feature_dim, Eigen::Index value_dim)
       : q(chunk, feature_dim),
@@ -87,9 +86,8 @@ void write_output_row(const Eigen::MatrixBase<NumRow>& num, T den, double log_fa
     return;
   }
   // eps = 0 stays 0 (0 * inf would be NaN); an eps scaled past the range gives a zero row.
-  const double scaled_eps = (options.eps == 0.0 || log_factor == 0.0)
-                                ? options.eps
-                                : options.eps * std::exp(-log_factor);
+  const double scaled_eps =
+      (options.eps == 0.0 || log_factor == 0.0) ? options.eps : options.eps * std::exp(-log_factor);
   const T eps = static_cast<T>(scaled_eps);
   const T d = guard_denominator<T>(den + eps, eps);
   if (d == T(0)) {
@@ -136,8 +134,13 @@ class MappedSource {
 
   MappedSource(const DQ& q, const DK& k, const DV& v, const Map& map, bool check_finite,
                const char* where)
-      : q_(q), k_(k), v_(v), map_(map), feature_dim_(map.feature_dim(q.cols())),
-        check_finite_(check_finite), where_(where) {
+      : q_(q),
+        k_(k),
+        v_(v),
+        map_(map),
+        feature_dim_(map.feature_dim(q.cols())),
+        check_finite_(check_finite),
+        where_(where) {
     if (feature_dim_ < 1) {
       throw Error(std::string(where) + ": the feature map gives feature_dim " +
                   std::to_string(feature_dim_) + " for input_dim " + std::to_string(q.cols()));

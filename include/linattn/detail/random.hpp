@@ -1,10 +1,9 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
-#include <linattn/config.hpp>
-
 #include <cmath>
 #include <cstdint>
+#include <linattn/config.hpp>
 #include <random>
 
 namespace linattn::detail {
@@ -38,8 +37,7 @@ class NormalSampler {
 };
 
 /// Fills an m x d matrix with iid N(0, 1) entries, row by row.
-inline Matrix<double> gaussian_matrix(Eigen::Index rows, Eigen::Index cols,
-                                      NormalSampler& sample) {
+inline Matrix<double> gaussian_matrix(Eigen::Index rows, Eigen::Index cols, NormalSampler& sample) {
   Matrix<double> g(rows, cols);
   for (Eigen::Index r = 0; r < rows; ++r) {
     for (Eigen::Index c = 0; c < cols; ++c) g(r, c) = sample();

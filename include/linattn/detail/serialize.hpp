@@ -2,12 +2,11 @@
 // Little-endian binary encoding with a running CRC-32, for RecurrentState::save/load.
 #pragma once
 
-#include <linattn/config.hpp>
-
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include <istream>
+#include <linattn/config.hpp>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -42,11 +41,10 @@ class Crc32 {
 
 /// The unsigned integer with the same width as T (T: an integer or float/double).
 template <class T>
-using bits_of = std::conditional_t<sizeof(T) == 8, std::uint64_t,
-                                   std::conditional_t<sizeof(T) == 4, std::uint32_t,
-                                                       std::conditional_t<sizeof(T) == 2,
-                                                                          std::uint16_t,
-                                                                          std::uint8_t>>>;
+using bits_of = std::conditional_t<
+    sizeof(T) == 8, std::uint64_t,
+    std::conditional_t<sizeof(T) == 4, std::uint32_t,
+                       std::conditional_t<sizeof(T) == 2, std::uint16_t, std::uint8_t>>>;
 
 /// Writes values little-endian whatever the host, checksumming every byte.
 class LittleEndianWriter {

@@ -1,9 +1,8 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
-#include <linattn/config.hpp>
-
 #include <cmath>
+#include <linattn/config.hpp>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -21,7 +20,8 @@ std::string shape_string(const Eigen::MatrixBase<Derived>& m) {
 }
 
 template <class Scalar>
-constexpr bool is_supported_scalar = std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>;
+constexpr bool is_supported_scalar =
+    std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>;
 
 /// Throws unless the options are in range; `where` names the calling function.
 inline void validate_options(const Options& options, const char* where) {
@@ -55,8 +55,8 @@ void require_finite(const Eigen::MatrixBase<Derived>& m, const char* where, cons
     for (Eigen::Index c = 0; c < m.cols(); ++c) {
       if (!std::isfinite(m(r, c))) {
         throw Error(std::string(where) + ": " + name + " has a non-finite value (" +
-                    std::to_string(static_cast<double>(m(r, c))) + ") at row " +
-                    std::to_string(r) + ", column " + std::to_string(c));
+                    std::to_string(static_cast<double>(m(r, c))) + ") at row " + std::to_string(r) +
+                    ", column " + std::to_string(c));
       }
     }
   }
@@ -89,8 +89,7 @@ void validate_sequence(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<D
 
 /// Throws unless `out` is rows x cols.
 template <class Out>
-void require_output_shape(const Out& out, Eigen::Index rows, Eigen::Index cols,
-                          const char* where) {
+void require_output_shape(const Out& out, Eigen::Index rows, Eigen::Index cols, const char* where) {
   if (out.rows() != rows || out.cols() != cols) {
     throw Error(std::string(where) + ": out is " + shape_string(out.rows(), out.cols()) +
                 " but the result is " + shape_string(rows, cols));
