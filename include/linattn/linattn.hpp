@@ -6,3 +6,4 @@
 #include <linattn/feature_maps.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/recurrent_state.hpp>
+#include <linattn/softmax.hpp>

@@ -35,7 +35,8 @@ class RecurrentState {
   /// @param value_dim    Dv, the width of v
   /// @param options      eps, decay, normalize, check_finite (and chunk, for prefill)
   RecurrentState(Eigen::Index feature_dim, Eigen::Index value_dim, const Options& options = {})
-      : state_(checked_dim(feature_dim, "feature_dim"), checked_dim(value_dim, "value_dim")),
+      : state_(detail::require_positive_dim(feature_dim, "RecurrentState", "feature_dim"),
+               detail::require_positive_dim(value_dim, "RecurrentState", "value_dim")),
         options_(options),
         query_(feature_dim),
         key_(feature_dim),
@@ -91,8 +92,8 @@ class RecurrentState {
   void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                  const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Vector<T>> out) {
     constexpr const char* where = "RecurrentState::step";
-    check_vector(q, q.size(), where, "q");
-    check_vector(k, q.size(), where, "k");
+    detail::require_vector(q, q.size(), where, "q");
+    detail::require_vector(k, q.size(), where, "k");
     const Matrix<T> raw_q = q.reshaped().transpose();
     const Matrix<T> raw_k = k.reshaped().transpose();
     if (options_.check_finite) {
@@ -288,29 +289,12 @@ class RecurrentState {
   static const unsigned char* magic() { return reinterpret_cast<const unsigned char*>(kMagic); }
   static std::string scalar_name() { return std::is_same_v<T, float> ? "float" : "double"; }
 
-  static Eigen::Index checked_dim(Eigen::Index dim, const char* name) {
-    if (dim < 1) {
-      throw Error(std::string("RecurrentState: ") + name + " must be >= 1, got " +
-                  std::to_string(dim));
-    }
-    return dim;
-  }
-
   template <class DQ, class DK, class DV>
   static void check_scalars() {
     static_assert(std::is_same_v<typename DQ::Scalar, T> &&
                       std::is_same_v<typename DK::Scalar, T> &&
                       std::is_same_v<typename DV::Scalar, T>,
                   "inputs must have the state's scalar type");
-  }
-
-  template <class Derived>
-  static void check_vector(const Eigen::MatrixBase<Derived>& x, Eigen::Index size,
-                           const char* where, const char* name) {
-    if ((x.rows() != 1 && x.cols() != 1) || x.size() != size || size == 0) {
-      throw Error(std::string(where) + ": " + name + " is " + detail::shape_string(x) +
-                  ", expected a vector of " + std::to_string(size) + " entries");
-    }
   }
 
   void check_dims(Eigen::Index features, Eigen::Index values, const char* where,
@@ -328,13 +312,10 @@ class RecurrentState {
                   const Eigen::MatrixBase<DV>& v, const Eigen::Ref<Vector<T>>& out,
                   const char* where, const char* q_name, const char* k_name) {
     check_scalars<DQ, DK, DV>();
-    check_vector(phi_q, feature_dim(), where, q_name);
-    check_vector(phi_k, feature_dim(), where, k_name);
-    check_vector(v, value_dim(), where, "v");
-    if (out.size() != value_dim()) {
-      throw Error(std::string(where) + ": out has " + std::to_string(out.size()) +
-                  " entries, expected " + std::to_string(value_dim()));
-    }
+    detail::require_vector(phi_q, feature_dim(), where, q_name);
+    detail::require_vector(phi_k, feature_dim(), where, k_name);
+    detail::require_vector(v, value_dim(), where, "v");
+    detail::require_output_size(out, value_dim(), where);
     if (options_.check_finite) {
       detail::require_finite(phi_q, where, q_name);
       detail::require_finite(phi_k, where, k_name);

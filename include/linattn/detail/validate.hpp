@@ -96,6 +96,41 @@ void require_output_shape(const Out& out, Eigen::Index rows, Eigen::Index cols, 
   }
 }
 
+/// Returns `dim` if it is >= 1, else throws naming the owner and the dimension.
+inline Eigen::Index require_positive_dim(Eigen::Index dim, const char* owner, const char* name) {
+  if (dim < 1) {
+    throw Error(std::string(owner) + ": " + name + " must be >= 1, got " + std::to_string(dim));
+  }
+  return dim;
+}
+
+/// Throws unless `x` is a row or column vector of `size` entries.
+template <class Derived>
+void require_vector(const Eigen::MatrixBase<Derived>& x, Eigen::Index size, const char* where,
+                    const char* name) {
+  if ((x.rows() != 1 && x.cols() != 1) || x.size() != size || size == 0) {
+    throw Error(std::string(where) + ": " + name + " is " + shape_string(x) +
+                ", expected a vector of " + std::to_string(size) + " entries");
+  }
+}
+
+/// require_vector and require_finite together.
+template <class Derived>
+void require_finite_vector(const Eigen::MatrixBase<Derived>& x, Eigen::Index size,
+                           const char* where, const char* name) {
+  require_vector(x, size, where, name);
+  require_finite(x, where, name);
+}
+
+/// Throws unless the output vector has `size` entries.
+template <class Out>
+void require_output_size(const Out& out, Eigen::Index size, const char* where) {
+  if (out.size() != size) {
+    throw Error(std::string(where) + ": out has " + std::to_string(out.size()) +
+                " entries, expected " + std::to_string(size));
+  }
+}
+
 /// Detects the feature-map concept of DESIGN.md (a `feature_dim(Index)` member).
 template <class Map, class = void>
 struct is_feature_map : std::false_type {};

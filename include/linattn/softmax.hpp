@@ -1,0 +1,401 @@
+// SPDX-License-Identifier: MIT
+// Softmax attention baselines: tiled (online softmax), materialised, sliding window, and the
+// decoding caches. The same rows-are-tokens convention as the linear routines.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <linattn/config.hpp>
+#include <linattn/detail/validate.hpp>
+#include <string>
+#include <type_traits>
+
+namespace linattn {
+
+namespace detail {
+
+/// 1/sqrt(Dk) for a negative scale; throws for NaN or infinity.
+inline double resolve_scale(double scale, Eigen::Index key_dim, const char* where) {
+  if (std::isnan(scale) || std::isinf(scale)) {
+    throw Error(std::string(where) + ": scale must be finite, got " + std::to_string(scale));
+  }
+  return scale < 0.0 ? 1.0 / std::sqrt(static_cast<double>(key_dim)) : scale;
+}
+
+/// Shape and finiteness checks for q, k (N x Dk) and v (N x Dv).
+template <class DQ, class DK, class DV>
+void validate_softmax_inputs(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                             const Eigen::MatrixBase<DV>& v, const char* where) {
+  Options options;  // default checks: shapes, non-empty, finite
+  validate_sequence(q, k, v, options, where, "q", "k");
+}
+
+/// Online-softmax attention over tiles of queries and keys. Only key tiles that a query tile
+/// can see are visited: [window_begin(i), i] for every query i. Memory O(tile * (tile + Dv)).
+template <class T>
+class TiledSoftmax {
+ public:
+  static constexpr Eigen::Index kQueryTile = 64;
+  static constexpr Eigen::Index kKeyTile = 256;
+
+  TiledSoftmax(Eigen::Index key_dim, Eigen::Index value_dim)
+      : q_(kQueryTile, key_dim),
+        k_(kKeyTile, key_dim),
+        v_(kKeyTile, value_dim),
+        scores_(kQueryTile, kKeyTile),
+        acc_(kQueryTile, value_dim),
+        row_max_(kQueryTile),
+        row_sum_(kQueryTile) {}
+
+  /// @param window  keys j with i - window < j <= i are seen (causal), or all keys when
+  ///                window <= 0 and causal is false.
+  template <class DQ, class DK, class DV>
+  void run(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+           const Eigen::MatrixBase<DV>& v, T scale, bool causal, Eigen::Index window,
+           Eigen::Ref<Matrix<T>> out) {
+    const Eigen::Index n = q.rows();
+    const T minus_inf = -std::numeric_limits<T>::infinity();
+    for (Eigen::Index qb = 0; qb < n; qb += kQueryTile) {
+      const Eigen::Index qlen = std::min(kQueryTile, n - qb);
+      Eigen::Ref<Matrix<T>> queries = q_.topRows(qlen);
+      queries = q.middleRows(qb, qlen) * scale;  // fold the scale into q once
+      Eigen::Ref<Matrix<T>> acc = acc_.topRows(qlen);
+      acc.setZero();
+      row_max_.head(qlen).setConstant(minus_inf);
+      row_sum_.head(qlen).setZero();
+      // Keys visible to this tile: [first, last).
+      const Eigen::Index last = causal ? qb + qlen : n;
+      const Eigen::Index first =
+          (causal && window > 0) ? std::max<Eigen::Index>(0, qb - window + 1) : 0;
+      for (Eigen::Index kb = first; kb < last; kb += kKeyTile) {
+        const Eigen::Index klen = std::min(kKeyTile, last - kb);
+        k_.topRows(klen) = k.middleRows(kb, klen);
+        v_.topRows(klen) = v.middleRows(kb, klen);
+        Eigen::Ref<Matrix<T>> scores = scores_.topLeftCorner(qlen, klen);
+        scores.noalias() = queries * k_.topRows(klen).transpose();
+        // Mask keys outside [i - window + 1, i] where the tile straddles an edge.
+        if (causal) {
+          const bool crosses_diagonal = kb + klen > qb;
+          const bool crosses_window = window > 0 && kb < qb + qlen - window;
+          if (crosses_diagonal || crosses_window) {
+            for (Eigen::Index r = 0; r < qlen; ++r) {
+              const Eigen::Index i = qb + r;
+              for (Eigen::Index c = 0; c < klen; ++c) {
+                const Eigen::Index j = kb + c;
+                if (j > i || (window > 0 && j <= i - window)) scores(r, c) = minus_inf;
+              }
+            }
+          }
+        }
+        for (Eigen::Index r = 0; r < qlen; ++r) {
+          const T tile_max = scores.row(r).maxCoeff();
+          const T new_max = std::max(row_max_(r), tile_max);
+          if (new_max == minus_inf) {  // nothing visible to this query yet
+            scores.row(r).setZero();
+            continue;
+          }
+          const T rescale = std::exp(row_max_(r) - new_max);
+          scores.row(r) = (scores.row(r).array() - new_max).exp().matrix();
+          row_sum_(r) = row_sum_(r) * rescale + scores.row(r).sum();
+          acc.row(r) *= rescale;
+          row_max_(r) = new_max;
+        }
+        acc.noalias() += scores * v_.topRows(klen);
+      }
+      for (Eigen::Index r = 0; r < qlen; ++r) out.row(qb + r) = acc.row(r) / row_sum_(r);
+    }
+  }
+
+ private:
+  Matrix<T> q_, k_, v_, scores_, acc_;
+  Vector<T> row_max_, row_sum_;
+};
+
+}  // namespace detail
+
+/// Softmax attention, tiled with an online softmax (numerically stable, never an N x N buffer;
+/// the tile products are Eigen GEMMs). Causal mode skips the tiles above the diagonal.
+/// @param q       N x Dk queries
+/// @param k       N x Dk keys
+/// @param v       N x Dv values
+/// @param causal  query i sees keys j <= i
+/// @param out     N x Dv result
+/// @param scale   multiplies q . k; negative means 1/sqrt(Dk)
+template <class DQ, class DK, class DV>
+void softmax_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                            const Eigen::MatrixBase<DV>& v, bool causal,
+                            Eigen::Ref<Matrix<typename DQ::Scalar>> out, double scale = -1) {
+  using T = typename DQ::Scalar;
+  static_assert(detail::is_supported_scalar<T>, "linattn kernels take float or double inputs");
+  constexpr const char* where = "softmax_attention";
+  detail::validate_softmax_inputs(q, k, v, where);
+  detail::require_output_shape(out, q.rows(), v.cols(), where);
+  const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
+  detail::TiledSoftmax<T>(q.cols(), v.cols()).run(q, k, v, s, causal, 0, out);
+}
+
+/// Softmax attention (tiled); returns N x Dv. See softmax_attention_into.
+/// @param q  N x Dk queries; k N x Dk keys; v N x Dv values
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& q,
+                                              const Eigen::MatrixBase<DK>& k,
+                                              const Eigen::MatrixBase<DV>& v, bool causal,
+                                              double scale = -1) {
+  Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  softmax_attention_into(q, k, v, causal, out, scale);
+  return out;
+}
+
+/// Causal softmax over the last `window` tokens (j in (i - window, i]), Longformer / StreamingLLM
+/// style; same tiling, O(N * window) work.
+/// @param q       N x Dk queries
+/// @param k       N x Dk keys
+/// @param v       N x Dv values
+/// @param window  tokens each query sees, itself included; >= 1
+/// @param out     N x Dv result
+/// @param scale   negative means 1/sqrt(Dk)
+template <class DQ, class DK, class DV>
+void sliding_window_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                   const Eigen::MatrixBase<DV>& v, Eigen::Index window,
+                                   Eigen::Ref<Matrix<typename DQ::Scalar>> out, double scale = -1) {
+  using T = typename DQ::Scalar;
+  static_assert(detail::is_supported_scalar<T>, "linattn kernels take float or double inputs");
+  constexpr const char* where = "sliding_window_attention";
+  detail::validate_softmax_inputs(q, k, v, where);
+  if (window < 1) {
+    throw Error(std::string(where) + ": window must be >= 1, got " + std::to_string(window));
+  }
+  detail::require_output_shape(out, q.rows(), v.cols(), where);
+  const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
+  detail::TiledSoftmax<T>(q.cols(), v.cols()).run(q, k, v, s, true, window, out);
+}
+
+/// Sliding-window softmax attention; returns N x Dv. See sliding_window_attention_into.
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> sliding_window_attention(const Eigen::MatrixBase<DQ>& q,
+                                                     const Eigen::MatrixBase<DK>& k,
+                                                     const Eigen::MatrixBase<DV>& v,
+                                                     Eigen::Index window, double scale = -1) {
+  Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  sliding_window_attention_into(q, k, v, window, out, scale);
+  return out;
+}
+
+/// Softmax attention as most people write it: the full N x N score matrix, a row softmax,
+/// one product. O(N^2) memory; kept as a second baseline and for tests.
+/// @param q       N x Dk queries; k N x Dk keys; v N x Dv values
+/// @param causal  query i sees keys j <= i
+/// @param scale   negative means 1/sqrt(Dk)
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> materialized_softmax_attention(const Eigen::MatrixBase<DQ>& q,
+                                                           const Eigen::MatrixBase<DK>& k,
+                                                           const Eigen::MatrixBase<DV>& v,
+                                                           bool causal, double scale = -1) {
+  using T = typename DQ::Scalar;
+  static_assert(detail::is_supported_scalar<T>, "linattn kernels take float or double inputs");
+  constexpr const char* where = "materialized_softmax_attention";
+  detail::validate_softmax_inputs(q, k, v, where);
+  const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
+  Matrix<T> scores(q.rows(), k.rows());
+  scores.noalias() = (q * s) * k.transpose();
+  if (causal) {
+    scores.template triangularView<Eigen::StrictlyUpper>().setConstant(
+        -std::numeric_limits<T>::infinity());
+  }
+  const Vector<T> row_max = scores.rowwise().maxCoeff();
+  scores = (scores.colwise() - row_max).array().exp().matrix();
+  const Vector<T> row_sum = scores.rowwise().sum();
+  Matrix<T> out(q.rows(), v.cols());
+  out.noalias() = scores * v;
+  out.array().colwise() /= row_sum.array();
+  return out;
+}
+
+/// The decoding baseline: a key/value cache that grows by one row per step (amortised doubling,
+/// no per-step reallocation of the whole cache) and attends over everything cached.
+template <class T>
+class SoftmaxKVCache {
+  static_assert(detail::is_supported_scalar<T>, "SoftmaxKVCache<T> takes float or double");
+
+ public:
+  /// @param key_dim    Dk
+  /// @param value_dim  Dv
+  /// @param scale      multiplies q . k; negative means 1/sqrt(Dk)
+  SoftmaxKVCache(Eigen::Index key_dim, Eigen::Index value_dim, double scale = -1)
+      : key_dim_(detail::require_positive_dim(key_dim, "SoftmaxKVCache", "key_dim")),
+        value_dim_(detail::require_positive_dim(value_dim, "SoftmaxKVCache", "value_dim")),
+        scale_(static_cast<T>(detail::resolve_scale(scale, key_dim, "SoftmaxKVCache"))),
+        query_(key_dim) {}
+
+  /// Appends k, v and attends over the whole cache; returns the Dv output.
+  /// @param q  Dk query; k Dk key; v Dv value (row or column vectors)
+  template <class DQ, class DK, class DV>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v) {
+    Vector<T> out(value_dim_);
+    step_into(q, k, v, out);
+    return out;
+  }
+
+  /// As step, writing the output into `out` (Dv).
+  template <class DQ, class DK, class DV>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, Eigen::Ref<Vector<T>> out) {
+    constexpr const char* where = "SoftmaxKVCache::step";
+    detail::require_finite_vector(q, key_dim_, where, "q");
+    detail::require_output_size(out, value_dim_, where);
+    append_one(k, v, where);
+    query_ = q.reshaped() * scale_;
+    Eigen::Ref<Vector<T>> scores = scores_.head(size_);
+    scores.noalias() = keys_.topRows(size_) * query_;
+    const T top = scores.maxCoeff();
+    scores = (scores.array() - top).exp().matrix();
+    out.noalias() = values_.topRows(size_).transpose() * scores;
+    out /= scores.sum();
+  }
+
+  /// Appends many keys and values without attending (prompt prefill of the cache).
+  /// @param k  N x Dk keys; v N x Dv values
+  template <class DK, class DV>
+  void append(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v) {
+    constexpr const char* where = "SoftmaxKVCache::append";
+    if (k.cols() != key_dim_ || v.cols() != value_dim_ || k.rows() != v.rows()) {
+      throw Error(std::string(where) + ": k is " + detail::shape_string(k) + " and v is " +
+                  detail::shape_string(v) + "; expected N x " + std::to_string(key_dim_) +
+                  " and N x " + std::to_string(value_dim_));
+    }
+    detail::require_finite(k, where, "k");
+    detail::require_finite(v, where, "v");
+    reserve(size_ + k.rows());
+    keys_.middleRows(size_, k.rows()) = k;
+    values_.middleRows(size_, v.rows()) = v;
+    size_ += k.rows();
+  }
+
+  /// Drops every token after the first `tokens` (rollback); keeps the capacity.
+  void truncate(Eigen::Index tokens) {
+    if (tokens < 0 || tokens > size_) {
+      throw Error("SoftmaxKVCache::truncate: tokens must be in [0, " + std::to_string(size_) +
+                  "], got " + std::to_string(tokens));
+    }
+    size_ = tokens;
+  }
+
+  /// Grows the capacity to at least `tokens` rows.
+  void reserve(Eigen::Index tokens) {
+    if (tokens <= capacity()) return;
+    const Eigen::Index capacity = std::max<Eigen::Index>(tokens, 2 * this->capacity());
+    keys_.conservativeResize(capacity, key_dim_);
+    values_.conservativeResize(capacity, value_dim_);
+    scores_.resize(capacity);
+  }
+
+  Eigen::Index tokens() const { return size_; }
+  Eigen::Index capacity() const { return keys_.rows(); }
+  Eigen::Index key_dim() const { return key_dim_; }
+  Eigen::Index value_dim() const { return value_dim_; }
+  /// Cached keys, tokens() x Dk.
+  typename Matrix<T>::ConstRowsBlockXpr keys() const { return keys_.topRows(size_); }
+  /// Cached values, tokens() x Dv.
+  typename Matrix<T>::ConstRowsBlockXpr values() const { return values_.topRows(size_); }
+  /// Bytes held for the cached tokens (keys and values), not counting spare capacity.
+  std::size_t bytes() const {
+    return static_cast<std::size_t>(size_ * (key_dim_ + value_dim_)) * sizeof(T);
+  }
+  void reset() { size_ = 0; }
+
+ private:
+  template <class DK, class DV>
+  void append_one(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                  const char* where) {
+    detail::require_finite_vector(k, key_dim_, where, "k");
+    detail::require_finite_vector(v, value_dim_, where, "v");
+    reserve(size_ + 1);
+    keys_.row(size_) = k.reshaped().transpose();
+    values_.row(size_) = v.reshaped().transpose();
+    ++size_;
+  }
+
+  Eigen::Index key_dim_, value_dim_;
+  T scale_;
+  Eigen::Index size_ = 0;
+  Matrix<T> keys_, values_;  // capacity x Dk, capacity x Dv
+  Vector<T> scores_;
+  Vector<T> query_;
+};
+
+/// The decoding twin of sliding_window_attention: a ring buffer of the last `window` keys and
+/// values; each step attends over them. Constant memory, O(window * (Dk + Dv)) per step.
+template <class T>
+class SlidingWindowCache {
+  static_assert(detail::is_supported_scalar<T>, "SlidingWindowCache<T> takes float or double");
+
+ public:
+  /// @param key_dim    Dk
+  /// @param value_dim  Dv
+  /// @param window     tokens each query sees, itself included; >= 1
+  /// @param scale      multiplies q . k; negative means 1/sqrt(Dk)
+  SlidingWindowCache(Eigen::Index key_dim, Eigen::Index value_dim, Eigen::Index window,
+                     double scale = -1)
+      : scale_(static_cast<T>(detail::resolve_scale(scale, key_dim, "SlidingWindowCache"))),
+        keys_(detail::require_positive_dim(window, "SlidingWindowCache", "window"),
+              detail::require_positive_dim(key_dim, "SlidingWindowCache", "key_dim")),
+        values_(window, detail::require_positive_dim(value_dim, "SlidingWindowCache", "value_dim")),
+        scores_(window),
+        query_(key_dim) {}
+
+  /// Writes k, v over the oldest entry and attends over the window; returns the Dv output.
+  /// @param q  Dk query; k Dk key; v Dv value
+  template <class DQ, class DK, class DV>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v) {
+    Vector<T> out(value_dim());
+    step_into(q, k, v, out);
+    return out;
+  }
+
+  /// As step, writing the output into `out` (Dv); allocates nothing.
+  template <class DQ, class DK, class DV>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, Eigen::Ref<Vector<T>> out) {
+    constexpr const char* where = "SlidingWindowCache::step";
+    detail::require_finite_vector(q, key_dim(), where, "q");
+    detail::require_finite_vector(k, key_dim(), where, "k");
+    detail::require_finite_vector(v, value_dim(), where, "v");
+    detail::require_output_size(out, value_dim(), where);
+    const Eigen::Index slot = static_cast<Eigen::Index>(tokens_ % window());
+    keys_.row(slot) = k.reshaped().transpose();
+    values_.row(slot) = v.reshaped().transpose();
+    ++tokens_;
+    // Softmax is order-free, so the ring need not be unrolled.
+    const Eigen::Index live = std::min<Eigen::Index>(window(), static_cast<Eigen::Index>(tokens_));
+    query_ = q.reshaped() * scale_;
+    Eigen::Ref<Vector<T>> scores = scores_.head(live);
+    scores.noalias() = keys_.topRows(live) * query_;
+    const T top = scores.maxCoeff();
+    scores = (scores.array() - top).exp().matrix();
+    out.noalias() = values_.topRows(live).transpose() * scores;
+    out /= scores.sum();
+  }
+
+  std::int64_t tokens() const { return tokens_; }
+  Eigen::Index window() const { return keys_.rows(); }
+  Eigen::Index key_dim() const { return keys_.cols(); }
+  Eigen::Index value_dim() const { return values_.cols(); }
+  /// Bytes held for keys and values (the full window).
+  std::size_t bytes() const {
+    return static_cast<std::size_t>(window() * (key_dim() + value_dim())) * sizeof(T);
+  }
+  void reset() { tokens_ = 0; }
+
+ private:
+  T scale_;
+  std::int64_t tokens_ = 0;
+  Matrix<T> keys_, values_;  // window x Dk, window x Dv
+  Vector<T> scores_;
+  Vector<T> query_;
+};
+
+}  // namespace linattn
