@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Reads the benchmark JSON in build/release/bench/ and prints the results table; writes
+report.md and, with gnuplot, causal_time.png and decode_latency.png beside the JSON.
+
+    scripts/bench_report.py [bench_dir]
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+UNIT_TO_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+NAME = re.compile(r"^(BM_\w+)<(\w+)>(?:/(\d+))?$")
+
+
+def load(path):
+    """{(family, scalar, arg): entry} for one benchmark JSON file, or {} if it is missing."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    out = {}
+    for b in data.get("benchmarks", []):
+        if b.get("run_type", "iteration") != "iteration":
+            continue
+        m = NAME.match(b["name"])
+        if not m:
+            continue
+        b["seconds"] = b["real_time"] * UNIT_TO_S[b.get("time_unit", "ns")]
+        out[(m.group(1), m.group(2), int(m.group(3) or 0))] = b
+    return out
+
+
+def fmt_time(seconds):
+    if seconds is None:
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def fmt_bytes(n):
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def causal_section(causal, scalar, plot_rows):
+    gemm = causal.get(("BM_EigenGemm", scalar, 512))
+    peak = gemm["FLOPS"] if gemm else None
+    sizes = sorted({k[2] for k in causal if k[1] == scalar and k[0] == "BM_CausalLinear_Elu"})
+    if not sizes:
+        return ""
+    forms = [("BM_CausalLinear_Elu", "linear elu+1"), ("BM_CausalLinear_Favor", "linear FAVOR+ m=256"),
+             ("BM_SoftmaxTiled", "softmax tiled"), ("BM_SlidingWindow", "sliding window 256"),
+             ("BM_SoftmaxMaterialized", "softmax materialised")]
+    rows = []
+    crossover = None
+    for n in sizes:
+        get = lambda fam: causal.get((fam, scalar, n))
+        times = [get(fam)["seconds"] if get(fam) else None for fam, _ in forms]
+        lin, soft = times[0], times[2]
+        speedup = f"{soft / lin:.1f}x" if lin and soft else "-"
+        if lin and soft and lin < soft and crossover is None:
+            crossover = n
+        if lin and soft and lin >= soft:
+            crossover = None  # must stay ahead from here on
+        shares = []
+        for fam in ("BM_CausalLinear_Elu", "BM_CausalLinear_Favor", "BM_SoftmaxTiled"):
+            e = get(fam)
+            shares.append(f"{100 * e['FLOPS'] / peak:.0f}%" if e and peak else "-")
+        rows.append([n] + [fmt_time(t) for t in times] + [speedup] + shares)
+        plot_rows.append((scalar, n, times))
+    header = (["N"] + [label for _, label in forms] + ["linear / tiled speed-up"] +
+              ["elu+1 % GEMM", "FAVOR+ % GEMM", "tiled % GEMM"])
+    text = f"### Causal forward, {scalar}, d = 64, one thread\n\n"
+    if gemm:
+        text += f"Eigen {scalar} GEMM 512^3: {gemm['FLOPS'] / 1e9:.1f} GFLOP/s (the 100% below).\n\n"
+    text += table(header, rows) + "\n\n"
+    text += f"Crossover (linear elu+1 faster than tiled softmax from here on): N = {crossover}\n\n"
+    text += ("FLOP rates count useful FLOPs: 4 N C Dv for linear attention, 2 N (N+1) d for causal "
+             "softmax.\n\n")
+    return text
+
+
+def decode_section(decode, scalar, plot_rows):
+    contexts = sorted({k[2] for k in decode if k[1] == scalar and k[0] == "BM_RecurrentStep"})
+    if not contexts:
+        return ""
+    rows = []
+    for t in contexts:
+        rnn = decode.get(("BM_RecurrentStep", scalar, t))
+        kv = decode.get(("BM_KVCacheStep", scalar, t))
+        win = decode.get(("BM_SlidingWindowStep", scalar, t))
+        secs = [e["seconds"] if e else None for e in (rnn, kv, win)]
+        speedup = f"{secs[1] / secs[0]:.0f}x" if secs[0] and secs[1] else "-"
+        rows.append([t] + [fmt_time(s) for s in secs] + [speedup] +
+                    [fmt_bytes(e["bytes"]) if e else "-" for e in (rnn, kv, win)])
+        plot_rows.append((scalar, t, secs))
+    header = ["context t", "recurrent step", "KV-cache step", "window-256 step",
+              "KV / recurrent", "state bytes", "KV-cache bytes", "window bytes"]
+    first = decode.get(("BM_RecurrentStep", scalar, contexts[0]))
+    last = decode.get(("BM_RecurrentStep", scalar, contexts[-1]))
+    flat = ""
+    if first and last:
+        flat = (f"Recurrent step at t = {contexts[-1]} vs t = {contexts[0]}: "
+                f"{100 * (last['seconds'] / first['seconds'] - 1):+.1f}%\n\n")
+    return (f"### Decoding, {scalar}, C = Dk = Dv = 64, one thread\n\n" + table(header, rows) +
+            "\n\n" + flat)
+
+
+def feature_section(features):
+    rows = []
+    for (fam, scalar, _), e in sorted(features.items()):
+        rows.append([fam.replace("BM_FeatureMap_", ""), scalar, int(e.get("C", 0)),
+                     fmt_time(e["seconds"]), f"{e['tokens_per_s'] / 1e6:.2f} M"])
+    if not rows:
+        return ""
+    return ("### Feature maps, 4096 x 64 inputs\n\n" +
+            table(["map", "scalar", "C", "time", "rows/s"], rows) + "\n\n")
+
+
+def plot(bench_dir, causal_rows, decode_rows):
+    if not shutil.which("gnuplot"):
+        print("(gnuplot not found: no plots)")
+        return
+    labels = ["linear elu+1", "linear FAVOR+", "softmax tiled", "sliding window", "softmax materialised"]
+    for scalar in ("float", "double"):
+        path = os.path.join(bench_dir, f"causal_{scalar}.dat")
+        with open(path, "w") as f:
+            for s, n, times in causal_rows:
+                if s == scalar:
+                    f.write(f"{n} " + " ".join(f"{t:.6g}" if t else "NaN" for t in times) + "\n")
+    with open(os.path.join(bench_dir, "decode_float.dat"), "w") as f:
+        for s, t, secs in decode_rows:
+            if s == "float":
+                f.write(f"{max(t, 1)} " + " ".join(f"{x * 1e6:.6g}" if x else "NaN" for x in secs) + "\n")
+    causal_plot = ", ".join(
+        f"'causal_float.dat' using 1:{i + 2} with linespoints title '{label}'"
+        for i, label in enumerate(labels))
+    script = f"""
+set terminal pngcairo size 900,600 noenhanced
+set logscale xy
+set grid
+set key top left
+set output 'causal_time.png'
+set title 'Causal forward, float, d = 64, one thread'
+set xlabel 'sequence length N'
+set ylabel 'seconds'
+plot {causal_plot}
+set output 'decode_latency.png'
+set title 'Decoding step latency, float, C = Dk = Dv = 64'
+set xlabel 'context t (tokens)'
+set ylabel 'microseconds per step'
+plot 'decode_float.dat' using 1:2 with linespoints title 'recurrent state', \\
+     'decode_float.dat' using 1:3 with linespoints title 'softmax KV cache', \\
+     'decode_float.dat' using 1:4 with linespoints title 'sliding window 256'
+"""
+    result = subprocess.run(["gnuplot"], input=script, text=True, cwd=bench_dir,
+                            capture_output=True)
+    if result.returncode != 0:
+        print("gnuplot failed:", result.stderr.strip())
+        return
+    print(f"plots: {os.path.join(bench_dir, 'causal_time.png')}, "
+          f"{os.path.join(bench_dir, 'decode_latency.png')}")
+
+
+def main():
+    bench_dir = sys.argv[1] if len(sys.argv) > 1 else "build/release/bench"
+    causal = load(os.path.join(bench_dir, "causal.json"))
+    decode = load(os.path.join(bench_dir, "decode.json"))
+    features = load(os.path.join(bench_dir, "feature_maps.json"))
+    causal_rows, decode_rows = [], []
+    text = "## linattn benchmark results\n\n"
+    for scalar in ("float", "double"):
+        text += causal_section(causal, scalar, causal_rows)
+    for scalar in ("float", "double"):
+        text += decode_section(decode, scalar, decode_rows)
+    text += feature_section(features)
+    with open(os.path.join(bench_dir, "report.md"), "w") as f:
+        f.write(text)
+    print(text)
+    plot(bench_dir, causal_rows, decode_rows)
+
+
+if __name__ == "__main__":
+    main()
