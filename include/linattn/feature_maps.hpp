@@ -36,8 +36,9 @@ struct EluPlusOne {
   template <class Derived>
   static Matrix<typename Derived::Scalar> map(const Eigen::MatrixBase<Derived>& x) {
     using Scalar = typename Derived::Scalar;
+    // max(x, 0) + exp(min(x, 0)) is elu(x) + 1 exactly, and vectorises where select does not.
     Matrix<Scalar> phi = x;
-    phi = (phi.array() > Scalar(0)).select(phi.array() + Scalar(1), phi.array().exp());
+    phi = phi.array().max(Scalar(0)) + phi.array().min(Scalar(0)).exp();
     return phi;
   }
 };
@@ -251,8 +252,12 @@ class PositiveRandomFeatures {
     for (Eigen::Index r = 0; r < logits.rows(); ++r) {
       const Scalar top =
           hyperbolic ? logits.row(r).cwiseAbs().maxCoeff() : logits.row(r).maxCoeff();
-      phi.row(r).head(m) = (logits.row(r).array() - top).exp();
-      if (hyperbolic) phi.row(r).tail(m) = (-logits.row(r).array() - top).exp();
+      // Eigen's vectorised exp clamps arguments below about -88 (float) to exp(-88) instead of
+      // flushing to 0; exp(x / 2)^2 flushes them, so tiny features cannot pose as weights.
+      phi.row(r).head(m) = (Scalar(0.5) * (logits.row(r).array() - top)).exp().square();
+      if (hyperbolic) {
+        phi.row(r).tail(m) = (Scalar(-0.5) * (logits.row(r).array() + top)).exp().square();
+      }
       log_scale(r) = static_cast<double>(top) - static_cast<double>(half_sq(r)) - log_norm;
     }
     return phi;

@@ -2,6 +2,7 @@
 // Causal and non-causal linear attention, on featurized inputs or with a feature map.
 #pragma once
 
+#include <algorithm>
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/validate.hpp>
@@ -25,8 +26,11 @@ void run_attention(const Source& source, Eigen::Ref<Matrix<typename Source::Scal
                    const Options& options, bool causal) {
   using Scalar = typename Source::Scalar;
   static_assert(is_supported_scalar<Scalar>, "linattn kernels take float or double inputs");
+  // The non-causal sums are plain GEMMs, which like longer panels than the causal chunk.
+  Options tuned = options;
+  if (!causal) tuned.chunk = std::max<Eigen::Index>(options.chunk, 256);
   CarriedState<Scalar> state(source.feature_dim(), source.value_dim());
-  ChunkedKernel<Scalar> kernel(source.feature_dim(), source.value_dim(), source.rows(), options);
+  ChunkedKernel<Scalar> kernel(source.feature_dim(), source.value_dim(), source.rows(), tuned);
   if (causal) {
     kernel.causal(source, state, out);
   } else {

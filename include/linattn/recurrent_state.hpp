@@ -11,6 +11,7 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/serialize.hpp>
+#include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
 #include <ostream>
 #include <string>
@@ -326,7 +327,8 @@ class RecurrentState {
     value_ = v.reshaped();
   }
 
-  /// The recurrence for the token in the workspace, S and z updated and read in one pass.
+  /// The recurrence for the token in the workspace: S and z rescaled if the scale moves, then
+  /// the stream kernel's one-token pass (update S, read S^T q in the same sweep).
   /// `scaled`: key_ and query_ miss exp(log_k) and exp(log_q), or the state carries a scale.
   void advance(double log_q, double log_k, bool scaled, Eigen::Ref<Vector<T>> out) {
     T carry = static_cast<T>(options_.decay);
@@ -337,18 +339,29 @@ class RecurrentState {
       carry = detail::exp_as<T>(state_.log_scale + log_decay - new_log);
       key_ *= detail::exp_as<T>(log_k - new_log);
     }
-    out.setZero();
-    T den(0);
-    for (Eigen::Index c = 0; c < feature_dim(); ++c) {
-      if (carry != T(1)) {
-        state_.s.row(c) *= carry;
-        state_.z(c) *= carry;
-      }
-      state_.s.row(c) += key_(c) * value_.transpose();
-      state_.z(c) += key_(c);
-      out += query_(c) * state_.s.row(c).transpose();
-      den += query_(c) * state_.z(c);
+    if (carry != T(1)) {
+      state_.s *= carry;
+      state_.z *= carry;
     }
+    const Eigen::Index c = feature_dim();
+    const Eigen::Index dv = value_dim();
+    out.setZero();
+    const detail::StreamOperands<T> operands{query_.data(),
+                                             c,
+                                             key_.data(),
+                                             c,
+                                             value_.data(),
+                                             dv,
+                                             state_.s.data(),
+                                             dv,
+                                             out.data(),
+                                             dv,
+                                             1,
+                                             c,
+                                             dv};
+    detail::stream_product(operands);
+    T den(0);
+    detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, state_.z.data(), &den);
     state_.log_scale = new_log;
     ++tokens_;
     // out holds the numerator; normalising it in place is coefficient-wise.

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <linattn/config.hpp>
+#include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
 #include <string>
 
@@ -201,19 +202,7 @@ class ChunkedKernel {
       : chunk_(std::max<Eigen::Index>(1, std::min(options.chunk, rows))),
         options_(options),
         log_decay_(std::log(options.decay)),
-        buf_(chunk_, feature_dim, value_dim) {
-    if (options.decay != 1.0) {
-      // decay_pow_(d) = g^d for d = 0..L, and the L x L Toeplitz mask g^(i-j) below the diagonal.
-      decay_pow_.resize(chunk_ + 1);
-      for (Eigen::Index d = 0; d <= chunk_; ++d) {
-        decay_pow_(d) = static_cast<T>(std::pow(options.decay, static_cast<double>(d)));
-      }
-      decay_mask_ = Matrix<T>::Zero(chunk_, chunk_);
-      for (Eigen::Index i = 0; i < chunk_; ++i) {
-        for (Eigen::Index j = 0; j <= i; ++j) decay_mask_(i, j) = decay_pow_(i - j);
-      }
-    }
-  }
+        buf_(chunk_, feature_dim, value_dim) {}
 
   /// Causal attention over all rows of `src`, continuing from `state` and leaving it after the
   /// last token. out: N x Dv.
@@ -224,15 +213,17 @@ class ChunkedKernel {
       const Eigen::Index len = std::min(chunk_, src.rows() - begin);
       src.load_queries(begin, len, buf_);
       src.load_keys_values(begin, len, buf_);
-      if (scaled) {
-        if (!Source::log_scaled) {
-          buf_.log_q.head(len).setZero();
-          buf_.log_k.head(len).setZero();
-        }
-        scaled_chunk(len, state, out.middleRows(begin, len));
-      } else {
-        unscaled_chunk(len, state, out.middleRows(begin, len));
+      Eigen::Ref<Matrix<T>> out_rows = out.middleRows(begin, len);
+      if (!scaled && !has_decay()) {
+        plain_stream_chunk(len, state, out_rows);
+        continue;
       }
+      if (!Source::log_scaled) {
+        buf_.log_q.head(len).setZero();
+        buf_.log_k.head(len).setZero();
+      }
+      scan_running_log(len, state.log_scale);
+      if (!scaled_stream_chunk(len, state, out_rows)) masked_product_chunk(len, state, out_rows);
     }
   }
 
@@ -285,56 +276,97 @@ class ChunkedKernel {
  private:
   bool has_decay() const { return options_.decay != 1.0; }
 
-  /// One chunk with plain sums: the common path for elu+1, relu and Fourier features.
-  void unscaled_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
-    Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
-    Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
-    Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
-    Eigen::Ref<Matrix<T>> scores = buf_.scores.topLeftCorner(len, len);
-    Eigen::Ref<Matrix<T>> num = buf_.num.topRows(len);
-    Eigen::Ref<Vector<T>> den = buf_.den.head(len);
+  /// Largest spread of log-scales inside one streamed chunk: factors down to exp(-range) stay
+  /// normal numbers, so nothing a later token does can flush an earlier one to zero.
+  static constexpr double kStreamRange = std::is_same_v<T, float> ? 40.0 : 300.0;
 
-    scores.noalias() = queries * keys.transpose();
-    if (has_decay()) {
-      scores.array() *= decay_mask_.topLeftCorner(len, len).array();
-    } else {
-      scores.template triangularView<Eigen::StrictlyUpper>().setZero();
-    }
-    if (state.empty()) {
-      num.setZero();
-      den.setZero();
-    } else {
-      // Token r of the chunk sees the carried state decayed r + 1 times.
-      num.noalias() = queries * state.s;
-      den.noalias() = queries * state.z;
-      if (has_decay()) {
-        num.array().colwise() *= decay_pow_.segment(1, len).array();
-        den.array() *= decay_pow_.segment(1, len).array();
-      }
-    }
-    num.noalias() += scores * values;
-    den += scores.rowwise().sum();
-
-    if (has_decay()) {
-      Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
-      weighted = decay_pow_.head(len).reverse().asDiagonal() * keys;
-      state.s *= decay_pow_(len);
-      state.z *= decay_pow_(len);
-      state.s.noalias() += weighted.transpose() * values;
-      state.z += weighted.colwise().sum().transpose();
-    } else {
-      state.s.noalias() += keys.transpose() * values;
-      state.z += keys.colwise().sum().transpose();
-    }
+  /// No decay, no scale: the register-tiled stream over the chunk, S and z updated in place.
+  void plain_stream_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+    stream_chunk(len, buf_.k, state);
     state.log_scale = 0.0;
     write_unscaled_output(len, out);
   }
 
-  /// One chunk with per-row log scales (exponential maps, or a state that already carries a
-  /// scale). Token i's output is computed relative to its own running scale
-  /// c_i = max(c_{i-1} + log g, log_k_i), which looks at no later token, so every weight below
-  /// is exp of a non-positive number and nothing overflows.
-  void scaled_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+  /// num, den for the chunk by the stream kernel, with keys taken from `keys`.
+  void stream_chunk(Eigen::Index len, const Matrix<T>& keys, CarriedState<T>& state) {
+    const Eigen::Index c = state.s.rows();
+    const Eigen::Index dv = state.s.cols();
+    buf_.num.topRows(len).setZero();
+    const StreamOperands<T> operands{buf_.q.data(),
+                                     c,
+                                     keys.data(),
+                                     c,
+                                     buf_.v.data(),
+                                     dv,
+                                     state.s.data(),
+                                     dv,
+                                     buf_.num.data(),
+                                     dv,
+                                     len,
+                                     c,
+                                     dv};
+    stream_product(operands);
+    stream_denominator(buf_.q.data(), c, keys.data(), c, len, c, state.z.data(), buf_.den.data());
+  }
+
+  /// c_i = max(c_{i-1} + log g, log_k_i) for the chunk, from the carried c.
+  void scan_running_log(Eigen::Index len, double carried) {
+    double previous = carried;
+    for (Eigen::Index r = 0; r < len; ++r) {
+      previous = std::max(previous + log_decay_, buf_.log_k(r));
+      buf_.running_log(r) = previous;
+    }
+  }
+
+  /// The stream with decay and log-scales folded into per-token factors. Relative to one
+  /// reference rho for the chunk, key j is weighted exp(log_k_j - (j+1) log g - rho) and
+  /// output i multiplied by exp(rho - c_i + (i+1) log g); every factor is exp of at most
+  /// kStreamRange. Returns false, touching nothing, when the chunk spreads wider.
+  bool scaled_stream_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+    const double lg = log_decay_;
+    const double carried = state.log_scale;
+    double rho = carried;
+    double lowest = std::numeric_limits<double>::infinity();
+    for (Eigen::Index r = 0; r < len; ++r) {
+      const double step = static_cast<double>(r + 1) * lg;
+      rho = std::max(rho, buf_.log_k(r) - step);
+      lowest = std::min(lowest, buf_.running_log(r) - step);
+    }
+    if (!(rho - lowest <= kStreamRange)) return false;
+
+    Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
+    for (Eigen::Index r = 0; r < len; ++r) {
+      const double step = static_cast<double>(r + 1) * lg;
+      weighted.row(r) = buf_.k.row(r) * exp_as<T>(buf_.log_k(r) - step - rho);
+    }
+    const T carry = exp_as<T>(carried - rho);
+    if (carry != T(1)) {
+      state.s *= carry;
+      state.z *= carry;
+    }
+    stream_chunk(len, buf_.weighted_keys, state);
+    for (Eigen::Index r = 0; r < len; ++r) {
+      const T lift = exp_as<T>(rho - (buf_.running_log(r) - static_cast<double>(r + 1) * lg));
+      buf_.num.row(r) *= lift;
+      buf_.den(r) *= lift;
+    }
+    const double last = buf_.running_log(len - 1);
+    const T settle = exp_as<T>(rho - (last - static_cast<double>(len) * lg));
+    if (settle != T(1)) {
+      state.s *= settle;
+      state.z *= settle;
+    }
+    state.log_scale = last;
+    buf_.output_log.head(len) = buf_.log_q.head(len) + buf_.running_log.head(len);
+    write_scaled_output(len, out);
+    return true;
+  }
+
+  /// The chunk as a masked, decay-weighted Q K^T product plus the carried state, all GEMMs.
+  /// Token i's output is computed relative to its own running scale c_i (scan_running_log),
+  /// which looks at no later token, so every weight below is exp of a non-positive number and
+  /// nothing overflows, however wide the chunk's log-scales spread.
+  void masked_product_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
     Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
     Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
     Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
@@ -343,12 +375,6 @@ class ChunkedKernel {
     Eigen::Ref<Vector<T>> den = buf_.den.head(len);
     const double lg = log_decay_;
     const double carried = state.log_scale;
-
-    double previous = carried;
-    for (Eigen::Index r = 0; r < len; ++r) {
-      previous = std::max(previous + lg, buf_.log_k(r));
-      buf_.running_log(r) = previous;
-    }
 
     scores.noalias() = queries * keys.transpose();
     for (Eigen::Index i = 0; i < len; ++i) {
@@ -406,8 +432,6 @@ class ChunkedKernel {
   Eigen::Index chunk_;
   Options options_;
   double log_decay_;
-  Vector<T> decay_pow_;
-  Matrix<T> decay_mask_;
   ChunkBuffers<T> buf_;
 };
 

@@ -1,0 +1,217 @@
+// SPDX-License-Identifier: MIT
+// The streaming micro-kernel: tiles of S stay in registers while a block of tokens streams
+// through, so the causal recurrence runs at full FMA rate with exactly 4 C Dv FLOPs per token
+// (no masked half, no intra-chunk product).
+#pragma once
+
+#include <algorithm>
+#include <linattn/config.hpp>
+#include <type_traits>
+
+namespace linattn::detail {
+
+/// Operands of one streamed block: row-major with leading dimensions (ld*) in elements.
+/// For t = 0..tokens-1:  S += k_t v_t^T;  num_t += S^T q_t  (S: C x Dv, num: tokens x Dv).
+template <class T>
+struct StreamOperands {
+  const T* q;
+  Eigen::Index ldq;
+  const T* k;
+  Eigen::Index ldk;
+  const T* v;
+  Eigen::Index ldv;
+  T* s;
+  Eigen::Index lds;
+  T* num;
+  Eigen::Index ldn;
+  Eigen::Index tokens;
+  Eigen::Index feature_dim;
+  Eigen::Index value_dim;
+};
+
+/// Tile shape per architecture: R rows of S by WP packets of columns, held in registers.
+template <class T>
+struct StreamShape {
+  using Packet = typename Eigen::internal::packet_traits<T>::type;
+  static constexpr int kPacket = Eigen::internal::unpacket_traits<Packet>::size;
+  static constexpr bool kWide = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
+  static constexpr int kRows = kWide ? 4 : 2;
+  static constexpr int kPackets = kWide ? 4 : 3;
+};
+
+/// One R x (WP packets) tile of S, updated and read for every token of the block. The output
+/// partial sums of the R rows are added into num (other row tiles add theirs).
+template <class T, class Packet, int R, int WP>
+void stream_tile(const StreamOperands<T>& a, Eigen::Index row, Eigen::Index col) {
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::pset1;
+  using Eigen::internal::pstoreu;
+  constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
+  // Locals, so stores through num cannot force the compiler to reload the operands.
+  const Eigen::Index ldq = a.ldq, ldk = a.ldk, ldv = a.ldv, ldn = a.ldn, lds = a.lds;
+  const Eigen::Index tokens = a.tokens;
+  T* const s = a.s + row * lds + col;
+  Packet acc[R][WP];
+  for (int r = 0; r < R; ++r) {
+    for (int w = 0; w < WP; ++w) acc[r][w] = ploadu<Packet>(s + r * lds + w * P);
+  }
+  const T* q = a.q + row;
+  const T* k = a.k + row;
+  const T* v = a.v + col;
+  T* num = a.num + col;
+  for (Eigen::Index t = 0; t < tokens; ++t) {
+    Packet value[WP];
+    Packet out[WP];
+    for (int w = 0; w < WP; ++w) {
+      value[w] = ploadu<Packet>(v + w * P);
+      out[w] = ploadu<Packet>(num + w * P);
+    }
+    for (int r = 0; r < R; ++r) {
+      const Packet key = pset1<Packet>(k[r]);
+      const Packet query = pset1<Packet>(q[r]);
+      for (int w = 0; w < WP; ++w) {
+        acc[r][w] = pmadd(key, value[w], acc[r][w]);
+        out[w] = pmadd(query, acc[r][w], out[w]);
+      }
+    }
+    for (int w = 0; w < WP; ++w) pstoreu<T>(num + w * P, out[w]);
+    q += ldq;
+    k += ldk;
+    v += ldv;
+    num += ldn;
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int w = 0; w < WP; ++w) pstoreu<T>(s + r * lds + w * P, acc[r][w]);
+  }
+}
+
+/// The one-token case (decoding): WP packets of columns, all rows of S streamed through
+/// registers once; two accumulator sets halve the dependency chain of the output.
+template <class T, class Packet, int WP>
+void token_columns(const StreamOperands<T>& a, Eigen::Index col) {
+  using Eigen::internal::padd;
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::pset1;
+  using Eigen::internal::pstoreu;
+  constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
+  const Eigen::Index rows = a.feature_dim, lds = a.lds;
+  const T* const q = a.q;
+  const T* const k = a.k;
+  T* s = a.s + col;
+  Packet value[WP], even[WP], odd[WP];
+  for (int w = 0; w < WP; ++w) {
+    value[w] = ploadu<Packet>(a.v + col + w * P);
+    even[w] = pset1<Packet>(T(0));
+    odd[w] = pset1<Packet>(T(0));
+  }
+  Eigen::Index r = 0;
+  for (; r + 1 < rows; r += 2, s += 2 * lds) {
+    const Packet key0 = pset1<Packet>(k[r]), key1 = pset1<Packet>(k[r + 1]);
+    const Packet query0 = pset1<Packet>(q[r]), query1 = pset1<Packet>(q[r + 1]);
+    for (int w = 0; w < WP; ++w) {
+      const Packet s0 = pmadd(key0, value[w], ploadu<Packet>(s + w * P));
+      const Packet s1 = pmadd(key1, value[w], ploadu<Packet>(s + lds + w * P));
+      pstoreu<T>(s + w * P, s0);
+      pstoreu<T>(s + lds + w * P, s1);
+      even[w] = pmadd(query0, s0, even[w]);
+      odd[w] = pmadd(query1, s1, odd[w]);
+    }
+  }
+  if (r < rows) {
+    const Packet key = pset1<Packet>(k[r]), query = pset1<Packet>(q[r]);
+    for (int w = 0; w < WP; ++w) {
+      const Packet s0 = pmadd(key, value[w], ploadu<Packet>(s + w * P));
+      pstoreu<T>(s + w * P, s0);
+      even[w] = pmadd(query, s0, even[w]);
+    }
+  }
+  T* const num = a.num + col;
+  for (int w = 0; w < WP; ++w) {
+    pstoreu<T>(num + w * P, padd(padd(even[w], odd[w]), ploadu<Packet>(num + w * P)));
+  }
+}
+
+/// Calls visit(Packet-tag, WP, col) over the columns: full-width tiles, then narrower packet
+/// tiles, then single scalar columns.
+template <class T, class Visit>
+void for_each_column_tile(Eigen::Index value_dim, Visit&& visit) {
+  using Shape = StreamShape<T>;
+  using Packet = typename Shape::Packet;
+  constexpr Eigen::Index kWidth = Shape::kPackets * Shape::kPacket;
+  Eigen::Index col = 0;
+  for (; col + kWidth <= value_dim; col += kWidth) {
+    visit(Packet{}, std::integral_constant<int, Shape::kPackets>{}, col);
+  }
+  const Eigen::Index packets = (value_dim - col) / Shape::kPacket;
+  if constexpr (Shape::kPackets > 3) {
+    if (packets == 3) visit(Packet{}, std::integral_constant<int, 3>{}, col);
+  }
+  if (packets == 2) visit(Packet{}, std::integral_constant<int, 2>{}, col);
+  if (packets == 1) visit(Packet{}, std::integral_constant<int, 1>{}, col);
+  col += packets * Shape::kPacket;
+  for (; col < value_dim; ++col) visit(T{}, std::integral_constant<int, 1>{}, col);
+}
+
+/// All columns of R rows of S.
+template <class T, int R>
+void stream_rows(const StreamOperands<T>& a, Eigen::Index row) {
+  for_each_column_tile<T>(a.value_dim, [&](auto packet, auto packets, Eigen::Index col) {
+    stream_tile<T, decltype(packet), R, decltype(packets)::value>(a, row, col);
+  });
+}
+
+/// num (tokens x Dv) += the causal streamed product; S is left after the last token.
+template <class T>
+void stream_product(const StreamOperands<T>& a) {
+  if (a.tokens == 1) {
+    for_each_column_tile<T>(a.value_dim, [&](auto packet, auto packets, Eigen::Index col) {
+      token_columns<T, decltype(packet), decltype(packets)::value>(a, col);
+    });
+    return;
+  }
+  constexpr int kRows = StreamShape<T>::kRows;
+  for (Eigen::Index row = 0; row < a.feature_dim; row += kRows) {
+    switch (std::min<Eigen::Index>(kRows, a.feature_dim - row)) {
+      case 1:
+        stream_rows<T, 1>(a, row);
+        break;
+      case 2:
+        stream_rows<T, 2>(a, row);
+        break;
+      case 3:
+        if constexpr (kRows >= 3) stream_rows<T, 3>(a, row);
+        break;
+      default:
+        if constexpr (kRows >= 4) stream_rows<T, 4>(a, row);
+        break;
+    }
+  }
+}
+
+/// For t = 0..tokens-1: z += k_t; den_t = q_t . z. q, k: tokens x C (leading dims ldq, ldk).
+template <class T>
+void stream_denominator(const T* q, Eigen::Index ldq, const T* k, Eigen::Index ldk,
+                        Eigen::Index tokens, Eigen::Index feature_dim, T* z, T* den) {
+  using namespace Eigen::internal;
+  using Packet = typename StreamShape<T>::Packet;
+  constexpr Eigen::Index P = StreamShape<T>::kPacket;
+  for (Eigen::Index t = 0; t < tokens; ++t, q += ldq, k += ldk) {
+    Packet acc = pset1<Packet>(T(0));
+    Eigen::Index c = 0;
+    for (; c + P <= feature_dim; c += P) {
+      const Packet zc = padd(ploadu<Packet>(z + c), ploadu<Packet>(k + c));
+      pstoreu<T>(z + c, zc);
+      acc = pmadd(ploadu<Packet>(q + c), zc, acc);
+    }
+    T sum = predux(acc);
+    for (; c < feature_dim; ++c) {
+      z[c] += k[c];
+      sum += q[c] * z[c];
+    }
+    den[t] = sum;
+  }
+}
+
+}  // namespace linattn::detail
