@@ -34,12 +34,29 @@ void BM_CausalLinear(benchmark::State& state, Map map) {
   const Eigen::Index n = state.range(0);
   Inputs<T> in(n);
   const Eigen::Index c = map.feature_dim(kDim);
-  for (auto _ : state) {
+  linattn_bench::measure(state, [&] {
     linattn::causal_linear_attention_into(in.q, in.k, in.v, map, in.out);
     benchmark::DoNotOptimize(in.out.data());
-  }
+  });
   set_rates(state, 4.0 * double(n) * double(c) * double(kDim), double(n));
   state.counters["C"] = double(c);
+}
+
+/// The kernel alone on featurized inputs (positive features, N x C), Dv = 64: the rate
+/// issue #4 reads against GEMM, without the cost of computing the features.
+template <class T>
+void BM_CausalKernel(benchmark::State& state, Eigen::Index feature_dim) {
+  const Eigen::Index n = state.range(0);
+  const Matrix<T> phi_q = random_matrix<T>(n, feature_dim, 14).array().exp().matrix();
+  const Matrix<T> phi_k = random_matrix<T>(n, feature_dim, 15).array().exp().matrix();
+  const Matrix<T> v = random_matrix<T>(n, kDim, 16);
+  Matrix<T> out(n, kDim);
+  linattn_bench::measure(state, [&] {
+    linattn::causal_linear_attention_into(phi_q, phi_k, v, out);
+    benchmark::DoNotOptimize(out.data());
+  });
+  set_rates(state, 4.0 * double(n) * double(feature_dim) * double(kDim), double(n));
+  state.counters["C"] = double(feature_dim);
 }
 
 /// Causal softmax FLOPs: N(N+1)/2 query-key pairs, 2d for q.k and 2d for p v each.
@@ -51,10 +68,10 @@ template <class T>
 void BM_SoftmaxTiled(benchmark::State& state) {
   const Eigen::Index n = state.range(0);
   Inputs<T> in(n);
-  for (auto _ : state) {
+  linattn_bench::measure(state, [&] {
     linattn::softmax_attention_into(in.q, in.k, in.v, true, in.out);
     benchmark::DoNotOptimize(in.out.data());
-  }
+  });
   set_rates(state, causal_softmax_flops(n), double(n));
 }
 
@@ -62,10 +79,10 @@ template <class T>
 void BM_SoftmaxMaterialized(benchmark::State& state) {
   const Eigen::Index n = state.range(0);
   Inputs<T> in(n);
-  for (auto _ : state) {
+  linattn_bench::measure(state, [&] {
     in.out = linattn::materialized_softmax_attention(in.q, in.k, in.v, true);
     benchmark::DoNotOptimize(in.out.data());
-  }
+  });
   set_rates(state, causal_softmax_flops(n), double(n));  // useful FLOPs, not the 2x it does
 }
 
@@ -73,10 +90,10 @@ template <class T>
 void BM_SlidingWindow(benchmark::State& state) {
   const Eigen::Index n = state.range(0);
   Inputs<T> in(n);
-  for (auto _ : state) {
+  linattn_bench::measure(state, [&] {
     linattn::sliding_window_attention_into(in.q, in.k, in.v, kWindow, in.out);
     benchmark::DoNotOptimize(in.out.data());
-  }
+  });
   // Pairs: each query sees min(i + 1, window) keys.
   const double w = double(kWindow);
   const double pairs =
@@ -101,6 +118,12 @@ void register_scalar(const std::vector<Eigen::Index>& sizes, Eigen::Index materi
                                  linattn::PositiveRandomFeatures(kDim, kFavorFeatures, 1))
         ->Arg(n)
         ->Unit(benchmark::kMillisecond);
+    for (const Eigen::Index c : {64, 256}) {
+      benchmark::RegisterBenchmark(("BM_CausalKernel" + std::to_string(c) + "<" + t + ">").c_str(),
+                                   BM_CausalKernel<T>, c)
+          ->Arg(n)
+          ->Unit(benchmark::kMillisecond);
+    }
     benchmark::RegisterBenchmark(("BM_SoftmaxTiled<" + t + ">").c_str(), BM_SoftmaxTiled<T>)
         ->Arg(n)
         ->Unit(benchmark::kMillisecond);
@@ -120,8 +143,8 @@ void register_scalar(const std::vector<Eigen::Index>& sizes, Eigen::Index materi
 
 int main(int argc, char** argv) {
   const bool quick = linattn_bench::quick();
-  std::vector<Eigen::Index> sizes;
-  for (Eigen::Index n = 128; n <= (quick ? 16384 : 65536); n *= 2) sizes.push_back(n);
+  std::vector<Eigen::Index> sizes = {128, 256, 512, 1024, 4096, 16384};
+  if (!quick) sizes = {128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536};
   register_scalar<float>(sizes, quick ? 4096 : 8192);
   register_scalar<double>(quick ? std::vector<Eigen::Index>{128, 1024, 8192} : sizes,
                           quick ? 1024 : 8192);

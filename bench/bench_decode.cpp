@@ -28,11 +28,10 @@ void BM_RecurrentStep(benchmark::State& state) {
   const Vector<T> phi_q = token.row(0).array().exp(), phi_k = token.row(1).array().exp();
   const Vector<T> v = token.row(2).transpose();
   Vector<T> out(kDim);
-  rnn.step_into(phi_q, phi_k, v, out);  // warm-up outside the timing
-  for (auto _ : state) {
+  linattn_bench::measure(state, [&] {
     rnn.step_into(phi_q, phi_k, v, out);
     benchmark::DoNotOptimize(out.data());
-  }
+  });
   set_rates(state, 4.0 * kDim * kDim, 1.0);
   state.counters["bytes"] = double((kDim * kDim + kDim) * sizeof(T));
 }
@@ -46,13 +45,11 @@ void BM_KVCacheStep(benchmark::State& state) {
   cache.append(random_matrix<T>(t, kDim, 31), random_matrix<T>(t, kDim, 32));
   const Matrix<T> token = random_matrix<T>(3, kDim, 33);
   Vector<T> out(kDim);
-  cache.step_into(token.row(0), token.row(1), token.row(2), out);  // warm-up: touch every page
-  cache.truncate(t);
-  for (auto _ : state) {
+  linattn_bench::measure(state, [&] {
     cache.step_into(token.row(0), token.row(1), token.row(2), out);
     cache.truncate(t);
     benchmark::DoNotOptimize(out.data());
-  }
+  });
   set_rates(state, 4.0 * double(t + 1) * kDim, 1.0);
   state.counters["bytes"] = double(t * 2 * kDim * Eigen::Index(sizeof(T)));
 }
@@ -67,10 +64,10 @@ void BM_SlidingWindowStep(benchmark::State& state) {
     cache.step(context.row(i), context.row(i), context.row(i));
   const Matrix<T> token = random_matrix<T>(3, kDim, 43);
   Vector<T> out(kDim);
-  for (auto _ : state) {
+  linattn_bench::measure(state, [&] {
     cache.step_into(token.row(0), token.row(1), token.row(2), out);
     benchmark::DoNotOptimize(out.data());
-  }
+  });
   set_rates(state, 4.0 * double(std::min(t + 1, kWindow)) * kDim, 1.0);
   state.counters["bytes"] = double(cache.bytes());
 }

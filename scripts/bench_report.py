@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 UNIT_TO_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-NAME = re.compile(r"^(BM_\w+)<(\w+)>(?:/(\d+))?$")
+NAME = re.compile(r"^(BM_\w+)<(\w+)>(?:/(\d+))?(?:/min_time:[\d.]+)?$")
 
 
 def load(path):
@@ -76,20 +76,23 @@ def causal_section(causal, scalar, plot_rows):
         if lin and soft and lin >= soft:
             crossover = None  # must stay ahead from here on
         shares = []
-        for fam in ("BM_CausalLinear_Elu", "BM_CausalLinear_Favor", "BM_SoftmaxTiled"):
+        for fam in ("BM_CausalLinear_Elu", "BM_CausalLinear_Favor", "BM_CausalKernel64",
+                    "BM_CausalKernel256", "BM_SoftmaxTiled"):
             e = get(fam)
             shares.append(f"{100 * e['FLOPS'] / peak:.0f}%" if e and peak else "-")
         rows.append([n] + [fmt_time(t) for t in times] + [speedup] + shares)
         plot_rows.append((scalar, n, times))
     header = (["N"] + [label for _, label in forms] + ["linear / tiled speed-up"] +
-              ["elu+1 % GEMM", "FAVOR+ % GEMM", "tiled % GEMM"])
+              ["elu+1 % GEMM", "FAVOR+ % GEMM", "kernel C=64 % GEMM", "kernel C=256 % GEMM",
+               "tiled % GEMM"])
     text = f"### Causal forward, {scalar}, d = 64, one thread\n\n"
     if gemm:
         text += f"Eigen {scalar} GEMM 512^3: {gemm['FLOPS'] / 1e9:.1f} GFLOP/s (the 100% below).\n\n"
     text += table(header, rows) + "\n\n"
     text += f"Crossover (linear elu+1 faster than tiled softmax from here on): N = {crossover}\n\n"
-    text += ("FLOP rates count useful FLOPs: 4 N C Dv for linear attention, 2 N (N+1) d for causal "
-             "softmax.\n\n")
+    text += ("FLOP rates count useful FLOPs: 4 N C Dv for linear attention (the recurrent minimum), "
+             "2 N (N+1) d for causal softmax. The elu+1 and FAVOR+ columns include computing the "
+             "features from raw q, k; the kernel columns take featurized inputs (Dv = 64).\n\n")
     return text
 
 
@@ -126,7 +129,7 @@ def feature_section(features):
                      fmt_time(e["seconds"]), f"{e['tokens_per_s'] / 1e6:.2f} M"])
     if not rows:
         return ""
-    return ("### Feature maps, 4096 x 64 inputs\n\n" +
+    return ("### Feature maps, 4096 x 64 inputs, 64 rows per call (as the kernels call them)\n\n" +
             table(["map", "scalar", "C", "time", "rows/s"], rows) + "\n\n")
 
 
