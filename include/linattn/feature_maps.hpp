@@ -130,9 +130,12 @@ class RandomProjection {
     // iid Gaussian rows already have chi-distributed norms.
     if (!(chi && options_.projection == Projection::iid)) {
       for (Eigen::Index row = 0; row < m; ++row) {
-        const double norm =
-            chi ? gaussian_matrix(1, d, sample).norm() : std::sqrt(static_cast<double>(d));
-        w_.row(row) *= norm / w_.row(row).norm();
+        double norm = std::sqrt(static_cast<double>(d));
+        if (chi) {
+          const Matrix<double> g = gaussian_matrix(1, d, sample);
+          norm = std::sqrt(ordered_dot(g.data(), g.data(), d));
+        }
+        set_row_norm(w_, row, norm);
       }
     }
     w_float_ = w_.cast<float>();
@@ -148,20 +151,21 @@ class RandomProjection {
     }
   }
 
-  /// Checks the input width and returns U W^T with U = sqrt(tau) X (N x m) and |u_i|^2 / 2.
-  template <class Derived>
-  void project(const Eigen::MatrixBase<Derived>& x, Matrix<typename Derived::Scalar>& logits,
-               Vector<typename Derived::Scalar>& half_sq_norm, const char* owner) const {
-    using Scalar = typename Derived::Scalar;
-    static_assert(is_supported_scalar<Scalar>, "linattn supports float and double");
+  /// Checks the input width and computes U W^T with U = sqrt(tau) X (N x m) and |u_i|^2 / 2,
+  /// in the scalar type Acc (double for the exponential map: see scaled_features).
+  template <class Acc, class Derived>
+  void project(const Eigen::MatrixBase<Derived>& x, Matrix<Acc>& logits, Vector<Acc>& half_sq_norm,
+               const char* owner) const {
+    static_assert(is_supported_scalar<typename Derived::Scalar>,
+                  "linattn supports float and double");
     if (x.cols() != w_.cols()) {
       throw Error(std::string(owner) + ": x is " + shape_string(x) + " but the map was built for " +
                   std::to_string(w_.cols()) + " input columns");
     }
-    const Matrix<Scalar> u = x * static_cast<Scalar>(std::sqrt(temperature_));
+    const Matrix<Acc> u = x.template cast<Acc>() * static_cast<Acc>(std::sqrt(temperature_));
     logits.resize(u.rows(), w_.rows());
-    logits.noalias() = u * weights<Scalar>().transpose();
-    half_sq_norm = Scalar(0.5) * u.rowwise().squaredNorm();
+    logits.noalias() = u * weights<Acc>().transpose();
+    half_sq_norm = Acc(0.5) * u.rowwise().squaredNorm();
   }
 
   Eigen::Index input_dim() const { return w_.cols(); }
@@ -202,6 +206,8 @@ class PositiveRandomFeatures {
  public:
   /// Tells the kernels to use scaled_features and the log-scale stabiliser.
   static constexpr bool log_scaled = true;
+  /// Largest |W u| computed in float for float inputs; beyond it the logits use double.
+  static constexpr float kFloatLogitLimit = 32.0f;
 
   /// @param input_dim     Dk, the width of q and k
   /// @param num_features  m, rows of W (C = m, or 2m when hyperbolic)
@@ -241,24 +247,41 @@ class PositiveRandomFeatures {
   Matrix<typename Derived::Scalar> scaled_features(const Eigen::MatrixBase<Derived>& x,
                                                    Vector<double>& log_scale) const {
     using Scalar = typename Derived::Scalar;
-    Matrix<Scalar> logits;
-    Vector<Scalar> half_sq;
-    projection_.project(x, logits, half_sq, "PositiveRandomFeatures");
+    Matrix<double> logits;
+    Vector<double> half_sq;
+    if constexpr (std::is_same_v<Scalar, float>) {
+      // Float logits are exact enough while they are small; past kFloatLogitLimit their
+      // rounding (~1e-5 relative in the features at exponents near 200) would also differ
+      // between a chunk's GEMM and a single token's GEMV, so those inputs go through double.
+      Matrix<float> fast;
+      Vector<float> fast_half_sq;
+      projection_.project<float>(x, fast, fast_half_sq, "PositiveRandomFeatures");
+      if (fast.cwiseAbs().maxCoeff() <= kFloatLogitLimit) {
+        logits = fast.cast<double>();
+        half_sq = fast_half_sq.cast<double>();
+      } else {
+        projection_.project<double>(x, logits, half_sq, "PositiveRandomFeatures");
+      }
+    } else {
+      projection_.project<double>(x, logits, half_sq, "PositiveRandomFeatures");
+    }
     const bool hyperbolic = projection_.options().hyperbolic;
     const Eigen::Index m = logits.cols();
     Matrix<Scalar> phi(logits.rows(), hyperbolic ? 2 * m : m);
     log_scale.resize(logits.rows());
     const double log_norm = 0.5 * std::log(static_cast<double>(phi.cols()));
     for (Eigen::Index r = 0; r < logits.rows(); ++r) {
-      const Scalar top =
+      const double top =
           hyperbolic ? logits.row(r).cwiseAbs().maxCoeff() : logits.row(r).maxCoeff();
       // Eigen's vectorised exp clamps arguments below about -88 (float) to exp(-88) instead of
       // flushing to 0; exp(x / 2)^2 flushes them, so tiny features cannot pose as weights.
-      phi.row(r).head(m) = (Scalar(0.5) * (logits.row(r).array() - top)).exp().square();
+      phi.row(r).head(m) =
+          (0.5 * (logits.row(r).array() - top)).template cast<Scalar>().exp().square();
       if (hyperbolic) {
-        phi.row(r).tail(m) = (Scalar(-0.5) * (logits.row(r).array() + top)).exp().square();
+        phi.row(r).tail(m) =
+            (-0.5 * (logits.row(r).array() + top)).template cast<Scalar>().exp().square();
       }
-      log_scale(r) = static_cast<double>(top) - static_cast<double>(half_sq(r)) - log_norm;
+      log_scale(r) = top - half_sq(r) - log_norm;
     }
     return phi;
   }
@@ -335,7 +358,7 @@ class RandomFourierFeatures {
     using Scalar = typename Derived::Scalar;
     Matrix<Scalar> logits;
     Vector<Scalar> half_sq;
-    projection_.project(x, logits, half_sq, "RandomFourierFeatures");
+    projection_.project<Scalar>(x, logits, half_sq, "RandomFourierFeatures");
     const Eigen::Index m = logits.cols();
     const Scalar norm = Scalar(1) / std::sqrt(static_cast<Scalar>(m));
     Matrix<Scalar> phi(logits.rows(), 2 * m);
