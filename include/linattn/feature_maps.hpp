@@ -247,42 +247,23 @@ class PositiveRandomFeatures {
   Matrix<typename Derived::Scalar> scaled_features(const Eigen::MatrixBase<Derived>& x,
                                                    Vector<double>& log_scale) const {
     using Scalar = typename Derived::Scalar;
-    Matrix<double> logits;
-    Vector<double> half_sq;
+    Matrix<Scalar> phi;
     if constexpr (std::is_same_v<Scalar, float>) {
       // Float logits are exact enough while they are small; past kFloatLogitLimit their
       // rounding (~1e-5 relative in the features at exponents near 200) would also differ
       // between a chunk's GEMM and a single token's GEMV, so those inputs go through double.
-      Matrix<float> fast;
-      Vector<float> fast_half_sq;
-      projection_.project<float>(x, fast, fast_half_sq, "PositiveRandomFeatures");
-      if (fast.cwiseAbs().maxCoeff() <= kFloatLogitLimit) {
-        logits = fast.cast<double>();
-        half_sq = fast_half_sq.cast<double>();
-      } else {
-        projection_.project<double>(x, logits, half_sq, "PositiveRandomFeatures");
+      Matrix<float> logits;
+      Vector<float> half_sq;
+      projection_.project<float>(x, logits, half_sq, "PositiveRandomFeatures");
+      if (logits.cwiseAbs().maxCoeff() <= kFloatLogitLimit) {
+        exponentiate(logits, half_sq, phi, log_scale);
+        return phi;
       }
-    } else {
-      projection_.project<double>(x, logits, half_sq, "PositiveRandomFeatures");
     }
-    const bool hyperbolic = projection_.options().hyperbolic;
-    const Eigen::Index m = logits.cols();
-    Matrix<Scalar> phi(logits.rows(), hyperbolic ? 2 * m : m);
-    log_scale.resize(logits.rows());
-    const double log_norm = 0.5 * std::log(static_cast<double>(phi.cols()));
-    for (Eigen::Index r = 0; r < logits.rows(); ++r) {
-      const double top =
-          hyperbolic ? logits.row(r).cwiseAbs().maxCoeff() : logits.row(r).maxCoeff();
-      // Eigen's vectorised exp clamps arguments below about -88 (float) to exp(-88) instead of
-      // flushing to 0; exp(x / 2)^2 flushes them, so tiny features cannot pose as weights.
-      phi.row(r).head(m) =
-          (0.5 * (logits.row(r).array() - top)).template cast<Scalar>().exp().square();
-      if (hyperbolic) {
-        phi.row(r).tail(m) =
-            (-0.5 * (logits.row(r).array() + top)).template cast<Scalar>().exp().square();
-      }
-      log_scale(r) = top - half_sq(r) - log_norm;
-    }
+    Matrix<double> logits;
+    Vector<double> half_sq;
+    projection_.project<double>(x, logits, half_sq, "PositiveRandomFeatures");
+    exponentiate(logits, half_sq, phi, log_scale);
     return phi;
   }
 
@@ -305,6 +286,30 @@ class PositiveRandomFeatures {
       phi.row(r) *= static_cast<Scalar>(std::exp(log_scale(r)));
     }
     return phi;
+  }
+
+  /// phi rows = exp(logits - row max) (hyperbolic: also exp(-logits - row max)), and the log
+  /// of each row's factor. Logit type L may be wider than the feature type Scalar.
+  template <class L, class Scalar>
+  void exponentiate(const Matrix<L>& logits, const Vector<L>& half_sq, Matrix<Scalar>& phi,
+                    Vector<double>& log_scale) const {
+    const bool hyperbolic = projection_.options().hyperbolic;
+    const Eigen::Index m = logits.cols();
+    phi.resize(logits.rows(), hyperbolic ? 2 * m : m);
+    log_scale.resize(logits.rows());
+    const double log_norm = 0.5 * std::log(static_cast<double>(phi.cols()));
+    for (Eigen::Index r = 0; r < logits.rows(); ++r) {
+      const L top = hyperbolic ? logits.row(r).cwiseAbs().maxCoeff() : logits.row(r).maxCoeff();
+      // Eigen's vectorised exp clamps arguments below about -88 (float) to exp(-88) instead of
+      // flushing to 0; exp(x / 2)^2 flushes them, so tiny features cannot pose as weights.
+      phi.row(r).head(m) =
+          (L(0.5) * (logits.row(r).array() - top)).template cast<Scalar>().exp().square();
+      if (hyperbolic) {
+        phi.row(r).tail(m) =
+            (L(-0.5) * (logits.row(r).array() + top)).template cast<Scalar>().exp().square();
+      }
+      log_scale(r) = static_cast<double>(top) - static_cast<double>(half_sq(r)) - log_norm;
+    }
   }
 
   detail::RandomProjection projection_;

@@ -8,6 +8,10 @@
 #include <linattn/config.hpp>
 #include <type_traits>
 
+#ifndef LINATTN_STREAM_TOKEN_BLOCK
+#define LINATTN_STREAM_TOKEN_BLOCK 512
+#endif
+
 namespace linattn::detail {
 
 /// Operands of one streamed block: row-major with leading dimensions (ld*) in elements.
@@ -169,6 +173,20 @@ void stream_product(const StreamOperands<T>& a) {
     for_each_column_tile<T>(a.value_dim, [&](auto packet, auto packets, Eigen::Index col) {
       token_columns<T, decltype(packet), decltype(packets)::value>(a, col);
     });
+    return;
+  }
+  // Token blocks small enough that a block's v and num rows stay in L1 across the row tiles.
+  constexpr Eigen::Index kTokenBlock = LINATTN_STREAM_TOKEN_BLOCK / sizeof(T);
+  if (a.tokens > kTokenBlock) {
+    StreamOperands<T> block = a;
+    for (Eigen::Index t = 0; t < a.tokens; t += kTokenBlock) {
+      block.q = a.q + t * a.ldq;
+      block.k = a.k + t * a.ldk;
+      block.v = a.v + t * a.ldv;
+      block.num = a.num + t * a.ldn;
+      block.tokens = std::min(kTokenBlock, a.tokens - t);
+      stream_product(block);
+    }
     return;
   }
   constexpr int kRows = StreamShape<T>::kRows;
