@@ -106,7 +106,7 @@ def decode_section(decode, scalar, plot_rows):
         kv = decode.get(("BM_KVCacheStep", scalar, t))
         win = decode.get(("BM_SlidingWindowStep", scalar, t))
         secs = [e["seconds"] if e else None for e in (rnn, kv, win)]
-        speedup = f"{secs[1] / secs[0]:.0f}x" if secs[0] and secs[1] else "-"
+        speedup = f"{secs[1] / secs[0]:.3g}x" if secs[0] and secs[1] else "-"
         rows.append([t] + [fmt_time(s) for s in secs] + [speedup] +
                     [fmt_bytes(e["bytes"]) if e else "-" for e in (rnn, kv, win)])
         plot_rows.append((scalar, t, secs))
@@ -154,6 +154,8 @@ def plot(bench_dir, causal_rows, decode_rows):
     script = f"""
 set terminal pngcairo size 900,600 noenhanced
 set logscale xy
+set format x '%g'
+set format y '%g'
 set grid
 set key top left
 set output 'causal_time.png'
