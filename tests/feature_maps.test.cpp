@@ -186,7 +186,8 @@ Matrix<double> causal_from_log_weights(const Matrix<double>& l, const Matrix<dou
       num += w * v.row(j);
       den += w;
     }
-    out.row(i) = num / (den + eps * std::exp(-top));
+    // eps = 0 stays 0 (0 * exp(-top) would be 0 * inf for very negative log weights).
+    out.row(i) = num / (den + (eps == 0.0 ? 0.0 : eps * std::exp(-top)));
   }
   return out;
 }
@@ -996,5 +997,54 @@ TEST_CASE("W is pinned bit for bit: the same seed gives the same W on every plat
     INFO("x = " << x);
     CHECK(std::abs(linattn::detail::portable_log(x) - std::log(x)) <=
           4e-16 * std::max(1.0, std::abs(std::log(x))));
+  }
+}
+
+TEST_CASE("FAVOR+ in float with inputs of norm 10 to 100 matches a log-space reference",
+          "[feature_maps][favor][overflow]") {
+  // With inputs this large every phi(q) . phi(k) is below exp(-300); eps = 1e-6 added outside
+  // would then dominate and make the exact output ~1e-290, zero in float, so eps = 0 here
+  // (the normalised output is then a weighted mean of values, scale-free).
+  // Up to norm ~30 the float path holds; at norm 100 single feature products span more than
+  // float's exponent range, and the double accumulator (which also computes the features in
+  // double) is the documented remedy.
+  const Index dk = 16, m = 32, n = 120, dv = 3;
+  const PositiveRandomFeatures map(dk, m, 21);
+  linattn::Options opts;
+  opts.eps = 0.0;
+  for (const double norm : {10.0, 30.0, 100.0}) {
+    Matrix<double> qd = gaussian<double>(n, dk, 611, 1.0), kd = gaussian<double>(n, dk, 612, 1.0);
+    qd.rowwise().normalize();
+    kd.rowwise().normalize();
+    qd *= norm;
+    kd *= norm;
+    const Matrix<float> q = qd.cast<float>(), k = kd.cast<float>();
+    const Matrix<float> v = gaussian<float>(n, dv, 613, 1.0);
+    const Matrix<double> l =
+        log_kernel(prf_log_features(q.cast<double>(), map.projection(), map.temperature(), false),
+                   prf_log_features(k.cast<double>(), map.projection(), map.temperature(), false));
+    const Matrix<double> ref = causal_from_log_weights(l, v.cast<double>(), 1.0, 0.0);
+    const bool wide = norm > 30.0;
+    const Matrix<float> parallel =
+        wide ? linattn::causal_linear_attention<double>(q, k, v, map, opts)
+             : linattn::causal_linear_attention(q, k, v, map, opts);
+    Matrix<float> recurrent(n, dv);
+    linattn::RecurrentState<float> narrow_state(m, dv, opts);
+    linattn::RecurrentState<float, double> wide_state(m, dv, opts);
+    for (Index i = 0; i < n; ++i) {
+      recurrent.row(i) = wide ? wide_state.step(q.row(i), k.row(i), v.row(i), map)
+                              : narrow_state.step(q.row(i), k.row(i), v.row(i), map);
+    }
+    const Matrix<float> plain = linattn::causal_linear_attention(q, k, v, map, opts);
+    WARN("FAVOR+ input norm " << norm << ": log weights in [" << l.minCoeff() << ", "
+                              << l.maxCoeff() << "], error " << relative_error(parallel, ref)
+                              << (wide ? " (double accumulator; plain float: " : " (plain float")
+                              << (wide ? relative_error(plain, ref) : 0.0) << ")");
+    if (norm == 100.0) REQUIRE(l.maxCoeff() < -100.0);  // plain float features underflow to 0
+    CHECK(parallel.allFinite());
+    CHECK(recurrent.allFinite());
+    CHECK(plain.allFinite());
+    CHECK(relative_error(parallel, ref) <= 1e-4);
+    CHECK(relative_error(recurrent, ref) <= 1e-4);
   }
 }

@@ -8,6 +8,10 @@
 #include <linattn/detail/validate.hpp>
 #include <type_traits>
 
+/// Every entry point takes an optional first template argument, the accumulation type of the
+/// state and the sums: `causal_linear_attention<double>(q_float, k_float, v_float, map)` keeps
+/// float inputs and outputs but accumulates in double (at the double rate), for very long
+/// sequences. It defaults to the input type.
 namespace linattn {
 
 namespace detail {
@@ -20,12 +24,18 @@ using enable_if_same_scalar =
 template <class Map>
 using enable_if_feature_map = std::enable_if_t<is_feature_map<Map>::value>;
 
-/// Runs the causal or non-causal kernel over `source` from an empty state into `out`.
-template <class Source>
+/// The accumulation type: Acc, or the input scalar when Acc is void.
+template <class Acc, class Scalar>
+using accumulator_t = std::conditional_t<std::is_void_v<Acc>, Scalar, Acc>;
+
+/// Runs the causal or non-causal kernel over `source` from an empty state into `out`, with
+/// the state and every sum in Acc.
+template <class Acc, class Source>
 void run_attention(const Source& source, Eigen::Ref<Matrix<typename Source::Scalar>> out,
                    const Options& options, bool causal) {
-  using Scalar = typename Source::Scalar;
-  static_assert(is_supported_scalar<Scalar>, "linattn kernels take float or double inputs");
+  using Scalar = accumulator_t<Acc, typename Source::Scalar>;
+  static_assert(is_supported_scalar<typename Source::Scalar> && is_supported_scalar<Scalar>,
+                "linattn kernels take float or double inputs and accumulators");
   // The non-causal sums are plain GEMMs, which like longer panels than the causal chunk.
   Options tuned = options;
   if (!causal) tuned.chunk = std::max<Eigen::Index>(options.chunk, 256);
@@ -39,28 +49,28 @@ void run_attention(const Source& source, Eigen::Ref<Matrix<typename Source::Scal
 }
 
 /// Validates featurized inputs and runs the causal or non-causal kernel into `out`.
-template <class DQ, class DK, class DV>
+template <class Acc, class DQ, class DK, class DV>
 void featurized_attention(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
                           const Eigen::MatrixBase<DV>& v,
                           Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
                           bool causal, const char* where) {
   validate_sequence(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
   require_output_shape(out, phi_q.rows(), v.cols(), where);
-  run_attention(FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()), out,
-                options, causal);
+  run_attention<Acc>(FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()),
+                     out, options, causal);
 }
 
 /// Validates raw inputs and runs the kernel with `map` applied chunk by chunk.
-template <class DQ, class DK, class DV, class Map>
+template <class Acc, class DQ, class DK, class DV, class Map>
 void mapped_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                       const Eigen::MatrixBase<DV>& v, const Map& map,
                       Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
                       bool causal, const char* where) {
   validate_sequence(q, k, v, options, where, "q", "k");
   require_output_shape(out, q.rows(), v.cols(), where);
-  run_attention(MappedSource<DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(), map,
-                                              options.check_finite, where),
-                out, options, causal);
+  run_attention<Acc>(MappedSource<DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(), map,
+                                                   options.check_finite, where),
+                     out, options, causal);
 }
 
 }  // namespace detail
@@ -73,26 +83,28 @@ void mapped_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK
 /// @param v      N x Dv values
 /// @param out    N x Dv result (may not alias the inputs)
 /// @param options  eps, decay, normalize, chunk, check_finite
-template <class DQ, class DK, class DV, class = detail::enable_if_same_scalar<DQ, DK, DV>>
+template <class Acc = void, class DQ, class DK, class DV,
+          class = detail::enable_if_same_scalar<DQ, DK, DV>>
 void causal_linear_attention_into(const Eigen::MatrixBase<DQ>& phi_q,
                                   const Eigen::MatrixBase<DK>& phi_k,
                                   const Eigen::MatrixBase<DV>& v,
                                   Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                                   const Options& options = {}) {
-  detail::featurized_attention(phi_q, phi_k, v, out, options, true, "causal_linear_attention");
+  detail::featurized_attention<Acc>(phi_q, phi_k, v, out, options, true, "causal_linear_attention");
 }
 
 /// Causal linear attention on featurized inputs; returns N x Dv. See causal_linear_attention_into.
 /// @param phi_q  N x C featurized queries
 /// @param phi_k  N x C featurized keys
 /// @param v      N x Dv values
-template <class DQ, class DK, class DV, class = detail::enable_if_same_scalar<DQ, DK, DV>>
+template <class Acc = void, class DQ, class DK, class DV,
+          class = detail::enable_if_same_scalar<DQ, DK, DV>>
 Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>& phi_q,
                                                     const Eigen::MatrixBase<DK>& phi_k,
                                                     const Eigen::MatrixBase<DV>& v,
                                                     const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(phi_q.rows(), v.cols());
-  causal_linear_attention_into(phi_q, phi_k, v, out, options);
+  causal_linear_attention_into<Acc>(phi_q, phi_k, v, out, options);
   return out;
 }
 
@@ -103,14 +115,14 @@ Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>&
 /// @param v    N x Dv values
 /// @param map  feature map (EluPlusOne, Relu, PositiveRandomFeatures, RandomFourierFeatures, ...)
 /// @param out  N x Dv result
-template <class DQ, class DK, class DV, class Map,
+template <class Acc = void, class DQ, class DK, class DV, class Map,
           class = detail::enable_if_same_scalar<DQ, DK, DV>,
           class = detail::enable_if_feature_map<Map>>
 void causal_linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                                   const Eigen::MatrixBase<DV>& v, const Map& map,
                                   Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                                   const Options& options = {}) {
-  detail::mapped_attention(q, k, v, map, out, options, true, "causal_linear_attention");
+  detail::mapped_attention<Acc>(q, k, v, map, out, options, true, "causal_linear_attention");
 }
 
 /// Causal linear attention with a feature map; returns N x Dv.
@@ -118,7 +130,7 @@ void causal_linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::M
 /// @param k    N x Dk keys
 /// @param v    N x Dv values
 /// @param map  feature map
-template <class DQ, class DK, class DV, class Map,
+template <class Acc = void, class DQ, class DK, class DV, class Map,
           class = detail::enable_if_same_scalar<DQ, DK, DV>,
           class = detail::enable_if_feature_map<Map>>
 Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>& q,
@@ -126,7 +138,7 @@ Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>&
                                                     const Eigen::MatrixBase<DV>& v, const Map& map,
                                                     const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
-  causal_linear_attention_into(q, k, v, map, out, options);
+  causal_linear_attention_into<Acc>(q, k, v, map, out, options);
   return out;
 }
 
@@ -136,25 +148,27 @@ Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>&
 /// @param phi_k  N x C featurized keys
 /// @param v      N x Dv values
 /// @param out    N x Dv result
-template <class DQ, class DK, class DV, class = detail::enable_if_same_scalar<DQ, DK, DV>>
+template <class Acc = void, class DQ, class DK, class DV,
+          class = detail::enable_if_same_scalar<DQ, DK, DV>>
 void linear_attention_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
                            const Eigen::MatrixBase<DV>& v,
                            Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                            const Options& options = {}) {
-  detail::featurized_attention(phi_q, phi_k, v, out, options, false, "linear_attention");
+  detail::featurized_attention<Acc>(phi_q, phi_k, v, out, options, false, "linear_attention");
 }
 
 /// Non-causal linear attention on featurized inputs; returns N x Dv.
 /// @param phi_q  N x C featurized queries
 /// @param phi_k  N x C featurized keys
 /// @param v      N x Dv values
-template <class DQ, class DK, class DV, class = detail::enable_if_same_scalar<DQ, DK, DV>>
+template <class Acc = void, class DQ, class DK, class DV,
+          class = detail::enable_if_same_scalar<DQ, DK, DV>>
 Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& phi_q,
                                              const Eigen::MatrixBase<DK>& phi_k,
                                              const Eigen::MatrixBase<DV>& v,
                                              const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(phi_q.rows(), v.cols());
-  linear_attention_into(phi_q, phi_k, v, out, options);
+  linear_attention_into<Acc>(phi_q, phi_k, v, out, options);
   return out;
 }
 
@@ -164,14 +178,14 @@ Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& phi_q,
 /// @param v    N x Dv values
 /// @param map  feature map
 /// @param out  N x Dv result
-template <class DQ, class DK, class DV, class Map,
+template <class Acc = void, class DQ, class DK, class DV, class Map,
           class = detail::enable_if_same_scalar<DQ, DK, DV>,
           class = detail::enable_if_feature_map<Map>>
 void linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                            const Eigen::MatrixBase<DV>& v, const Map& map,
                            Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                            const Options& options = {}) {
-  detail::mapped_attention(q, k, v, map, out, options, false, "linear_attention");
+  detail::mapped_attention<Acc>(q, k, v, map, out, options, false, "linear_attention");
 }
 
 /// Non-causal linear attention with a feature map; returns N x Dv.
@@ -179,7 +193,7 @@ void linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBa
 /// @param k    N x Dk keys
 /// @param v    N x Dv values
 /// @param map  feature map
-template <class DQ, class DK, class DV, class Map,
+template <class Acc = void, class DQ, class DK, class DV, class Map,
           class = detail::enable_if_same_scalar<DQ, DK, DV>,
           class = detail::enable_if_feature_map<Map>>
 Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& q,
@@ -187,7 +201,7 @@ Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& q,
                                              const Eigen::MatrixBase<DV>& v, const Map& map,
                                              const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
-  linear_attention_into(q, k, v, map, out, options);
+  linear_attention_into<Acc>(q, k, v, map, out, options);
   return out;
 }
 

@@ -27,9 +27,14 @@ namespace linattn {
 /// S and z are stored scaled: the true sums are exp(log_scale()) * s() and z(). With plain
 /// feature maps log_scale() is 0 and s(), z() are the sums themselves; exponential maps
 /// (PositiveRandomFeatures, passed to the map overloads) move it so nothing overflows.
-template <class T>
+///
+/// Acc is the type of the state and of every sum (default T): RecurrentState<float, double>
+/// takes and returns float but accumulates in double, for sequences long enough that float
+/// sums lose digits (a million tokens and more).
+template <class T, class Acc = T>
 class RecurrentState {
-  static_assert(detail::is_supported_scalar<T>, "RecurrentState<T> takes float or double");
+  static_assert(detail::is_supported_scalar<T> && detail::is_supported_scalar<Acc>,
+                "RecurrentState<T, Acc> takes float or double");
 
  public:
   /// @param feature_dim  C, the width of phi(q) and phi(k)
@@ -41,7 +46,8 @@ class RecurrentState {
         options_(options),
         query_(feature_dim),
         key_(feature_dim),
-        value_(value_dim) {
+        value_(value_dim),
+        output_(std::is_same_v<T, Acc> ? 0 : value_dim) {
     detail::validate_options(options, "RecurrentState");
   }
 
@@ -67,6 +73,7 @@ class RecurrentState {
   void step_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
                  const Eigen::MatrixBase<DV>& v, Eigen::Ref<Vector<T>> out) {
     constexpr const char* where = "RecurrentState::step";
+    check_scalars<DQ, DK, DV>();
     load_token(phi_q, phi_k, v, out, where, "phi_q", "phi_k");
     advance(0.0, 0.0, !state_.unscaled(), out);
   }
@@ -95,8 +102,10 @@ class RecurrentState {
     constexpr const char* where = "RecurrentState::step";
     detail::require_vector(q, q.size(), where, "q");
     detail::require_vector(k, q.size(), where, "k");
-    const Matrix<T> raw_q = q.reshaped().transpose();
-    const Matrix<T> raw_k = k.reshaped().transpose();
+    check_scalars<DQ, DK, DV>();
+    // Featurized in the accumulation type, as prefill does.
+    const Matrix<Acc> raw_q = q.reshaped().transpose().template cast<Acc>();
+    const Matrix<Acc> raw_k = k.reshaped().transpose().template cast<Acc>();
     if (options_.check_finite) {
       detail::require_finite(raw_q, where, "q");
       detail::require_finite(raw_k, where, "k");
@@ -109,8 +118,8 @@ class RecurrentState {
     }
     if constexpr (detail::is_log_scaled<Map>::value) {
       Vector<double> log_q, log_k;
-      const Matrix<T> phi_q = map.scaled_features(raw_q, log_q);
-      const Matrix<T> phi_k = map.scaled_features(raw_k, log_k);
+      const Matrix<Acc> phi_q = map.scaled_features(raw_q, log_q);
+      const Matrix<Acc> phi_k = map.scaled_features(raw_k, log_k);
       load_token(phi_q, phi_k, v, out, where, "phi(q)", "phi(k)");
       advance(log_q(0), log_k(0), true, out);
     } else {
@@ -177,9 +186,9 @@ class RecurrentState {
   }
 
   /// S scaled by exp(-log_scale()), C x Dv.
-  const Matrix<T>& s() const { return state_.s; }
+  const Matrix<Acc>& s() const { return state_.s; }
   /// z scaled by exp(-log_scale()), C.
-  const Vector<T>& z() const { return state_.z; }
+  const Vector<Acc>& z() const { return state_.z; }
   /// Natural log of the factor s() and z() miss: 0 for plain maps, -infinity before any token.
   double log_scale() const { return state_.log_scale; }
   /// Tokens added since construction or reset.
@@ -202,7 +211,7 @@ class RecurrentState {
     detail::LittleEndianWriter out(os);
     out.put_bytes(magic(), sizeof(kMagic));
     out.put<std::uint32_t>(kFormatVersion);
-    out.put<std::uint32_t>(static_cast<std::uint32_t>(sizeof(T)));
+    out.put<std::uint32_t>(static_cast<std::uint32_t>(sizeof(Acc)));
     out.put<std::uint64_t>(static_cast<std::uint64_t>(feature_dim()));
     out.put<std::uint64_t>(static_cast<std::uint64_t>(value_dim()));
     out.put<double>(options_.eps);
@@ -213,9 +222,9 @@ class RecurrentState {
     out.put<std::int64_t>(tokens_);
     out.put<double>(state_.log_scale);
     for (Eigen::Index r = 0; r < feature_dim(); ++r) {
-      for (Eigen::Index c = 0; c < value_dim(); ++c) out.put<T>(state_.s(r, c));
+      for (Eigen::Index c = 0; c < value_dim(); ++c) out.put<Acc>(state_.s(r, c));
     }
-    for (Eigen::Index r = 0; r < feature_dim(); ++r) out.put<T>(state_.z(r));
+    for (Eigen::Index r = 0; r < feature_dim(); ++r) out.put<Acc>(state_.z(r));
     const std::uint32_t checksum = out.checksum();
     out.put<std::uint32_t>(checksum);
     if (!os) throw Error("RecurrentState::save: the stream failed while writing");
@@ -237,10 +246,10 @@ class RecurrentState {
                   ", this build reads version " + std::to_string(kFormatVersion));
     }
     const auto scalar_size = in.get<std::uint32_t>("the scalar type");
-    if (scalar_size != sizeof(T)) {
+    if (scalar_size != sizeof(Acc)) {
       throw Error(std::string(where) + ": the stream holds " + std::to_string(scalar_size) +
-                  "-byte scalars, RecurrentState<" + scalar_name() + "> needs " +
-                  std::to_string(sizeof(T)));
+                  "-byte scalars, a state accumulating in " + scalar_name() + " needs " +
+                  std::to_string(sizeof(Acc)));
     }
     const auto feature_dim = in.get<std::uint64_t>("feature_dim");
     const auto value_dim = in.get<std::uint64_t>("value_dim");
@@ -261,9 +270,9 @@ class RecurrentState {
     RecurrentState state(static_cast<Eigen::Index>(feature_dim),
                          static_cast<Eigen::Index>(value_dim), Options{});
     for (Eigen::Index r = 0; r < state.feature_dim(); ++r) {
-      for (Eigen::Index c = 0; c < state.value_dim(); ++c) state.state_.s(r, c) = in.get<T>("S");
+      for (Eigen::Index c = 0; c < state.value_dim(); ++c) state.state_.s(r, c) = in.get<Acc>("S");
     }
-    for (Eigen::Index r = 0; r < state.feature_dim(); ++r) state.state_.z(r) = in.get<T>("z");
+    for (Eigen::Index r = 0; r < state.feature_dim(); ++r) state.state_.z(r) = in.get<Acc>("z");
     const std::uint32_t computed = in.checksum();
     const auto stored = in.get<std::uint32_t>("the checksum");
     if (stored != computed) {
@@ -288,7 +297,7 @@ class RecurrentState {
   static constexpr std::uint32_t kFormatVersion = 1;
 
   static const unsigned char* magic() { return reinterpret_cast<const unsigned char*>(kMagic); }
-  static std::string scalar_name() { return std::is_same_v<T, float> ? "float" : "double"; }
+  static std::string scalar_name() { return std::is_same_v<Acc, float> ? "float" : "double"; }
 
   template <class DQ, class DK, class DV>
   static void check_scalars() {
@@ -312,7 +321,6 @@ class RecurrentState {
   void load_token(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
                   const Eigen::MatrixBase<DV>& v, const Eigen::Ref<Vector<T>>& out,
                   const char* where, const char* q_name, const char* k_name) {
-    check_scalars<DQ, DK, DV>();
     detail::require_vector(phi_q, feature_dim(), where, q_name);
     detail::require_vector(phi_k, feature_dim(), where, k_name);
     detail::require_vector(v, value_dim(), where, "v");
@@ -322,45 +330,55 @@ class RecurrentState {
       detail::require_finite(phi_k, where, k_name);
       detail::require_finite(v, where, "v");
     }
-    query_ = phi_q.reshaped();
-    key_ = phi_k.reshaped();
-    value_ = v.reshaped();
+    query_ = phi_q.reshaped().template cast<Acc>();
+    key_ = phi_k.reshaped().template cast<Acc>();
+    value_ = v.reshaped().template cast<Acc>();
   }
 
   /// The recurrence for the token in the workspace: S and z rescaled if the scale moves, then
   /// the stream kernel's one-token pass (update S, read S^T q in the same sweep).
   /// `scaled`: key_ and query_ miss exp(log_k) and exp(log_q), or the state carries a scale.
   void advance(double log_q, double log_k, bool scaled, Eigen::Ref<Vector<T>> out) {
-    T carry = static_cast<T>(options_.decay);
+    if constexpr (std::is_same_v<T, Acc>) {
+      advance_in_accumulator(log_q, log_k, scaled, out);
+    } else {
+      advance_in_accumulator(log_q, log_k, scaled, output_);
+      out = output_.template cast<T>();
+    }
+  }
+
+  void advance_in_accumulator(double log_q, double log_k, bool scaled,
+                              Eigen::Ref<Vector<Acc>> out) {
+    Acc carry = static_cast<Acc>(options_.decay);
     double new_log = 0.0;
     if (scaled) {
       const double log_decay = std::log(options_.decay);
       new_log = std::max(state_.log_scale + log_decay, log_k);
-      carry = detail::exp_as<T>(state_.log_scale + log_decay - new_log);
-      key_ *= detail::exp_as<T>(log_k - new_log);
+      carry = detail::exp_as<Acc>(state_.log_scale + log_decay - new_log);
+      key_ *= detail::exp_as<Acc>(log_k - new_log);
     }
-    if (carry != T(1)) {
+    if (carry != Acc(1)) {
       state_.s *= carry;
       state_.z *= carry;
     }
     const Eigen::Index c = feature_dim();
     const Eigen::Index dv = value_dim();
     out.setZero();
-    const detail::StreamOperands<T> operands{query_.data(),
-                                             c,
-                                             key_.data(),
-                                             c,
-                                             value_.data(),
-                                             dv,
-                                             state_.s.data(),
-                                             dv,
-                                             out.data(),
-                                             dv,
-                                             1,
-                                             c,
-                                             dv};
+    const detail::StreamOperands<Acc> operands{query_.data(),
+                                               c,
+                                               key_.data(),
+                                               c,
+                                               value_.data(),
+                                               dv,
+                                               state_.s.data(),
+                                               dv,
+                                               out.data(),
+                                               dv,
+                                               1,
+                                               c,
+                                               dv};
     detail::stream_product(operands);
-    T den(0);
+    Acc den(0);
     detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, state_.z.data(), &den);
     state_.log_scale = new_log;
     ++tokens_;
@@ -371,17 +389,18 @@ class RecurrentState {
   template <class Source>
   void run_chunked(const Source& source, Eigen::Ref<Matrix<T>> out) {
     // Work on a copy so a throw from a feature map leaves the state as it was.
-    detail::CarriedState<T> next = state_;
-    detail::ChunkedKernel<T> kernel(feature_dim(), value_dim(), source.rows(), options_);
+    detail::CarriedState<Acc> next = state_;
+    detail::ChunkedKernel<Acc> kernel(feature_dim(), value_dim(), source.rows(), options_);
     kernel.causal(source, next, out);
     state_ = std::move(next);
     tokens_ += source.rows();
   }
 
-  detail::CarriedState<T> state_;
+  detail::CarriedState<Acc> state_;
   Options options_;
   std::int64_t tokens_ = 0;
-  Vector<T> query_, key_, value_;
+  Vector<Acc> query_, key_, value_;
+  Vector<Acc> output_;  ///< Dv; used when Acc differs from T
 };
 
 }  // namespace linattn

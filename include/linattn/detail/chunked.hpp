@@ -78,11 +78,12 @@ void write_output_row(const Eigen::MatrixBase<NumRow>& num, T den, double log_fa
                       const Options& options, const Eigen::MatrixBase<OutRow>& out_expr) {
   // Eigen's idiom for writing through an expression argument.
   Eigen::MatrixBase<OutRow>& out = const_cast<Eigen::MatrixBase<OutRow>&>(out_expr);
+  using Out = typename OutRow::Scalar;
   if (!options.normalize) {
     if (log_factor == 0.0) {
-      out = num;
+      out = num.template cast<Out>();
     } else {
-      out = num * exp_as<T>(log_factor);
+      out = (num * exp_as<T>(log_factor)).template cast<Out>();
     }
     return;
   }
@@ -94,7 +95,7 @@ void write_output_row(const Eigen::MatrixBase<NumRow>& num, T den, double log_fa
   if (d == T(0)) {
     out.setZero();
   } else {
-    out = num / d;
+    out = (num / d).template cast<Out>();
   }
 }
 
@@ -112,12 +113,14 @@ class FeaturizedSource {
   Eigen::Index feature_dim() const { return phi_q_.cols(); }
   Eigen::Index value_dim() const { return v_.cols(); }
 
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Scalar>& buf) const {
-    buf.q.topRows(len) = phi_q_.middleRows(begin, len);
+  template <class Acc>
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+    buf.q.topRows(len) = phi_q_.middleRows(begin, len).template cast<Acc>();
   }
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Scalar>& buf) const {
-    buf.k.topRows(len) = phi_k_.middleRows(begin, len);
-    buf.v.topRows(len) = v_.middleRows(begin, len);
+  template <class Acc>
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+    buf.k.topRows(len) = phi_k_.middleRows(begin, len).template cast<Acc>();
+    buf.v.topRows(len) = v_.middleRows(begin, len).template cast<Acc>();
   }
 
  private:
@@ -152,27 +155,32 @@ class MappedSource {
   Eigen::Index feature_dim() const { return feature_dim_; }
   Eigen::Index value_dim() const { return v_.cols(); }
 
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Scalar>& buf) const {
+  template <class Acc>
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+    // Featurized in the accumulation type: a double accumulator also gets double features.
+    const Matrix<Acc> x = q_.middleRows(begin, len).template cast<Acc>();
     if constexpr (log_scaled) {
-      store(map_.scaled_features(q_.middleRows(begin, len), log_scratch_), buf.q, len, "queries");
+      store(map_.scaled_features(x, log_scratch_), buf.q, len, "queries");
       buf.log_q.head(len) = log_scratch_;
     } else {
-      store(map_.queries(q_.middleRows(begin, len)), buf.q, len, "queries");
+      store(map_.queries(x), buf.q, len, "queries");
     }
   }
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Scalar>& buf) const {
+  template <class Acc>
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+    const Matrix<Acc> x = k_.middleRows(begin, len).template cast<Acc>();
     if constexpr (log_scaled) {
-      store(map_.scaled_features(k_.middleRows(begin, len), log_scratch_), buf.k, len, "keys");
+      store(map_.scaled_features(x, log_scratch_), buf.k, len, "keys");
       buf.log_k.head(len) = log_scratch_;
     } else {
-      store(map_.keys(k_.middleRows(begin, len)), buf.k, len, "keys");
+      store(map_.keys(x), buf.k, len, "keys");
     }
-    buf.v.topRows(len) = v_.middleRows(begin, len);
+    buf.v.topRows(len) = v_.middleRows(begin, len).template cast<Acc>();
   }
 
  private:
-  void store(const Matrix<Scalar>& phi, Matrix<Scalar>& dst, Eigen::Index len,
-             const char* what) const {
+  template <class Acc>
+  void store(const Matrix<Acc>& phi, Matrix<Acc>& dst, Eigen::Index len, const char* what) const {
     if (phi.rows() != len || phi.cols() != feature_dim_) {
       throw Error(std::string(where_) + ": the feature map's " + what + " returned " +
                   shape_string(phi) + " for " + std::to_string(len) + " rows; expected " +
@@ -206,14 +214,14 @@ class ChunkedKernel {
 
   /// Causal attention over all rows of `src`, continuing from `state` and leaving it after the
   /// last token. out: N x Dv.
-  template <class Source>
-  void causal(const Source& src, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+  template <class Source, class Out>
+  void causal(const Source& src, CarriedState<T>& state, Eigen::Ref<Matrix<Out>> out) {
     const bool scaled = Source::log_scaled || !state.unscaled();
     for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, src.rows() - begin);
       src.load_queries(begin, len, buf_);
       src.load_keys_values(begin, len, buf_);
-      Eigen::Ref<Matrix<T>> out_rows = out.middleRows(begin, len);
+      Eigen::Ref<Matrix<Out>> out_rows = out.middleRows(begin, len);
       if (!scaled && !has_decay()) {
         plain_stream_chunk(len, state, out_rows);
         continue;
@@ -228,8 +236,8 @@ class ChunkedKernel {
   }
 
   /// Non-causal attention: every query sees the sums over all keys; the decay is not used.
-  template <class Source>
-  void non_causal(const Source& src, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+  template <class Source, class Out>
+  void non_causal(const Source& src, CarriedState<T>& state, Eigen::Ref<Matrix<Out>> out) {
     const Eigen::Index n = src.rows();
     for (Eigen::Index begin = 0; begin < n; begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, n - begin);
@@ -266,9 +274,9 @@ class ChunkedKernel {
       den.noalias() = queries * state.z;
       if constexpr (Source::log_scaled) {
         buf_.output_log.head(len) = buf_.log_q.head(len).array() + state.log_scale;
-        write_scaled_output(len, out.middleRows(begin, len));
+        write_scaled_output<Out>(len, out.middleRows(begin, len));
       } else {
-        write_unscaled_output(len, out.middleRows(begin, len));
+        write_unscaled_output<Out>(len, out.middleRows(begin, len));
       }
     }
   }
@@ -281,7 +289,8 @@ class ChunkedKernel {
   static constexpr double kStreamRange = std::is_same_v<T, float> ? 40.0 : 300.0;
 
   /// No decay, no scale: the register-tiled stream over the chunk, S and z updated in place.
-  void plain_stream_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+  template <class Out>
+  void plain_stream_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<Out>> out) {
     stream_chunk(len, buf_.k, state);
     state.log_scale = 0.0;
     write_unscaled_output(len, out);
@@ -322,7 +331,8 @@ class ChunkedKernel {
   /// reference rho for the chunk, key j is weighted exp(log_k_j - (j+1) log g - rho) and
   /// output i multiplied by exp(rho - c_i + (i+1) log g); every factor is exp of at most
   /// kStreamRange. Returns false, touching nothing, when the chunk spreads wider.
-  bool scaled_stream_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+  template <class Out>
+  bool scaled_stream_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<Out>> out) {
     const double lg = log_decay_;
     const double carried = state.log_scale;
     double rho = carried;
@@ -366,7 +376,8 @@ class ChunkedKernel {
   /// Token i's output is computed relative to its own running scale c_i (scan_running_log),
   /// which looks at no later token, so every weight below is exp of a non-positive number and
   /// nothing overflows, however wide the chunk's log-scales spread.
-  void masked_product_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<T>> out) {
+  template <class Out>
+  void masked_product_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<Out>> out) {
     Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
     Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
     Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
@@ -416,14 +427,16 @@ class ChunkedKernel {
     write_scaled_output(len, out);
   }
 
-  void write_unscaled_output(Eigen::Index len, Eigen::Ref<Matrix<T>> out) const {
+  template <class Out>
+  void write_unscaled_output(Eigen::Index len, Eigen::Ref<Matrix<Out>> out) const {
     for (Eigen::Index r = 0; r < len; ++r) {
       write_output_row(buf_.num.row(r), buf_.den(r), 0.0, options_, out.row(r));
     }
   }
 
   /// Rows whose num and den miss the factor exp(output_log).
-  void write_scaled_output(Eigen::Index len, Eigen::Ref<Matrix<T>> out) const {
+  template <class Out>
+  void write_scaled_output(Eigen::Index len, Eigen::Ref<Matrix<Out>> out) const {
     for (Eigen::Index r = 0; r < len; ++r) {
       write_output_row(buf_.num.row(r), buf_.den(r), buf_.output_log(r), options_, out.row(r));
     }
