@@ -5,6 +5,7 @@
 #include <limits>
 #include <linattn/feature_maps.hpp>
 #include <linattn/linear_attention.hpp>
+#include <linattn/recurrent_state.hpp>
 #include <string>
 #include <vector>
 
@@ -328,5 +329,41 @@ TEMPLATE_TEST_CASE("zero feature rows give zero outputs, never NaN", "[linear_at
     REQUIRE(out.allFinite());
     CHECK(out.row(0).cwiseAbs().maxCoeff() == T(0));
     CHECK(out.row(17).cwiseAbs().maxCoeff() == T(0));
+  }
+}
+
+TEMPLATE_TEST_CASE("edge cases: C or Dv of 1, a single token, eps = 0, decay near 0 and 1",
+                   "[linear_attention][numerics]", float, double) {
+  using T = TestType;
+  struct Case {
+    Eigen::Index n, c, dv;
+    double decay, eps;
+  };
+  const std::vector<Case> cases = {{1, 5, 3, 1.0, 1e-6},         {300, 1, 4, 1.0, 1e-6},
+                                   {300, 6, 1, 0.9, 1e-6},       {1, 1, 1, 0.5, 0.0},
+                                   {500, 4, 3, 1.0 - 1e-9, 0.0}, {200, 4, 3, 1e-6, 1e-6},
+                                   {200, 4, 3, 1e-300, 0.0}};
+  const linattn::EluPlusOne map;
+  for (const Case& c : cases) {
+    const Matrix<T> q = gaussian<T>(c.n, c.c, 901), k = gaussian<T>(c.n, c.c, 902);
+    const Matrix<T> v = gaussian<T>(c.n, c.dv, 903);
+    linattn::Options options;
+    options.decay = c.decay;
+    options.eps = c.eps;
+    const Matrix<double> expected = naive_linear_attention(
+        map.queries(q.template cast<double>()), map.keys(k.template cast<double>()),
+        v.template cast<double>(), true, c.decay, c.eps, true);
+    const Matrix<T> parallel = linattn::causal_linear_attention(q, k, v, map, options);
+    linattn::RecurrentState<T> state(c.c, c.dv, options);
+    Matrix<T> recurrent(c.n, c.dv);
+    for (Eigen::Index i = 0; i < c.n; ++i) {
+      recurrent.row(i) = state.step(q.row(i), k.row(i), v.row(i), map).transpose();
+    }
+    INFO("N = " << c.n << ", C = " << c.c << ", Dv = " << c.dv << ", decay = " << c.decay
+                << ", eps = " << c.eps);
+    REQUIRE(parallel.allFinite());
+    REQUIRE(recurrent.allFinite());
+    CHECK(relative_error(parallel, expected) <= tolerance<T>());
+    CHECK(relative_error(recurrent, expected) <= tolerance<T>());
   }
 }

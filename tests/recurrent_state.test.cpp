@@ -11,6 +11,8 @@
 #include <linattn/recurrent_state.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "support.hpp"
 
@@ -406,12 +408,52 @@ TEST_CASE("a million float tokens: a double accumulator keeps the error at 1e-4"
   const double narrow_error = relative_error(sampled(narrow), ref);
   const double wide_error = relative_error(sampled(wide), ref);
   const double state_error = relative_error(sampled(wide_state), ref);
-  WARN("N = 1e6, float inputs: error vs double reference " << narrow_error
-                                                           << " with a float state, "
-                                                           << wide_error << " with a double one ("
-                                                           << state_error << " via RecurrentState)");
+  WARN("N = 1e6, float inputs: error vs double reference "
+       << narrow_error << " with a float state, " << wide_error << " with a double one ("
+       << state_error << " via RecurrentState)");
   CHECK(wide_error <= 1e-4);
   CHECK(state_error <= 1e-4);
-  CHECK(narrow_error > 2 * wide_error);  // the trade-off is real, not a formality
+  CHECK(narrow_error > 2 * wide_error);          // the trade-off is real, not a formality
   CHECK(state.s().cwiseAbs().maxCoeff() > 1e5);  // the sums really are large
+}
+
+TEST_CASE("threads sharing one const feature map, each with its own states, match one thread",
+          "[recurrent_state][threads]") {
+  const Eigen::Index dk = 16, dv = 8, n = 400;
+  const int sessions = 8;
+  const linattn::PositiveRandomFeatures map(dk, 32, 77);  // shared, const
+  linattn::Options options;
+  options.decay = 0.99;
+  std::vector<Matrix<float>> q, k, v, expected;
+  for (int s = 0; s < sessions; ++s) {
+    q.push_back(gaussian<float>(n, dk, 1000 + 3 * s));
+    k.push_back(gaussian<float>(n, dk, 1001 + 3 * s));
+    v.push_back(gaussian<float>(n, dv, 1002 + 3 * s));
+  }
+  // Single-threaded results first: half prefill, half steps, plus one parallel call.
+  auto run_session = [&](int s) {
+    RecurrentState<float> state(map.feature_dim(dk), dv, options);
+    Matrix<float> out(2 * n, dv);
+    out.topRows(n / 2) =
+        state.prefill(q[s].topRows(n / 2), k[s].topRows(n / 2), v[s].topRows(n / 2), map);
+    for (Eigen::Index i = n / 2; i < n; ++i) {
+      out.row(i) = state.step(q[s].row(i), k[s].row(i), v[s].row(i), map).transpose();
+    }
+    out.bottomRows(n) = linattn::causal_linear_attention(q[s], k[s], v[s], map, options);
+    return out;
+  };
+  for (int s = 0; s < sessions; ++s) expected.push_back(run_session(s));
+
+  std::vector<Matrix<float>> got(sessions);
+  std::vector<std::thread> threads;
+  for (int s = 0; s < sessions; ++s) {
+    threads.emplace_back([&, s] {
+      for (int repeat = 0; repeat < 3; ++repeat) got[s] = run_session(s);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int s = 0; s < sessions; ++s) {
+    INFO("session " << s);
+    CHECK(got[s] == expected[s]);  // bit for bit: no shared mutable state
+  }
 }
