@@ -304,6 +304,16 @@ TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persist
     CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("truncated"));
   }
   {
+    // A header within the limits (2^20 x 64) over a short payload: read as far as the stream
+    // goes, then rejected, without first allocating the 512 MiB the header claims.
+    std::string claims_big = bytes;
+    for (int i = 16; i < 32; ++i) claims_big[i] = 0;
+    claims_big[18] = 0x10;  // feature_dim = 2^20, little-endian
+    claims_big[24] = 64;    // value_dim = 64
+    std::istringstream in(claims_big);
+    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("truncated"));
+  }
+  {
     std::string flipped = bytes;
     flipped[bytes.size() - 10] ^= 1;  // inside z
     std::istringstream in(flipped);

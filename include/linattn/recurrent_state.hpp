@@ -17,6 +17,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace linattn {
 
@@ -267,12 +268,14 @@ class RecurrentState {
     options.chunk = static_cast<Eigen::Index>(in.get<std::uint64_t>("chunk"));
     const auto tokens = in.get<std::int64_t>("the token count");
     const auto log_scale = in.get<double>("the log scale");
-    RecurrentState state(static_cast<Eigen::Index>(feature_dim),
-                         static_cast<Eigen::Index>(value_dim), Options{});
-    for (Eigen::Index r = 0; r < state.feature_dim(); ++r) {
-      for (Eigen::Index c = 0; c < state.value_dim(); ++c) state.state_.s(r, c) = in.get<Acc>("S");
+    // Read the payload before allocating the state, growing with what the stream really holds:
+    // a hostile header cannot make us allocate more than about twice the bytes it sends.
+    const std::uint64_t s_entries = feature_dim * value_dim;
+    std::vector<Acc> payload;
+    payload.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(s_entries, 4096)));
+    for (std::uint64_t i = 0; i < s_entries + feature_dim; ++i) {
+      payload.push_back(in.get<Acc>(i < s_entries ? "S" : "z"));
     }
-    for (Eigen::Index r = 0; r < state.feature_dim(); ++r) state.state_.z(r) = in.get<Acc>("z");
     const std::uint32_t computed = in.checksum();
     const auto stored = in.get<std::uint32_t>("the checksum");
     if (stored != computed) {
@@ -283,10 +286,16 @@ class RecurrentState {
         log_scale == std::numeric_limits<double>::infinity()) {
       throw Error(std::string(where) + ": invalid token count or log scale");
     }
-    if (!state.state_.s.allFinite() || !state.state_.z.allFinite()) {
+    const Eigen::Map<const Matrix<Acc>> s(payload.data(), static_cast<Eigen::Index>(feature_dim),
+                                          static_cast<Eigen::Index>(value_dim));
+    const Eigen::Map<const Vector<Acc>> z(payload.data() + s_entries,
+                                          static_cast<Eigen::Index>(feature_dim));
+    if (!s.allFinite() || !z.allFinite()) {
       throw Error(std::string(where) + ": S or z holds a non-finite value");
     }
-    state.options_ = options;
+    RecurrentState state(s.rows(), s.cols(), options);
+    state.state_.s = s;
+    state.state_.z = z;
     state.tokens_ = tokens;
     state.state_.log_scale = log_scale;
     return state;
