@@ -314,6 +314,19 @@ TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persist
     CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("truncated"));
   }
   {
+    // A token count near INT64_MAX (with a valid checksum) would overflow on the next step.
+    std::string huge_count = bytes;
+    for (int i = 58; i < 66; ++i) huge_count[i] = static_cast<char>(0xFF);
+    huge_count[65] = 0x7F;
+    linattn::detail::Crc32 crc;
+    crc.update(reinterpret_cast<const unsigned char*>(huge_count.data()), huge_count.size() - 4);
+    for (int i = 0; i < 4; ++i) {
+      huge_count[huge_count.size() - 4 + i] = static_cast<char>((crc.value() >> (8 * i)) & 0xFF);
+    }
+    std::istringstream in(huge_count);
+    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("token count"));
+  }
+  {
     std::string flipped = bytes;
     flipped[bytes.size() - 10] ^= 1;  // inside z
     std::istringstream in(flipped);

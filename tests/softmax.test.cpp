@@ -160,6 +160,8 @@ TEMPLATE_TEST_CASE("softmax baselines reject bad input", "[softmax][errors]", fl
   CHECK(cache.tokens() == 0);  // nothing appended by a failed step
   CHECK_THROWS_AS(cache.truncate(1), linattn::Error);
   CHECK_THROWS_AS(cache.append(k, v.topRows(9)), linattn::Error);
+  cache.append(k.topRows(0), v.topRows(0));  // zero tokens is a no-op (found by the fuzzer)
+  CHECK(cache.tokens() == 0);
   CHECK_THROWS_AS(linattn::SoftmaxKVCache<T>(0, 3), linattn::Error);
   CHECK_THROWS_AS(linattn::SlidingWindowCache<T>(4, 3, 0), linattn::Error);
 }

@@ -282,7 +282,7 @@ class RecurrentState {
       throw Error(std::string(where) + ": checksum mismatch, the state is corrupt");
     }
     detail::validate_options(options, where);
-    if (tokens < 0 || std::isnan(log_scale) ||
+    if (tokens < 0 || tokens > kMaxTokens || std::isnan(log_scale) ||
         log_scale == std::numeric_limits<double>::infinity()) {
       throw Error(std::string(where) + ": invalid token count or log scale");
     }
@@ -304,6 +304,14 @@ class RecurrentState {
  private:
   static constexpr char kMagic[8] = {'L', 'N', 'A', 'T', 'T', 'N', 'S', '\0'};
   static constexpr std::uint32_t kFormatVersion = 1;
+  /// Token counts past this are refused (load) or would overflow (step, prefill).
+  static constexpr std::int64_t kMaxTokens = std::int64_t{1} << 62;
+
+  void require_token_room(Eigen::Index more, const char* where) const {
+    if (tokens_ > kMaxTokens - static_cast<std::int64_t>(more)) {
+      throw Error(std::string(where) + ": the token count would pass 2^62");
+    }
+  }
 
   static const unsigned char* magic() { return reinterpret_cast<const unsigned char*>(kMagic); }
   static std::string scalar_name() { return std::is_same_v<Acc, float> ? "float" : "double"; }
@@ -330,6 +338,7 @@ class RecurrentState {
   void load_token(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
                   const Eigen::MatrixBase<DV>& v, const Eigen::Ref<Vector<T>>& out,
                   const char* where, const char* q_name, const char* k_name) {
+    require_token_room(1, where);
     detail::require_vector(phi_q, feature_dim(), where, q_name);
     detail::require_vector(phi_k, feature_dim(), where, k_name);
     detail::require_vector(v, value_dim(), where, "v");
@@ -397,6 +406,7 @@ class RecurrentState {
 
   template <class Source>
   void run_chunked(const Source& source, Eigen::Ref<Matrix<T>> out) {
+    require_token_room(source.rows(), "RecurrentState::prefill");
     // Work on a copy so a throw from a feature map leaves the state as it was.
     detail::CarriedState<Acc> next = state_;
     detail::ChunkedKernel<Acc> kernel(feature_dim(), value_dim(), source.rows(), options_);

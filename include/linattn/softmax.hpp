@@ -268,6 +268,7 @@ class SoftmaxKVCache {
     }
     detail::require_finite(k, where, "k");
     detail::require_finite(v, where, "v");
+    if (k.rows() == 0) return;  // nothing to append
     reserve(size_ + k.rows());
     keys_.middleRows(size_, k.rows()) = k;
     values_.middleRows(size_, v.rows()) = v;

