@@ -7,8 +7,9 @@
 //       - every output of the linear kernels is finite;
 //       - the parallel form (causal_linear_attention), the step-by-step RecurrentState and
 //         prefill-then-step agree, on featurized inputs and through the map, in float also with
-//         double accumulation (Acc = double), and the two entry points agree with each other (unless eps is below 1e-12 with normalize on: then
-//         d = phi(q) . z + eps can be a denormal and the output is ill-conditioned);
+//         double accumulation (Acc = double), and the two entry points agree with each other
+//         (unless eps is below 1e-12 with normalize on: then d = phi(q) . z + eps can be a denormal
+//         and the output is ill-conditioned);
 //       - the last row of linear_attention equals the last row of the causal form (decay 1);
 //   * a RecurrentState with finite S and z saves and loads back to the same bytes, and the
 //     loaded copy steps to bit-identical outputs;
@@ -64,23 +65,22 @@ struct Input {
 };
 
 std::string describe(const Input& in) {
-  static const char* const kMaps[] = {"EluPlusOne",     "Relu",
-                                      "PRF",            "PRF hyperbolic",
-                                      "PRF iid/fixed",  "RandomFourierFeatures",
-                                      "raw features",   "RandomFourierFeatures iid"};
+  static const char* const kMaps[] = {"EluPlusOne",    "Relu",
+                                      "PRF",           "PRF hyperbolic",
+                                      "PRF iid/fixed", "RandomFourierFeatures",
+                                      "raw features",  "RandomFourierFeatures iid"};
   char buf[512];
-  std::snprintf(buf, sizeof(buf),
-                "%s %s N=%lld Dk=%lld Dv=%lld m=%lld seed=%llu eps=%g decay=%g chunk=%lld "
-                "normalize=%d check_finite=%d specials=%d magnitude=%g temperature=%g "
-                "scale=%g window=%lld split=%lld softmax_causal=%d",
-                in.is_double ? "double" : "float", kMaps[static_cast<int>(in.map)],
-                static_cast<long long>(in.n), static_cast<long long>(in.dk),
-                static_cast<long long>(in.dv), static_cast<long long>(in.m),
-                static_cast<unsigned long long>(in.seed), in.options.eps, in.options.decay,
-                static_cast<long long>(in.options.chunk), in.options.normalize,
-                in.options.check_finite, in.specials, in.magnitude, in.temperature, in.scale,
-                static_cast<long long>(in.window), static_cast<long long>(in.split),
-                in.softmax_causal);
+  std::snprintf(
+      buf, sizeof(buf),
+      "%s %s N=%lld Dk=%lld Dv=%lld m=%lld seed=%llu eps=%g decay=%g chunk=%lld "
+      "normalize=%d check_finite=%d specials=%d magnitude=%g temperature=%g "
+      "scale=%g window=%lld split=%lld softmax_causal=%d",
+      in.is_double ? "double" : "float", kMaps[static_cast<int>(in.map)],
+      static_cast<long long>(in.n), static_cast<long long>(in.dk), static_cast<long long>(in.dv),
+      static_cast<long long>(in.m), static_cast<unsigned long long>(in.seed), in.options.eps,
+      in.options.decay, static_cast<long long>(in.options.chunk), in.options.normalize,
+      in.options.check_finite, in.specials, in.magnitude, in.temperature, in.scale,
+      static_cast<long long>(in.window), static_cast<long long>(in.split), in.softmax_causal);
   return buf;
 }
 
@@ -208,8 +208,7 @@ void require_close(const char* what, const Eigen::MatrixBase<A>& a, const Eigen:
   Index where = 0;
   for (Index r = 0; r < a.rows(); ++r) {
     for (Index c = 0; c < a.cols(); ++c) {
-      const double d =
-          std::abs(static_cast<double>(a(r, c)) - static_cast<double>(b(r, c)));
+      const double d = std::abs(static_cast<double>(a(r, c)) - static_cast<double>(b(r, c)));
       if (!(d <= worst)) {
         worst = d;
         where = r;
@@ -276,8 +275,7 @@ std::optional<Matrix<T>> run_steps(const Input& in, const Eigen::MatrixBase<DQ>&
                                    const Map* map, Index feature_dim, const Regime& regime,
                                    const char* what) {
   std::optional<linattn::RecurrentState<T, Acc>> state;
-  if (!attempt(what, regime.must_succeed,
-               [&] { state.emplace(feature_dim, in.dv, in.options); })) {
+  if (!attempt(what, regime.must_succeed, [&] { state.emplace(feature_dim, in.dv, in.options); })) {
     return std::nullopt;
   }
   Matrix<T> out(in.n, in.dv);
@@ -324,8 +322,7 @@ std::optional<Matrix<T>> run_prefill(const Input& in, const Eigen::MatrixBase<DQ
                                      const Map* map, Index feature_dim, const Regime& regime,
                                      const char* what) {
   std::optional<linattn::RecurrentState<T>> state;
-  if (!attempt(what, regime.must_succeed,
-               [&] { state.emplace(feature_dim, in.dv, in.options); })) {
+  if (!attempt(what, regime.must_succeed, [&] { state.emplace(feature_dim, in.dv, in.options); })) {
     return std::nullopt;
   }
   Matrix<T> out(in.n, in.dv);
@@ -358,8 +355,7 @@ void run_linear(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const M
   Regime regime;
   regime.must_succeed = bounded && in.options_valid;
   regime.check = regime.must_succeed && positive;
-  regime.agree =
-      regime.check && (!in.options.normalize || in.options.eps >= 1e-12);
+  regime.agree = regime.check && (!in.options.normalize || in.options.eps >= 1e-12);
   const linattn::Options& opt = in.options;
   const Index c = map.feature_dim(in.dk);
 
@@ -368,30 +364,24 @@ void run_linear(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const M
   const Matrix<T> v_abs = v.cwiseAbs();
 
   Matrix<T> par, par_abs, non_causal;
-  const bool par_ok = attempt("causal_linear_attention(map)", regime.must_succeed, [&] {
-    par = linattn::causal_linear_attention(q, k, v, map, opt);
-  });
-  attempt("causal_linear_attention(map, |v|)", regime.must_succeed, [&] {
-    par_abs = linattn::causal_linear_attention(q, k, v_abs, map, opt);
-  });
-  const bool nc_ok = attempt("linear_attention(map)", regime.must_succeed, [&] {
-    non_causal = linattn::linear_attention(q, k, v, map, opt);
-  });
-  const auto steps =
-      run_steps<T, T>(in, q, k, v, &map, c, regime, "RecurrentState::step(map)");
+  const bool par_ok = attempt("causal_linear_attention(map)", regime.must_succeed,
+                              [&] { par = linattn::causal_linear_attention(q, k, v, map, opt); });
+  attempt("causal_linear_attention(map, |v|)", regime.must_succeed,
+          [&] { par_abs = linattn::causal_linear_attention(q, k, v_abs, map, opt); });
+  const bool nc_ok = attempt("linear_attention(map)", regime.must_succeed,
+                             [&] { non_causal = linattn::linear_attention(q, k, v, map, opt); });
+  const auto steps = run_steps<T, T>(in, q, k, v, &map, c, regime, "RecurrentState::step(map)");
   // Float inputs with double sums (the Acc template argument): same results, float tolerance.
   constexpr bool widen = std::is_same_v<T, float>;
   Matrix<T> wide_par;
   std::optional<Matrix<T>> wide_steps;
   if constexpr (widen) {
-    attempt("causal_linear_attention<double>(map)", regime.must_succeed, [&] {
-      wide_par = linattn::causal_linear_attention<double>(q, k, v, map, opt);
-    });
+    attempt("causal_linear_attention<double>(map)", regime.must_succeed,
+            [&] { wide_par = linattn::causal_linear_attention<double>(q, k, v, map, opt); });
     wide_steps = run_steps<T, double>(in, q, k, v, &map, c, regime,
                                       "RecurrentState<float, double>::step(map)");
   }
-  const auto prefill =
-      run_prefill<T>(in, q, k, v, &map, c, regime, "RecurrentState::prefill(map)");
+  const auto prefill = run_prefill<T>(in, q, k, v, &map, c, regime, "RecurrentState::prefill(map)");
 
   // Featurized entry points on the map's own features (unscaled for FAVOR+).
   Matrix<T> phi_q, phi_k;
@@ -405,9 +395,8 @@ void run_linear(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const M
   std::optional<Matrix<T>> fsteps, fprefill;
   bool fpar_ok = false;
   if (phi_ok) {
-    fpar_ok = attempt("causal_linear_attention(phi)", regime.must_succeed, [&] {
-      fpar = linattn::causal_linear_attention(phi_q, phi_k, v, opt);
-    });
+    fpar_ok = attempt("causal_linear_attention(phi)", regime.must_succeed,
+                      [&] { fpar = linattn::causal_linear_attention(phi_q, phi_k, v, opt); });
     attempt("linear_attention(phi)", regime.must_succeed,
             [&] { fnon_causal = linattn::linear_attention(phi_q, phi_k, v, opt); });
     fsteps = run_steps<T, T, std::nullptr_t>(in, phi_q, phi_k, v, nullptr, c, regime,
@@ -468,12 +457,6 @@ void require_in_hull(const char* what, const Matrix<T>& out, const Matrix<T>& v,
   }
 }
 
-/// KNOWN BUG, skipped so the fuzzer can get past it: appending 0 rows to a SoftmaxKVCache
-/// that has never held a token trips an Eigen assertion (DenseBase::resize) in
-/// SoftmaxKVCache::append, softmax.hpp: keys_ is still 0 x 0 there, not 0 x Dk. Set to true once
-/// that is fixed.
-constexpr bool kAppendNothing = false;
-
 template <class T>
 void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                  bool bounded) {
@@ -484,8 +467,8 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
   const double scale = in.scale < 0 ? 1.0 / std::sqrt(static_cast<double>(in.dk)) : in.scale;
   const double max_score = std::abs(scale) * static_cast<double>(in.dk) * max_abs(q) * max_abs(k);
   const double unit = std::numeric_limits<T>::epsilon();
-  const double tol = (8.0 * unit * (max_score + 1.0) * static_cast<double>(in.dk + 2) + 1e-5) *
-                         max_abs(v) + 1e-6;
+  const double tol =
+      (8.0 * unit * (max_score + 1.0) * static_cast<double>(in.dk + 2) + 1e-5) * max_abs(v) + 1e-6;
 
   Matrix<T> tiled, tiled_causal, materialized, window;
   const bool tiled_ok = attempt("softmax_attention", ok_scale, [&] {
@@ -496,16 +479,15 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
   attempt("materialized_softmax_attention", ok_scale, [&] {
     materialized = linattn::materialized_softmax_attention(q, k, v, causal, in.scale);
   });
-  attempt("sliding_window_attention", ok_window, [&] {
-    window = linattn::sliding_window_attention(q, k, v, in.window, in.scale);
-  });
+  attempt("sliding_window_attention", ok_window,
+          [&] { window = linattn::sliding_window_attention(q, k, v, in.window, in.scale); });
 
   // KV cache: append the first `split` tokens, step the rest, then roll back and step again.
   Matrix<T> cached(in.n - in.split, in.dv);
   std::optional<Vector<T>> first, replay;
   attempt("SoftmaxKVCache", ok_scale, [&] {
     linattn::SoftmaxKVCache<T> cache(in.dk, in.dv, in.scale);
-    if (in.split > 0 || kAppendNothing) cache.append(k.topRows(in.split), v.topRows(in.split));
+    cache.append(k.topRows(in.split), v.topRows(in.split));  // split may be 0: a no-op
     for (Index i = in.split; i < in.n; ++i) {
       cached.row(i - in.split) = cache.step(q.row(i), k.row(i), v.row(i)).transpose();
     }
@@ -538,8 +520,8 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
   require_in_hull("SlidingWindowCache::step", ring, v, tol);
   require_close("sliding_window_attention vs SlidingWindowCache", window, ring, tol);
   if (in.window >= in.n) {
-    require_close("sliding_window_attention (window >= N) vs causal softmax", window,
-                  tiled_causal, tol);
+    require_close("sliding_window_attention (window >= N) vs causal softmax", window, tiled_causal,
+                  tol);
   }
 }
 
@@ -572,7 +554,8 @@ void run(const Input& in) {
         rf.row_norm = linattn::RowNorm::fixed;
       }
       std::optional<linattn::PositiveRandomFeatures> map;
-      if (attempt("PositiveRandomFeatures", rf_ok, [&] { map.emplace(in.dk, in.m, in.seed, rf); })) {
+      if (attempt("PositiveRandomFeatures", rf_ok,
+                  [&] { map.emplace(in.dk, in.m, in.seed, rf); })) {
         run_linear<T>(in, q, k, v, *map, true, bounded);
       }
       break;

@@ -4,8 +4,9 @@
 //   * only linattn::Error may escape load (anything else reaches libFuzzer as a crash);
 //   * a load that succeeds consumed exactly the bytes save writes back: re-saving the loaded
 //     state reproduces the consumed prefix of the input byte for byte;
-//   * a loaded state is usable: one step (plain and featurized) and a short prefill either work
-//     or throw linattn::Error, and leave a state that saves and loads again.
+//   * a loaded state is usable: one step and a short prefill (through EluPlusOne) either work
+//     or throw linattn::Error leaving the state as it was, and the state then saves and loads
+//     again.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -39,15 +40,20 @@ void exercise(linattn::RecurrentState<T, Acc>& state, std::size_t size) {
   if (c * dv > 4096) return;
   const linattn::Vector<T> phi = linattn::Vector<T>::Constant(c, T(0.5));
   const linattn::Vector<T> v = linattn::Vector<T>::LinSpaced(dv, T(-1), T(1));
+  // "On a throw the state is unchanged": compare what it saves before and after.
+  std::string before = save_bytes(state);
   try {
     (void)state.step(phi, phi, v);
   } catch (const linattn::Error&) {
+    if (save_bytes(state) != before) fail("a step that threw changed the state", size);
   }
+  before = save_bytes(state);
   try {
     const linattn::Matrix<T> x = linattn::Matrix<T>::Constant(3, c, T(0.25));
     const linattn::Matrix<T> vs = linattn::Matrix<T>::Constant(3, dv, T(2));
     (void)state.prefill(x, x, vs, linattn::EluPlusOne{});
   } catch (const linattn::Error&) {
+    if (save_bytes(state) != before) fail("a prefill that threw changed the state", size);
   }
   // Whatever the steps did, the state must still save; if it holds finite sums it must load.
   const std::string bytes = save_bytes(state);

@@ -2,12 +2,14 @@
 // Writes the seed corpora of the fuzzers (deterministic; the files in fuzz/corpus/ came from it):
 //   make_corpus <load dir> <kernels dir>
 // load/:    valid saved states of both scalar types (fresh, stepped with each kind of map, with
-//           options off their defaults), one followed by trailing bytes, a truncated one and a
-//           corrupted one;
+//           options off their defaults), one followed by trailing bytes, a truncated one, a
+//           corrupted one, and two with token counts at and past the limit (regressions);
 // kernels/: a few inputs in the layout of kernel_input.hpp, one per feature map and type.
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <linattn/linattn.hpp>
 #include <sstream>
 #include <string>
@@ -67,6 +69,24 @@ std::string stepped_state(Index dk, Index dv, const Map& map, Index tokens,
   return saved(state);
 }
 
+/// `state` (as save wrote it) with its token count replaced and the CRC-32 recomputed.
+std::string with_tokens(std::string state, std::int64_t tokens) {
+  // magic 8, version 4, scalar size 4, C 8, Dv 8, eps 8, decay 8, normalize 1, check_finite 1,
+  // chunk 8, then the token count (little-endian int64); the CRC-32 is the last 4 bytes.
+  constexpr std::size_t kTokensAt = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 1 + 1 + 8;
+  const auto bits = static_cast<std::uint64_t>(tokens);
+  for (std::size_t i = 0; i < 8; ++i) {
+    state[kTokensAt + i] = static_cast<char>((bits >> (8 * i)) & 0xFFu);
+  }
+  linattn::detail::Crc32 crc;
+  crc.update(reinterpret_cast<const unsigned char*>(state.data()), state.size() - 4);
+  const std::uint32_t sum = crc.value();
+  for (std::size_t i = 0; i < 4; ++i) {
+    state[state.size() - 4 + i] = static_cast<char>((sum >> (8 * i)) & 0xFFu);
+  }
+  return state;
+}
+
 std::string kernel_input(std::uint8_t flags, int map, int n, int dk, int dv, int m, int seed,
                          int eps, int decay, int chunk, int scale, int window, int split,
                          int magnitude, int temperature, int value_bytes) {
@@ -108,21 +128,25 @@ int main(int argc, char** argv) {
 
   ok &= write_file(load + "float_fresh_4x3", saved(linattn::RecurrentState<float>(4, 3)));
   ok &= write_file(load + "double_fresh_1x1", saved(linattn::RecurrentState<double>(1, 1)));
-  const std::string float_elu =
-      stepped_state<float>(4, 3, linattn::EluPlusOne{}, 5, decayed);
+  const std::string float_elu = stepped_state<float>(4, 3, linattn::EluPlusOne{}, 5, decayed);
   ok &= write_file(load + "float_elu_decay", float_elu);
   ok &= write_file(load + "double_relu_unnormalized",
                    stepped_state<double>(2, 5, linattn::Relu{}, 4, plain));
-  ok &= write_file(load + "double_favor",
-                   stepped_state<double>(3, 2, linattn::PositiveRandomFeatures(3, 6, 7), 6,
-                                         linattn::Options{}));
-  ok &= write_file(load + "float_favor_decay",
-                   stepped_state<float>(2, 2, linattn::PositiveRandomFeatures(2, 4, 1), 3,
-                                        decayed));
-  ok &= write_file(load + "double_fourier",
-                   stepped_state<double>(2, 3, linattn::RandomFourierFeatures(2, 2, 3), 4,
-                                         linattn::Options{}));
+  ok &= write_file(
+      load + "double_favor",
+      stepped_state<double>(3, 2, linattn::PositiveRandomFeatures(3, 6, 7), 6, linattn::Options{}));
+  ok &=
+      write_file(load + "float_favor_decay",
+                 stepped_state<float>(2, 2, linattn::PositiveRandomFeatures(2, 4, 1), 3, decayed));
+  ok &= write_file(
+      load + "double_fourier",
+      stepped_state<double>(2, 3, linattn::RandomFourierFeatures(2, 2, 3), 4, linattn::Options{}));
   ok &= write_file(load + "float_trailing_bytes", float_elu + "trailing");
+  // Regressions: a token count at the limit (loads; the next step must throw linattn::Error)
+  // and one past it (INT64_MAX: refused by load; once accepted, and ++tokens overflowed).
+  ok &= write_file(load + "float_tokens_limit", with_tokens(float_elu, std::int64_t{1} << 62));
+  ok &= write_file(load + "float_tokens_int64_max",
+                   with_tokens(float_elu, std::numeric_limits<std::int64_t>::max()));
   ok &= write_file(load + "float_truncated", float_elu.substr(0, float_elu.size() - 7));
   std::string corrupted = float_elu;
   corrupted[corrupted.size() / 2] = static_cast<char>(corrupted[corrupted.size() / 2] ^ 0x10);
@@ -143,13 +167,13 @@ int main(int argc, char** argv) {
                    kernel_input(kFlagNoNormalize, 4, 40, 2, 2, 3, 5, 0, 4, 6, 4, 1, 20, 0, 1, 32));
   ok &= write_file(kernels + "double_fourier",
                    kernel_input(kFlagDouble, 5, 12, 3, 3, 4, 2, 4, 0, 1, 2, 6, 5, 1, 3, 24));
-  ok &= write_file(kernels + "float_raw_features",
-                   kernel_input(kFlagNonCausalSoftmax, 6, 9, 2, 4, 1, 0, 3, 5, 3, 0, 0, 3, 0, 0, 16));
+  ok &= write_file(kernels + "float_raw_features", kernel_input(kFlagNonCausalSoftmax, 6, 9, 2, 4,
+                                                                1, 0, 3, 5, 3, 0, 0, 3, 0, 0, 16));
   ok &= write_file(kernels + "float_fourier_iid_big",
                    kernel_input(0, 7, 30, 6, 6, 16, 9, 0, 0, 0, 0, 2, 0, 4, 0, 32));
   // Values 32767, -32768 and -32767 are +Inf, NaN and -Inf under the specials flag.
-  std::string specials = kernel_input(kFlagSpecials | kFlagNoCheckFinite, 0, 8, 2, 2, 1, 0, 0, 0,
-                                      0, 0, 1, 4, 0, 0, 96);
+  std::string specials = kernel_input(kFlagSpecials | kFlagNoCheckFinite, 0, 8, 2, 2, 1, 0, 0, 0, 0,
+                                      0, 1, 4, 0, 0, 96);
   specials.replace(kHeaderBytes + 6, 6, std::string("\xff\x7f\x00\x80\x01\x80", 6));
   ok &= write_file(kernels + "float_specials_unchecked", specials);
   specials[0] = static_cast<char>(specials[0] & ~kFlagNoCheckFinite);
