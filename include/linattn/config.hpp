@@ -46,6 +46,10 @@ struct Options {
   Eigen::Index chunk = 64;
   /// Scan inputs for NaN and Inf and throw on them.
   bool check_finite = true;
+  /// Threads for one call when linattn is built with OpenMP (CMake option LINATTN_OPENMP):
+  /// 0 takes OpenMP's default (omp_get_max_threads(), 1 inside a parallel region), n > 0 at
+  /// most n. Ignored without OpenMP. Results do not depend on it beyond rounding.
+  int threads = 0;
 };
 
 /// Thrown for bad input at the API boundary; the message names the argument and the shapes.

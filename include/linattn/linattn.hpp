@@ -4,6 +4,10 @@
 
 #include <linattn/config.hpp>
 #include <linattn/feature_maps.hpp>
+#include <linattn/heads_view.hpp>
+#include <linattn/layer.hpp>
 #include <linattn/linear_attention.hpp>
+#include <linattn/multi_head.hpp>
 #include <linattn/recurrent_state.hpp>
 #include <linattn/softmax.hpp>
+#include <linattn/state_batch.hpp>

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
+#include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
 #include <type_traits>
 
@@ -29,22 +30,18 @@ template <class Acc, class Scalar>
 using accumulator_t = std::conditional_t<std::is_void_v<Acc>, Scalar, Acc>;
 
 /// Runs the causal or non-causal kernel over `source` from an empty state into `out`, with
-/// the state and every sum in Acc.
-template <class Acc, class Source>
-void run_attention(const Source& source, Eigen::Ref<Matrix<typename Source::Scalar>> out,
-                   const Options& options, bool causal) {
+/// the state and every sum in Acc, on up to Options::threads threads.
+template <class Acc, class Source, class OutRef>
+void run_attention(const Source& source, OutRef out, const Options& options, bool causal) {
   using Scalar = accumulator_t<Acc, typename Source::Scalar>;
   static_assert(is_supported_scalar<typename Source::Scalar> && is_supported_scalar<Scalar>,
                 "linattn kernels take float or double inputs and accumulators");
-  // The non-causal sums are plain GEMMs, which like longer panels than the causal chunk.
-  Options tuned = options;
-  if (!causal) tuned.chunk = std::max<Eigen::Index>(options.chunk, 256);
   CarriedState<Scalar> state(source.feature_dim(), source.value_dim());
-  ChunkedKernel<Scalar> kernel(source.feature_dim(), source.value_dim(), source.rows(), tuned);
+  const int threads = resolve_threads(options);
   if (causal) {
-    kernel.causal(source, state, out);
+    run_causal(source, state, out, options, threads);
   } else {
-    kernel.non_causal(source, state, out);
+    run_non_causal(source, state, out, options, threads);
   }
 }
 
@@ -57,7 +54,7 @@ void featurized_attention(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matri
   validate_sequence(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
   require_output_shape(out, phi_q.rows(), v.cols(), where);
   run_attention<Acc>(FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()),
-                     out, options, causal);
+                     Eigen::Ref<Matrix<typename DQ::Scalar>>(out), options, causal);
 }
 
 /// Validates raw inputs and runs the kernel with `map` applied chunk by chunk.
@@ -70,7 +67,7 @@ void mapped_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK
   require_output_shape(out, q.rows(), v.cols(), where);
   run_attention<Acc>(MappedSource<DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(), map,
                                                    options.check_finite, where),
-                     out, options, causal);
+                     Eigen::Ref<Matrix<typename DQ::Scalar>>(out), options, causal);
 }
 
 }  // namespace detail

@@ -10,6 +10,7 @@
 #include <limits>
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
+#include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
 #include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
@@ -20,6 +21,9 @@
 #include <vector>
 
 namespace linattn {
+
+template <class T, class Acc>
+class RecurrentStateBatch;
 
 /// The running sums of causal linear attention for one sequence: S (C x Dv), z (C) and the
 /// tokens seen. `step` adds one token in O(C * Dv); `prefill` adds many through the chunked
@@ -404,13 +408,16 @@ class RecurrentState {
     detail::write_output_row(out, den, log_q + new_log, options_, out);
   }
 
-  template <class Source>
-  void run_chunked(const Source& source, Eigen::Ref<Matrix<T>> out) {
+  template <class T2, class Acc2>
+  friend class RecurrentStateBatch;
+
+  template <class Source, class OutRef>
+  void run_chunked(const Source& source, OutRef out, int threads = 0) {
     require_token_room(source.rows(), "RecurrentState::prefill");
     // Work on a copy so a throw from a feature map leaves the state as it was.
     detail::CarriedState<Acc> next = state_;
-    detail::ChunkedKernel<Acc> kernel(feature_dim(), value_dim(), source.rows(), options_);
-    kernel.causal(source, next, out);
+    detail::run_causal(source, next, out, options_,
+                       threads > 0 ? threads : detail::resolve_threads(options_));
     state_ = std::move(next);
     tokens_ += source.rows();
   }

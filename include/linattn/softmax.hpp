@@ -51,10 +51,9 @@ class TiledSoftmax {
 
   /// @param window  keys j with i - window < j <= i are seen (causal), or all keys when
   ///                window <= 0 and causal is false.
-  template <class DQ, class DK, class DV>
+  template <class DQ, class DK, class DV, class OutRef>
   void run(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-           const Eigen::MatrixBase<DV>& v, T scale, bool causal, Eigen::Index window,
-           Eigen::Ref<Matrix<T>> out) {
+           const Eigen::MatrixBase<DV>& v, T scale, bool causal, Eigen::Index window, OutRef out) {
     const Eigen::Index n = q.rows();
     const T minus_inf = -std::numeric_limits<T>::infinity();
     for (Eigen::Index qb = 0; qb < n; qb += kQueryTile) {

@@ -200,6 +200,57 @@ class MappedSource {
   mutable Vector<double> log_scratch_;
 };
 
+/// Rows [begin, begin + rows) of another source. Holds a copy of it, so each thread that
+/// reads through its own RowRange also has its own scratch space.
+template <class Source>
+class RowRange {
+ public:
+  using Scalar = typename Source::Scalar;
+  static constexpr bool log_scaled = Source::log_scaled;
+
+  RowRange(const Source& source, Eigen::Index begin, Eigen::Index rows)
+      : source_(source), begin_(begin), rows_(rows) {
+    LINATTN_ASSERT(begin >= 0 && rows >= 0 && begin + rows <= source.rows());
+  }
+
+  Eigen::Index rows() const { return rows_; }
+  Eigen::Index feature_dim() const { return source_.feature_dim(); }
+  Eigen::Index value_dim() const { return source_.value_dim(); }
+
+  template <class Acc>
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+    source_.load_queries(begin_ + begin, len, buf);
+  }
+  template <class Acc>
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+    source_.load_keys_values(begin_ + begin, len, buf);
+  }
+
+ private:
+  Source source_;
+  Eigen::Index begin_;
+  Eigen::Index rows_;
+};
+
+/// state <- g^rows state + segment: appends the sums of a segment of `rows` tokens, computed
+/// from an empty state, to the sums before it. log_decay is log g (0 for non-causal sums).
+template <class T>
+void append_segment(CarriedState<T>& state, const CarriedState<T>& segment, Eigen::Index rows,
+                    double log_decay) {
+  if (segment.empty()) return;
+  if (state.empty()) {
+    state = segment;
+    return;
+  }
+  const double decayed = state.log_scale + static_cast<double>(rows) * log_decay;
+  const double top = std::max(decayed, segment.log_scale);
+  const T before = exp_as<T>(decayed - top);
+  const T after = exp_as<T>(segment.log_scale - top);
+  state.s = before * state.s + after * segment.s;
+  state.z = before * state.z + after * segment.z;
+  state.log_scale = top;
+}
+
 /// Runs the recurrence chunk by chunk: inside a chunk a masked, decay-weighted product of
 /// queries and keys; across chunks the carried state. All products are Eigen GEMMs.
 template <class T>
@@ -214,14 +265,14 @@ class ChunkedKernel {
 
   /// Causal attention over all rows of `src`, continuing from `state` and leaving it after the
   /// last token. out: N x Dv.
-  template <class Source, class Out>
-  void causal(const Source& src, CarriedState<T>& state, Eigen::Ref<Matrix<Out>> out) {
+  template <class Source, class OutRef>
+  void causal(const Source& src, CarriedState<T>& state, OutRef out) {
     const bool scaled = Source::log_scaled || !state.unscaled();
     for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, src.rows() - begin);
       src.load_queries(begin, len, buf_);
       src.load_keys_values(begin, len, buf_);
-      Eigen::Ref<Matrix<Out>> out_rows = out.middleRows(begin, len);
+      OutRef out_rows = out.middleRows(begin, len);
       if (!scaled && !has_decay()) {
         plain_stream_chunk(len, state, out_rows);
         continue;
@@ -235,50 +286,71 @@ class ChunkedKernel {
     }
   }
 
-  /// Non-causal attention: every query sees the sums over all keys; the decay is not used.
-  template <class Source, class Out>
-  void non_causal(const Source& src, CarriedState<T>& state, Eigen::Ref<Matrix<Out>> out) {
+  /// Adds every row of `src` to `state` without computing outputs:
+  /// S <- g^L S + sum_j g^(L-1-j) phi_k_j v_j^T (and z alike), L = src.rows(). The state of a
+  /// segment on its own, for the sequence-parallel driver and the non-causal sums.
+  template <class Source>
+  void absorb(const Source& src, CarriedState<T>& state) {
     const Eigen::Index n = src.rows();
+    const double lg = log_decay_;
     for (Eigen::Index begin = 0; begin < n; begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, n - begin);
       src.load_keys_values(begin, len, buf_);
       Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
       Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
-      if constexpr (Source::log_scaled) {
-        // Keys are weighted relative to the largest log-scale seen so far (all of them may be
-        // tiny or huge); earlier sums are rescaled when it grows.
-        const double top = std::max(state.log_scale, buf_.log_k.head(len).maxCoeff());
-        const T carry = exp_as<T>(state.log_scale - top);
-        Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
-        for (Eigen::Index r = 0; r < len; ++r) {
-          weighted.row(r) = keys.row(r) * exp_as<T>(buf_.log_k(r) - top);
-        }
-        state.s *= carry;
-        state.z *= carry;
-        state.s.noalias() += weighted.transpose() * values;
-        state.z += weighted.colwise().sum().transpose();
-        state.log_scale = top;
-      } else {
+      if (!Source::log_scaled && !has_decay() && state.unscaled()) {
         state.s.noalias() += keys.transpose() * values;
         state.z += keys.colwise().sum().transpose();
         state.log_scale = 0.0;
+        continue;
       }
+      if (!Source::log_scaled) buf_.log_k.head(len).setZero();
+      // Every weight is taken relative to the largest, so nothing overflows.
+      const double decayed = state.log_scale + static_cast<double>(len) * lg;
+      double top = decayed;
+      for (Eigen::Index r = 0; r < len; ++r) {
+        top = std::max(top, buf_.log_k(r) + static_cast<double>(len - 1 - r) * lg);
+      }
+      Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
+      for (Eigen::Index r = 0; r < len; ++r) {
+        weighted.row(r) =
+            keys.row(r) * exp_as<T>(buf_.log_k(r) + static_cast<double>(len - 1 - r) * lg - top);
+      }
+      const T carry = exp_as<T>(decayed - top);
+      state.s *= carry;
+      state.z *= carry;
+      state.s.noalias() += weighted.transpose() * values;
+      state.z += weighted.colwise().sum().transpose();
+      state.log_scale = top;
     }
+  }
+
+  /// Outputs of every row of `src` against fixed sums `state` (the non-causal second pass).
+  template <class Source, class OutRef>
+  void attend_fixed(const Source& src, const CarriedState<T>& state, OutRef out) {
+    const Eigen::Index n = src.rows();
     for (Eigen::Index begin = 0; begin < n; begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, n - begin);
       src.load_queries(begin, len, buf_);
       Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
-      Eigen::Ref<Matrix<T>> num = buf_.num.topRows(len);
-      Eigen::Ref<Vector<T>> den = buf_.den.head(len);
-      num.noalias() = queries * state.s;
-      den.noalias() = queries * state.z;
+      buf_.num.topRows(len).noalias() = queries * state.s;
+      buf_.den.head(len).noalias() = queries * state.z;
       if constexpr (Source::log_scaled) {
         buf_.output_log.head(len) = buf_.log_q.head(len).array() + state.log_scale;
-        write_scaled_output<Out>(len, out.middleRows(begin, len));
+        write_scaled_output(len, OutRef(out.middleRows(begin, len)));
       } else {
-        write_unscaled_output<Out>(len, out.middleRows(begin, len));
+        write_unscaled_output(len, OutRef(out.middleRows(begin, len)));
       }
     }
+  }
+
+  /// Non-causal attention: every query sees the sums over all keys. The kernel must be built
+  /// with decay 1 (the non-causal form has none).
+  template <class Source, class OutRef>
+  void non_causal(const Source& src, CarriedState<T>& state, OutRef out) {
+    LINATTN_ASSERT(!has_decay());
+    absorb(src, state);
+    attend_fixed(src, state, out);
   }
 
  private:
@@ -289,8 +361,8 @@ class ChunkedKernel {
   static constexpr double kStreamRange = std::is_same_v<T, float> ? 40.0 : 300.0;
 
   /// No decay, no scale: the register-tiled stream over the chunk, S and z updated in place.
-  template <class Out>
-  void plain_stream_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<Out>> out) {
+  template <class OutRef>
+  void plain_stream_chunk(Eigen::Index len, CarriedState<T>& state, OutRef out) {
     stream_chunk(len, buf_.k, state);
     state.log_scale = 0.0;
     write_unscaled_output(len, out);
@@ -331,8 +403,8 @@ class ChunkedKernel {
   /// reference rho for the chunk, key j is weighted exp(log_k_j - (j+1) log g - rho) and
   /// output i multiplied by exp(rho - c_i + (i+1) log g); every factor is exp of at most
   /// kStreamRange. Returns false, touching nothing, when the chunk spreads wider.
-  template <class Out>
-  bool scaled_stream_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<Out>> out) {
+  template <class OutRef>
+  bool scaled_stream_chunk(Eigen::Index len, CarriedState<T>& state, OutRef out) {
     const double lg = log_decay_;
     const double carried = state.log_scale;
     double rho = carried;
@@ -376,8 +448,8 @@ class ChunkedKernel {
   /// Token i's output is computed relative to its own running scale c_i (scan_running_log),
   /// which looks at no later token, so every weight below is exp of a non-positive number and
   /// nothing overflows, however wide the chunk's log-scales spread.
-  template <class Out>
-  void masked_product_chunk(Eigen::Index len, CarriedState<T>& state, Eigen::Ref<Matrix<Out>> out) {
+  template <class OutRef>
+  void masked_product_chunk(Eigen::Index len, CarriedState<T>& state, OutRef out) {
     Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
     Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
     Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
@@ -427,16 +499,16 @@ class ChunkedKernel {
     write_scaled_output(len, out);
   }
 
-  template <class Out>
-  void write_unscaled_output(Eigen::Index len, Eigen::Ref<Matrix<Out>> out) const {
+  template <class OutRef>
+  void write_unscaled_output(Eigen::Index len, OutRef out) const {
     for (Eigen::Index r = 0; r < len; ++r) {
       write_output_row(buf_.num.row(r), buf_.den(r), 0.0, options_, out.row(r));
     }
   }
 
   /// Rows whose num and den miss the factor exp(output_log).
-  template <class Out>
-  void write_scaled_output(Eigen::Index len, Eigen::Ref<Matrix<Out>> out) const {
+  template <class OutRef>
+  void write_scaled_output(Eigen::Index len, OutRef out) const {
     for (Eigen::Index r = 0; r < len; ++r) {
       write_output_row(buf_.num.row(r), buf_.den(r), buf_.output_log(r), options_, out.row(r));
     }

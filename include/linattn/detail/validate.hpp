@@ -37,6 +37,11 @@ inline void validate_options(const Options& options, const char* where) {
     throw Error(std::string(where) + ": Options::chunk must be >= 1, got " +
                 std::to_string(options.chunk));
   }
+  if (options.threads < 0) {
+    throw Error(std::string(where) +
+                ": Options::threads must be >= 0 (0 = OpenMP's default), got " +
+                std::to_string(options.threads));
+  }
 }
 
 /// Throws if `m` has no rows or no columns.

@@ -1,0 +1,175 @@
+// SPDX-License-Identifier: MIT
+// Threads: OpenMP when the including code is compiled with it, serial otherwise.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <linattn/config.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace linattn::detail {
+
+/// The number of threads one call may use: Options::threads, or OpenMP's default for 0;
+/// always 1 without OpenMP.
+inline int resolve_threads(const Options& options) {
+#ifdef _OPENMP
+  if (options.threads > 0) return options.threads;
+  return omp_in_parallel() ? 1 : std::max(1, omp_get_max_threads());
+#else
+  static_cast<void>(options);
+  return 1;
+#endif
+}
+
+/// Runs body(i) for i in [0, count) on up to `threads` threads. An exception thrown by any
+/// body is rethrown here, after every thread has finished (none escapes an OpenMP region).
+/// Eigen runs its products single-threaded inside the region, so nothing nests.
+template <class Body>
+void parallel_for(Eigen::Index count, int threads, const Body& body) {
+#ifdef _OPENMP
+  if (threads > 1 && count > 1) {
+    std::exception_ptr error;
+    const int team = static_cast<int>(std::min<Eigen::Index>(threads, count));
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
+    for (Eigen::Index i = 0; i < count; ++i) {
+      try {
+        body(i);
+      } catch (...) {
+#pragma omp critical(linattn_parallel_error)
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+#else
+  static_cast<void>(threads);
+#endif
+  for (Eigen::Index i = 0; i < count; ++i) body(i);
+}
+
+/// Shortest sequence worth splitting across threads, per thread.
+inline constexpr Eigen::Index kMinRowsPerThread = 1024;
+
+/// Time to absorb a token (state only, one GEMM) relative to attending it (the full kernel).
+/// It sizes the first segment so that all threads finish the first pass together.
+inline constexpr double kAbsorbCost = 0.4;
+
+/// Segment boundaries for `threads` threads over n rows, aligned to the chunk: a short first
+/// segment (attended while the others are absorbed), then `threads` equal ones.
+inline std::vector<Eigen::Index> segment_bounds(Eigen::Index n, int threads, Eigen::Index chunk) {
+  const double unit = static_cast<double>(n) / (static_cast<double>(threads) + kAbsorbCost);
+  auto align = [&](double rows) {
+    const Eigen::Index r = static_cast<Eigen::Index>(rows);
+    return std::min(n, std::max(chunk, (r / chunk) * chunk));
+  };
+  std::vector<Eigen::Index> bounds{0, align(kAbsorbCost * unit)};
+  const double rest = static_cast<double>(n - bounds[1]) / static_cast<double>(threads);
+  for (int t = 1; t < threads; ++t) {
+    bounds.push_back(std::max(bounds.back(), align(static_cast<double>(bounds[1]) + t * rest)));
+  }
+  bounds.push_back(n);
+  return bounds;
+}
+
+/// Causal attention over one long sequence on several threads, continuing from `state` and
+/// leaving it after the last row; the same result as ChunkedKernel::causal up to rounding.
+/// Pass 1: thread 0 attends the first segment while the others absorb theirs into local
+/// states; pass 2: a prefix over the segment states gives each segment its starting state;
+/// pass 3: every later segment is attended from its start, one thread each.
+template <class T, class Source, class OutRef>
+void causal_sequence_parallel(const Source& src, CarriedState<T>& state, OutRef out,
+                              const Options& options, int threads) {
+  const Eigen::Index n = src.rows();
+  const Eigen::Index chunk = std::max<Eigen::Index>(1, options.chunk);
+  const std::vector<Eigen::Index> bounds = segment_bounds(n, threads, chunk);
+  const int segments = static_cast<int>(bounds.size()) - 1;  // threads + 1
+  auto rows_of = [&](int s) { return bounds[s + 1] - bounds[s]; };
+  auto range = [&](int s) { return RowRange<Source>(src, bounds[s], rows_of(s)); };
+
+  // starts[s] is the state before segment s; starts[segments] the final state.
+  std::vector<CarriedState<T>> starts(segments + 1,
+                                      CarriedState<T>(state.s.rows(), state.s.cols()));
+  starts[0] = state;
+  parallel_for(segments - 1, threads, [&](Eigen::Index s) {
+    const int seg = static_cast<int>(s);
+    ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), rows_of(seg), options);
+    if (seg == 0) {
+      starts[1] = starts[0];
+      kernel.causal(range(0), starts[1], OutRef(out.middleRows(bounds[0], rows_of(0))));
+    } else {
+      kernel.absorb(range(seg), starts[seg + 1]);  // local sums, prefixed in pass 2
+    }
+  });
+  const double log_decay = std::log(options.decay);
+  for (int s = 1; s + 1 < segments; ++s) {
+    CarriedState<T> local = std::move(starts[s + 1]);
+    starts[s + 1] = starts[s];
+    append_segment(starts[s + 1], local, rows_of(s), log_decay);
+  }
+  std::vector<CarriedState<T>> ends(segments, CarriedState<T>(0, 0));
+  parallel_for(segments - 1, threads, [&](Eigen::Index s) {
+    const int seg = static_cast<int>(s) + 1;
+    ends[seg] = starts[seg];
+    ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), rows_of(seg), options);
+    kernel.causal(range(seg), ends[seg], OutRef(out.middleRows(bounds[seg], rows_of(seg))));
+  });
+  state = std::move(ends[segments - 1]);
+}
+
+/// Causal attention over `src` from `state` into `out` on up to `threads` threads: split
+/// across the sequence when it is long enough, one pass of the chunked kernel otherwise.
+template <class T, class Source, class OutRef>
+void run_causal(const Source& src, CarriedState<T>& state, OutRef out, const Options& options,
+                int threads) {
+  const Eigen::Index n = src.rows();
+  const Eigen::Index usable = std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
+  if (usable >= 2) {
+    causal_sequence_parallel(src, state, out, options, static_cast<int>(usable));
+    return;
+  }
+  ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), n, options);
+  kernel.causal(src, state, out);
+}
+
+/// Non-causal attention over `src` into `out` (state from empty): the sums split across
+/// threads by segment and added, then the outputs split the same way.
+template <class T, class Source, class OutRef>
+void run_non_causal(const Source& src, CarriedState<T>& state, OutRef out, const Options& options,
+                    int threads) {
+  const Eigen::Index n = src.rows();
+  Options tuned = options;
+  tuned.decay = 1.0;
+  // The non-causal sums are plain GEMMs, which like longer panels than the causal chunk.
+  tuned.chunk = std::max<Eigen::Index>(options.chunk, 256);
+  const int usable = static_cast<int>(std::min<Eigen::Index>(threads, n / kMinRowsPerThread));
+  if (usable < 2) {
+    ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), n, tuned);
+    kernel.non_causal(src, state, out);
+    return;
+  }
+  std::vector<Eigen::Index> bounds(usable + 1);
+  for (int t = 0; t <= usable; ++t) bounds[t] = n * t / usable;
+  auto range = [&](Eigen::Index t) {
+    return RowRange<Source>(src, bounds[t], bounds[t + 1] - bounds[t]);
+  };
+  std::vector<CarriedState<T>> sums(usable, CarriedState<T>(state.s.rows(), state.s.cols()));
+  parallel_for(usable, usable, [&](Eigen::Index t) {
+    ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), bounds[t + 1] - bounds[t], tuned);
+    kernel.absorb(range(t), sums[t]);
+  });
+  for (int t = 0; t < usable; ++t) append_segment(state, sums[t], 0, 0.0);
+  parallel_for(usable, usable, [&](Eigen::Index t) {
+    ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), bounds[t + 1] - bounds[t], tuned);
+    kernel.attend_fixed(range(t), state,
+                        OutRef(out.middleRows(bounds[t], bounds[t + 1] - bounds[t])));
+  });
+}
+
+}  // namespace linattn::detail

@@ -1,0 +1,121 @@
+// SPDX-License-Identifier: MIT
+// A view of caller memory holding many heads of many sequences: [B, H, N, D] with any strides.
+#pragma once
+
+#include <linattn/config.hpp>
+#include <string>
+#include <type_traits>
+
+namespace linattn {
+
+/// Distances in elements between neighbours along each axis of a HeadsView.
+struct HeadStrides {
+  Eigen::Index batch = 0;  ///< between sequences b and b + 1
+  Eigen::Index head = 0;   ///< between heads h and h + 1
+  Eigen::Index token = 0;  ///< between tokens n and n + 1 (rows of one head)
+  Eigen::Index dim = 1;    ///< between features d and d + 1 (columns of one head)
+};
+
+/// A non-owning view of B x H x N x D elements of caller memory: B sequences (batch), H heads,
+/// N tokens, D features, laid out with any strides. head(b, h) is an N x D Eigen::Map, rows
+/// are tokens, as every other linattn routine takes. No copy is made; the memory must outlive
+/// the view. T is `const Scalar` for inputs and `Scalar` for outputs.
+template <class T>
+class HeadsView {
+ public:
+  using Scalar = std::remove_const_t<T>;
+  static constexpr bool is_writable = !std::is_const_v<T>;
+  using MatrixType = std::conditional_t<is_writable, Matrix<Scalar>, const Matrix<Scalar>>;
+  /// One head, any strides.
+  using HeadMap =
+      Eigen::Map<MatrixType, Eigen::Unaligned, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>>;
+  /// One head whose features are adjacent (strides().dim == 1): vectorised loads.
+  using RowsMap = Eigen::Map<MatrixType, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+  /// @param data     element (0, 0, 0, 0)
+  /// @param batch    B, sequences
+  /// @param heads    H, heads per sequence
+  /// @param tokens   N, tokens per sequence
+  /// @param dim      D, features per token
+  /// @param strides  element distances along each axis (each >= 0)
+  HeadsView(T* data, Eigen::Index batch, Eigen::Index heads, Eigen::Index tokens, Eigen::Index dim,
+            const HeadStrides& strides)
+      : data_(data), batch_(batch), heads_(heads), tokens_(tokens), dim_(dim), strides_(strides) {
+    if (batch < 1 || heads < 1 || tokens < 1 || dim < 1) {
+      throw Error("HeadsView: sizes must be >= 1, got [B, H, N, D] = " + sizes_string());
+    }
+    if (data == nullptr) throw Error("HeadsView: data is null for " + sizes_string());
+    if (strides.batch < 0 || strides.head < 0 || strides.token < 0 || strides.dim < 0) {
+      throw Error("HeadsView: strides must be >= 0, got " + strides_string());
+    }
+  }
+
+  /// A contiguous [B, H, N, D] tensor (PyTorch's usual layout for attention).
+  /// @param data  B * H * N * D elements
+  static HeadsView bhnd(T* data, Eigen::Index batch, Eigen::Index heads, Eigen::Index tokens,
+                        Eigen::Index dim) {
+    return HeadsView(data, batch, heads, tokens, dim,
+                     HeadStrides{heads * tokens * dim, tokens * dim, dim, 1});
+  }
+
+  /// A contiguous [B, N, H, D] tensor (the layout of fast-transformers and of a fused QKV
+  /// projection's output). Note the argument order: tokens before heads, as in memory.
+  /// @param data  B * N * H * D elements
+  static HeadsView bnhd(T* data, Eigen::Index batch, Eigen::Index tokens, Eigen::Index heads,
+                        Eigen::Index dim) {
+    return HeadsView(data, batch, heads, tokens, dim,
+                     HeadStrides{tokens * heads * dim, dim, heads * dim, 1});
+  }
+
+  /// A read-only view of the same memory.
+  template <bool W = is_writable, class = std::enable_if_t<W>>
+  operator HeadsView<const Scalar>() const {  // NOLINT: implicit, like T* -> const T*
+    return HeadsView<const Scalar>(data_, batch_, heads_, tokens_, dim_, strides_);
+  }
+
+  T* data() const { return data_; }
+  Eigen::Index batch() const { return batch_; }
+  Eigen::Index heads() const { return heads_; }
+  Eigen::Index tokens() const { return tokens_; }
+  Eigen::Index dim() const { return dim_; }
+  const HeadStrides& strides() const { return strides_; }
+
+  /// Head h of sequence b: N x D.
+  HeadMap head(Eigen::Index b, Eigen::Index h) const {
+    return HeadMap(head_data(b, h), tokens_, dim_,
+                   Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>(strides_.token, strides_.dim));
+  }
+
+  /// Head h of sequence b as a map with adjacent features; requires strides().dim == 1.
+  RowsMap head_rows(Eigen::Index b, Eigen::Index h) const {
+    LINATTN_ASSERT(strides_.dim == 1);
+    return RowsMap(head_data(b, h), tokens_, dim_, Eigen::OuterStride<>(strides_.token));
+  }
+
+  /// "[B, H, N, D] = [2, 8, 128, 64]", for error messages.
+  std::string sizes_string() const {
+    return "[" + std::to_string(batch_) + ", " + std::to_string(heads_) + ", " +
+           std::to_string(tokens_) + ", " + std::to_string(dim_) + "]";
+  }
+
+ private:
+  T* head_data(Eigen::Index b, Eigen::Index h) const {
+    LINATTN_ASSERT(b >= 0 && b < batch_ && h >= 0 && h < heads_);
+    return data_ + b * strides_.batch + h * strides_.head;
+  }
+  std::string strides_string() const {
+    return "{batch " + std::to_string(strides_.batch) + ", head " + std::to_string(strides_.head) +
+           ", token " + std::to_string(strides_.token) + ", dim " + std::to_string(strides_.dim) +
+           "}";
+  }
+
+  T* data_;
+  Eigen::Index batch_, heads_, tokens_, dim_;
+  HeadStrides strides_;
+};
+
+/// A read-only view, for inputs.
+template <class Scalar>
+using ConstHeadsView = HeadsView<const Scalar>;
+
+}  // namespace linattn

@@ -1,0 +1,121 @@
+// SPDX-License-Identifier: MIT
+// The layer-level object: one feature map, multi-head causal linear attention in both forms.
+#pragma once
+
+#include <linattn/config.hpp>
+#include <linattn/detail/validate.hpp>
+#include <linattn/heads_view.hpp>
+#include <linattn/multi_head.hpp>
+#include <linattn/state_batch.hpp>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace linattn {
+
+/// Multi-head causal linear attention that owns its feature map (so FAVOR+'s W is shared by
+/// both forms): `forward` is the parallel form, for training and prompts; `prefill` and `step`
+/// are the recurrent form over a RecurrentStateBatch, for decoding. Both give the same outputs.
+/// The projections around attention (W_q, W_k, W_v, W_o) stay with the caller's model.
+/// @tparam T    float or double, the type of q, k, v and the outputs
+/// @tparam Map  feature map type (EluPlusOne, Relu, PositiveRandomFeatures, ...)
+/// @tparam Acc  accumulation type of the sums and states (default T)
+template <class T, class Map, class Acc = T>
+class LinearAttentionLayer {
+  static_assert(detail::is_feature_map<Map>::value, "LinearAttentionLayer needs a feature map");
+
+ public:
+  using States = RecurrentStateBatch<T, Acc>;
+
+  /// @param map        feature map applied to every head's queries and keys
+  /// @param heads      H, heads per sequence
+  /// @param key_dim    Dk, width of each head's q and k
+  /// @param value_dim  Dv, width of each head's v and output
+  /// @param options    eps, decay, normalize, chunk, check_finite, threads
+  LinearAttentionLayer(Map map, Eigen::Index heads, Eigen::Index key_dim, Eigen::Index value_dim,
+                       const Options& options = {})
+      : map_(std::move(map)),
+        heads_(detail::require_positive_dim(heads, "LinearAttentionLayer", "heads")),
+        key_dim_(detail::require_positive_dim(key_dim, "LinearAttentionLayer", "key_dim")),
+        value_dim_(detail::require_positive_dim(value_dim, "LinearAttentionLayer", "value_dim")),
+        options_(options) {
+    detail::validate_options(options, "LinearAttentionLayer");
+    feature_dim_ = map_.feature_dim(key_dim);
+    if (feature_dim_ < 1) {
+      throw Error("LinearAttentionLayer: the feature map gives feature_dim " +
+                  std::to_string(feature_dim_) + " for key_dim " + std::to_string(key_dim));
+    }
+  }
+
+  const Map& feature_map() const { return map_; }
+  Eigen::Index heads() const { return heads_; }
+  Eigen::Index key_dim() const { return key_dim_; }
+  Eigen::Index value_dim() const { return value_dim_; }
+  /// C = feature_map().feature_dim(key_dim()).
+  Eigen::Index feature_dim() const { return feature_dim_; }
+  const Options& options() const { return options_; }
+
+  /// The parallel form over whole sequences.
+  /// @param q    B x H x N x Dk queries (any layout, e.g. HeadsView::bnhd over a QKV buffer)
+  /// @param k    B x H x N x Dk keys
+  /// @param v    B x H x N x Dv values
+  /// @param out  B x H x N x Dv outputs
+  template <class Q, class K, class V, class O>
+  void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const HeadsView<O>& out) const {
+    check_heads(q, v, "LinearAttentionLayer::forward");
+    causal_linear_attention_into<Acc>(q, k, v, map_, out, options_);
+  }
+
+  /// Fresh (empty) states for `batch` sequences: batch * heads() of them, state b * H + h for
+  /// head h of sequence b.
+  States make_states(Eigen::Index batch) const {
+    return States(detail::require_positive_dim(batch, "LinearAttentionLayer", "batch") * heads_,
+                  feature_dim_, value_dim_, options_);
+  }
+
+  /// A prompt through the parallel form that also leaves each sequence's states ready to step.
+  /// @param states  from make_states(B)
+  /// @param q       B x H x N x Dk queries; k likewise; v B x H x N x Dv
+  /// @param out     B x H x N x Dv outputs
+  template <class Q, class K, class V, class O>
+  void prefill_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
+                    const HeadsView<V>& v, const HeadsView<O>& out) const {
+    check_heads(q, v, "LinearAttentionLayer::prefill");
+    states.prefill_into(q, k, v, map_, out);
+  }
+
+  /// One token for each of B sequences; row b * H + h holds head h of sequence b (a [B, H, D]
+  /// tensor viewed as a (B * H) x D row-major matrix).
+  /// @param states  from make_states(B)
+  /// @param q       (B * H) x Dk queries
+  /// @param k       (B * H) x Dk keys
+  /// @param v       (B * H) x Dv values
+  /// @param out     (B * H) x Dv outputs
+  template <class DQ, class DK, class DV>
+  void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, Eigen::Ref<Matrix<T>> out) const {
+    if (q.cols() != key_dim_) {
+      throw Error("LinearAttentionLayer::step: q is " + detail::shape_string(q) +
+                  " but the layer has key_dim " + std::to_string(key_dim_));
+    }
+    states.step_into(q, k, v, map_, out);
+  }
+
+ private:
+  template <class Q, class V>
+  void check_heads(const HeadsView<Q>& q, const HeadsView<V>& v, const char* where) const {
+    if (q.heads() != heads_ || q.dim() != key_dim_ || v.dim() != value_dim_) {
+      throw Error(std::string(where) + ": q is " + q.sizes_string() + " and v " + v.sizes_string() +
+                  " but the layer has H = " + std::to_string(heads_) +
+                  ", Dk = " + std::to_string(key_dim_) + ", Dv = " + std::to_string(value_dim_));
+    }
+  }
+
+  Map map_;
+  Eigen::Index heads_, key_dim_, value_dim_;
+  Eigen::Index feature_dim_ = 0;
+  Options options_;
+};
+
+}  // namespace linattn

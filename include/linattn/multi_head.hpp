@@ -1,0 +1,356 @@
+// SPDX-License-Identifier: MIT
+// Many heads of many sequences at once, read from and written to caller memory (HeadsView),
+// with threads over batch x heads; and packed variable-length batches.
+#pragma once
+
+#include <cstdint>
+#include <linattn/config.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/parallel.hpp>
+#include <linattn/detail/validate.hpp>
+#include <linattn/heads_view.hpp>
+#include <linattn/linear_attention.hpp>
+#include <linattn/softmax.hpp>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace linattn {
+
+namespace detail {
+
+/// Output rows with any strides.
+template <class T>
+using StridedRef = Eigen::Ref<Matrix<T>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>>;
+
+template <class Q, class K, class V, class O>
+using enable_if_heads_scalars =
+    std::enable_if_t<std::is_same_v<std::remove_const_t<Q>, std::remove_const_t<K>> &&
+                     std::is_same_v<std::remove_const_t<Q>, std::remove_const_t<V>> &&
+                     std::is_same_v<std::remove_const_t<Q>, O>>;
+
+/// "q[b=1, h=3]", for messages about one head.
+inline std::string head_name(const char* name, Eigen::Index b, Eigen::Index h) {
+  return std::string(name) + "[b=" + std::to_string(b) + ", h=" + std::to_string(h) + "]";
+}
+
+/// Which rows of which batch entry each sequence covers: all N rows of entry s for a padded
+/// batch, rows [offsets[s], offsets[s+1]) of entry 0 for a packed one.
+struct SequenceRows {
+  Eigen::Index count = 0;
+  Eigen::Index tokens = 0;                             ///< N, for a padded batch
+  const std::vector<std::int64_t>* offsets = nullptr;  ///< S + 1 offsets, for a packed batch
+
+  Eigen::Index batch_of(Eigen::Index s) const { return offsets ? 0 : s; }
+  Eigen::Index begin(Eigen::Index s) const { return offsets ? (*offsets)[s] : 0; }
+  Eigen::Index rows(Eigen::Index s) const {
+    return offsets ? (*offsets)[s + 1] - (*offsets)[s] : tokens;
+  }
+};
+
+/// Throws unless the offsets split `tokens` rows into sequences: 0 = o_0 <= o_1 <= ... = N.
+inline void validate_offsets(const std::vector<std::int64_t>& offsets, Eigen::Index tokens,
+                             const char* where) {
+  if (offsets.size() < 2) {
+    throw Error(std::string(where) + ": offsets needs at least 2 entries (0 and the total), got " +
+                std::to_string(offsets.size()));
+  }
+  if (offsets.front() != 0) {
+    throw Error(std::string(where) + ": offsets[0] must be 0, got " +
+                std::to_string(offsets.front()));
+  }
+  for (std::size_t s = 1; s < offsets.size(); ++s) {
+    if (offsets[s] < offsets[s - 1]) {
+      throw Error(std::string(where) + ": offsets must not decrease, but offsets[" +
+                  std::to_string(s) + "] = " + std::to_string(offsets[s]) + " < offsets[" +
+                  std::to_string(s - 1) + "] = " + std::to_string(offsets[s - 1]));
+    }
+  }
+  if (offsets.back() != tokens) {
+    throw Error(std::string(where) + ": offsets.back() = " + std::to_string(offsets.back()) +
+                " but the views hold " + std::to_string(tokens) + " tokens");
+  }
+}
+
+/// Shape checks for q, k (B x H x N x Dq), v (B x H x N x Dv) and out (B x H x N x out_dim);
+/// with check_finite, every head of q, k and v is scanned.
+template <class Q, class K, class V, class O>
+void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const HeadsView<O>& out, Eigen::Index out_dim, const Options& options,
+                    const char* where, const char* q_name, const char* k_name) {
+  validate_options(options, where);
+  auto same_bhn = [&](auto& view, const char* name) {
+    if (view.batch() != q.batch() || view.heads() != q.heads() || view.tokens() != q.tokens()) {
+      throw Error(std::string(where) + ": " + name + " is " + view.sizes_string() + " but " +
+                  q_name + " is " + q.sizes_string() + "; B, H and N must match");
+    }
+  };
+  same_bhn(k, k_name);
+  same_bhn(v, "v");
+  same_bhn(out, "out");
+  if (k.dim() != q.dim()) {
+    throw Error(std::string(where) + ": " + k_name + " is " + k.sizes_string() + " but " + q_name +
+                " is " + q.sizes_string() + "; D must match");
+  }
+  if (out.dim() != out_dim) {
+    throw Error(std::string(where) + ": out is " + out.sizes_string() +
+                " but the result has D = " + std::to_string(out_dim));
+  }
+  if (!options.check_finite) return;
+  for (Eigen::Index b = 0; b < q.batch(); ++b) {
+    for (Eigen::Index h = 0; h < q.heads(); ++h) {
+      require_finite(q.head(b, h), where, head_name(q_name, b, h).c_str());
+      require_finite(k.head(b, h), where, head_name(k_name, b, h).c_str());
+      require_finite(v.head(b, h), where, head_name("v", b, h).c_str());
+    }
+  }
+}
+
+/// Calls body(q_head, k_head, v_head, out_head) with N x D maps of head h of batch entry b;
+/// maps with adjacent features when all four views have them, so loads vectorise.
+template <class Q, class K, class V, class O, class Body>
+void with_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                const HeadsView<O>& out, Eigen::Index b, Eigen::Index h, const Body& body) {
+  if (q.strides().dim == 1 && k.strides().dim == 1 && v.strides().dim == 1 &&
+      out.strides().dim == 1) {
+    body(q.head_rows(b, h), k.head_rows(b, h), v.head_rows(b, h),
+         Eigen::Ref<Matrix<O>>(out.head_rows(b, h)));
+  } else {
+    body(q.head(b, h), k.head(b, h), v.head(b, h), StridedRef<O>(out.head(b, h)));
+  }
+}
+
+/// Runs every (sequence, head) pair: over pairs on the threads when there are enough of them,
+/// else one pair at a time with the threads splitting the sequence.
+/// run(s, h, q_rows, k_rows, v_rows, out_rows, threads) attends sequence s of head h.
+template <class Q, class K, class V, class O, class Run>
+void for_each_sequence_head(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                            const HeadsView<O>& out, const SequenceRows& sequences,
+                            const Options& options, const Run& run) {
+  const Eigen::Index heads = q.heads();
+  const Eigen::Index items = sequences.count * heads;
+  const int threads = resolve_threads(options);
+  const bool over_items = items >= threads;
+  auto one = [&](Eigen::Index i, int inner_threads) {
+    const Eigen::Index s = i / heads;
+    const Eigen::Index h = i % heads;
+    const Eigen::Index begin = sequences.begin(s);
+    const Eigen::Index rows = sequences.rows(s);
+    if (rows == 0) return;
+    with_heads(q, k, v, out, sequences.batch_of(s), h,
+               [&](const auto& qh, const auto& kh, const auto& vh, auto oh) {
+                 run(s, h, qh.middleRows(begin, rows), kh.middleRows(begin, rows),
+                     vh.middleRows(begin, rows), decltype(oh)(oh.middleRows(begin, rows)),
+                     inner_threads);
+               });
+  };
+  if (over_items) {
+    parallel_for(items, threads, [&](Eigen::Index i) { one(i, 1); });
+  } else {
+    for (Eigen::Index i = 0; i < items; ++i) one(i, threads);
+  }
+}
+
+/// Linear attention (causal or not) over every sequence and head; `map` is null for
+/// featurized inputs.
+template <class Acc, class Q, class K, class V, class O, class Map>
+void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                            const Map* map, const HeadsView<O>& out,
+                            const std::vector<std::int64_t>* offsets, const Options& options,
+                            bool causal, const char* where) {
+  using Scalar = accumulator_t<Acc, O>;
+  static_assert(is_supported_scalar<O> && is_supported_scalar<Scalar>,
+                "linattn kernels take float or double inputs and accumulators");
+  const bool featurized = map == nullptr;
+  const char* q_name = featurized ? "phi_q" : "q";
+  const char* k_name = featurized ? "phi_k" : "k";
+  validate_heads(q, k, v, out, v.dim(), options, where, q_name, k_name);
+  SequenceRows sequences{q.batch(), q.tokens(), offsets};
+  if (offsets) {
+    if (q.batch() != 1) {
+      throw Error(std::string(where) +
+                  ": a packed batch is one row of sequences, so B must be "
+                  "1; " +
+                  q_name + " is " + q.sizes_string());
+    }
+    validate_offsets(*offsets, q.tokens(), where);
+    sequences.count = static_cast<Eigen::Index>(offsets->size()) - 1;
+  }
+  Eigen::Index feature_dim = q.dim();
+  if constexpr (!std::is_same_v<Map, void>) {
+    feature_dim = map->feature_dim(q.dim());
+    if (feature_dim < 1) {
+      throw Error(std::string(where) + ": the feature map gives feature_dim " +
+                  std::to_string(feature_dim) + " for input_dim " + std::to_string(q.dim()));
+    }
+  }
+  for_each_sequence_head(
+      q, k, v, out, sequences, options,
+      [&](Eigen::Index, Eigen::Index, const auto& qs, const auto& ks, const auto& vs, auto os,
+          int threads) {
+        using DQ = std::decay_t<decltype(qs)>;
+        using DK = std::decay_t<decltype(ks)>;
+        using DV = std::decay_t<decltype(vs)>;
+        CarriedState<Scalar> state(feature_dim, v.dim());
+        Options run_options = options;
+        run_options.threads = threads;
+        auto attend = [&](const auto& source) {
+          if (causal) {
+            run_causal(source, state, os, run_options, threads);
+          } else {
+            run_non_causal(source, state, os, run_options, threads);
+          }
+        };
+        if constexpr (std::is_same_v<Map, void>) {
+          attend(FeaturizedSource<DQ, DK, DV>(qs, ks, vs));
+        } else {
+          attend(MappedSource<DQ, DK, DV, Map>(qs, ks, vs, *map, options.check_finite, where));
+        }
+      });
+}
+
+}  // namespace detail
+
+/// Causal linear attention for every head of every sequence, on featurized inputs held in
+/// caller memory ([B, H, N, D] or [B, N, H, D], any strides), written into `out`. Threads go
+/// over B x H (Options::threads, with OpenMP); with fewer heads than threads each sequence is
+/// split across them instead. Head (b, h) gives exactly causal_linear_attention on
+/// phi_q.head(b, h), ... up to rounding.
+/// @param phi_q  B x H x N x C featurized queries
+/// @param phi_k  B x H x N x C featurized keys
+/// @param v      B x H x N x Dv values
+/// @param out    B x H x N x Dv result; its heads may not overlap each other or the inputs
+template <class Acc = void, class Q, class K, class V, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>>
+void causal_linear_attention_into(const HeadsView<Q>& phi_q, const HeadsView<K>& phi_k,
+                                  const HeadsView<V>& v, const HeadsView<O>& out,
+                                  const Options& options = {}) {
+  detail::heads_linear_attention<Acc>(phi_q, phi_k, v, static_cast<const void*>(nullptr), out,
+                                      nullptr, options, true, "causal_linear_attention");
+}
+
+/// Causal linear attention for every head of every sequence, with a feature map (shared by
+/// all heads) applied chunk by chunk.
+/// @param q    B x H x N x Dk queries
+/// @param k    B x H x N x Dk keys
+/// @param v    B x H x N x Dv values
+/// @param map  feature map
+/// @param out  B x H x N x Dv result
+template <class Acc = void, class Q, class K, class V, class Map, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>,
+          class = detail::enable_if_feature_map<Map>>
+void causal_linear_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                  const HeadsView<V>& v, const Map& map, const HeadsView<O>& out,
+                                  const Options& options = {}) {
+  detail::heads_linear_attention<Acc>(q, k, v, &map, out, nullptr, options, true,
+                                      "causal_linear_attention");
+}
+
+/// Non-causal linear attention for every head of every sequence, on featurized inputs.
+/// @param phi_q  B x H x N x C featurized queries
+/// @param phi_k  B x H x N x C featurized keys
+/// @param v      B x H x N x Dv values
+/// @param out    B x H x N x Dv result
+template <class Acc = void, class Q, class K, class V, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>>
+void linear_attention_into(const HeadsView<Q>& phi_q, const HeadsView<K>& phi_k,
+                           const HeadsView<V>& v, const HeadsView<O>& out,
+                           const Options& options = {}) {
+  detail::heads_linear_attention<Acc>(phi_q, phi_k, v, static_cast<const void*>(nullptr), out,
+                                      nullptr, options, false, "linear_attention");
+}
+
+/// Non-causal linear attention for every head of every sequence, with a feature map.
+/// @param q    B x H x N x Dk queries
+/// @param k    B x H x N x Dk keys
+/// @param v    B x H x N x Dv values
+/// @param map  feature map
+/// @param out  B x H x N x Dv result
+template <class Acc = void, class Q, class K, class V, class Map, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>,
+          class = detail::enable_if_feature_map<Map>>
+void linear_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                           const Map& map, const HeadsView<O>& out, const Options& options = {}) {
+  detail::heads_linear_attention<Acc>(q, k, v, &map, out, nullptr, options, false,
+                                      "linear_attention");
+}
+
+/// Causal linear attention over a packed batch of sequences of different lengths: sequence s
+/// is tokens [offsets[s], offsets[s+1]) of the views (like cu_seqlens), and attends only to
+/// itself. Threads go over sequences x heads.
+/// @param phi_q    1 x H x total x C featurized queries (B = 1: the sequences are packed along N)
+/// @param phi_k    1 x H x total x C featurized keys
+/// @param v        1 x H x total x Dv values
+/// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
+/// @param out      1 x H x total x Dv result
+template <class Acc = void, class Q, class K, class V, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>>
+void causal_linear_attention_varlen_into(const HeadsView<Q>& phi_q, const HeadsView<K>& phi_k,
+                                         const HeadsView<V>& v,
+                                         const std::vector<std::int64_t>& offsets,
+                                         const HeadsView<O>& out, const Options& options = {}) {
+  detail::heads_linear_attention<Acc>(phi_q, phi_k, v, static_cast<const void*>(nullptr), out,
+                                      &offsets, options, true, "causal_linear_attention_varlen");
+}
+
+/// As causal_linear_attention_varlen_into, with a feature map.
+/// @param q        1 x H x total x Dk queries
+/// @param k        1 x H x total x Dk keys
+/// @param v        1 x H x total x Dv values
+/// @param map      feature map
+/// @param offsets  S + 1 token offsets
+/// @param out      1 x H x total x Dv result
+template <class Acc = void, class Q, class K, class V, class Map, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>,
+          class = detail::enable_if_feature_map<Map>>
+void causal_linear_attention_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                         const HeadsView<V>& v, const Map& map,
+                                         const std::vector<std::int64_t>& offsets,
+                                         const HeadsView<O>& out, const Options& options = {}) {
+  detail::heads_linear_attention<Acc>(q, k, v, &map, out, &offsets, options, true,
+                                      "causal_linear_attention_varlen");
+}
+
+/// Non-causal linear attention over a packed batch: each sequence attends to all of itself.
+/// @param phi_q    1 x H x total x C featurized queries
+/// @param phi_k    1 x H x total x C featurized keys
+/// @param v        1 x H x total x Dv values
+/// @param offsets  S + 1 token offsets
+/// @param out      1 x H x total x Dv result
+template <class Acc = void, class Q, class K, class V, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>>
+void linear_attention_varlen_into(const HeadsView<Q>& phi_q, const HeadsView<K>& phi_k,
+                                  const HeadsView<V>& v, const std::vector<std::int64_t>& offsets,
+                                  const HeadsView<O>& out, const Options& options = {}) {
+  detail::heads_linear_attention<Acc>(phi_q, phi_k, v, static_cast<const void*>(nullptr), out,
+                                      &offsets, options, false, "linear_attention_varlen");
+}
+
+/// Softmax attention (the tiled baseline) for every head of every sequence, threads over
+/// B x H.
+/// @param q        B x H x N x Dk queries
+/// @param k        B x H x N x Dk keys
+/// @param v        B x H x N x Dv values
+/// @param causal   query i sees keys j <= i
+/// @param out      B x H x N x Dv result
+/// @param scale    multiplies q . k; negative means 1/sqrt(Dk)
+/// @param threads  as Options::threads (0: OpenMP's default)
+template <class Q, class K, class V, class O, class = detail::enable_if_heads_scalars<Q, K, V, O>>
+void softmax_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                            bool causal, const HeadsView<O>& out, double scale = -1,
+                            int threads = 0) {
+  static_assert(detail::is_supported_scalar<O>, "linattn kernels take float or double inputs");
+  constexpr const char* where = "softmax_attention";
+  Options options;
+  options.threads = threads;
+  detail::validate_heads(q, k, v, out, v.dim(), options, where, "q", "k");
+  const O s = static_cast<O>(detail::resolve_scale(scale, q.dim(), where));
+  const detail::SequenceRows sequences{q.batch(), q.tokens(), nullptr};
+  // Softmax has no sequence split: one head per thread.
+  detail::for_each_sequence_head(
+      q, k, v, out, sequences, options,
+      [&](Eigen::Index, Eigen::Index, const auto& qs, const auto& ks, const auto& vs, auto os,
+          int) { detail::TiledSoftmax<O>(q.dim(), v.dim()).run(qs, ks, vs, s, causal, 0, os); });
+}
+
+}  // namespace linattn

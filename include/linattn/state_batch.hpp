@@ -1,0 +1,207 @@
+// SPDX-License-Identifier: MIT
+// Many recurrent states stepped together: one state per session (or per session and head).
+#pragma once
+
+#include <linattn/config.hpp>
+#include <linattn/detail/parallel.hpp>
+#include <linattn/detail/validate.hpp>
+#include <linattn/heads_view.hpp>
+#include <linattn/multi_head.hpp>
+#include <linattn/recurrent_state.hpp>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace linattn {
+
+/// `size()` independent RecurrentStates of the same shape and options, advanced by one call:
+/// row i of every argument belongs to state i. For H heads of B sequences, state b * H + h
+/// holds head h of sequence b (the order prefill_into uses). Threads (Options::threads, with
+/// OpenMP) go over the states; the result is the same as stepping each state on its own.
+template <class T, class Acc = T>
+class RecurrentStateBatch {
+ public:
+  using State = RecurrentState<T, Acc>;
+
+  /// @param count        number of states, >= 1
+  /// @param feature_dim  C of every state
+  /// @param value_dim    Dv of every state
+  /// @param options      shared by every state (and Options::threads for the batch calls)
+  RecurrentStateBatch(Eigen::Index count, Eigen::Index feature_dim, Eigen::Index value_dim,
+                      const Options& options = {})
+      : states_(static_cast<std::size_t>(
+                    detail::require_positive_dim(count, "RecurrentStateBatch", "count")),
+                State(feature_dim, value_dim, options)) {}
+
+  Eigen::Index size() const { return static_cast<Eigen::Index>(states_.size()); }
+  Eigen::Index feature_dim() const { return states_.front().feature_dim(); }
+  Eigen::Index value_dim() const { return states_.front().value_dim(); }
+  const Options& options() const { return states_.front().options(); }
+
+  /// State i, e.g. to save or load one session.
+  State& operator[](Eigen::Index i) { return states_.at(static_cast<std::size_t>(i)); }
+  const State& operator[](Eigen::Index i) const { return states_.at(static_cast<std::size_t>(i)); }
+
+  /// Clears every state.
+  void reset() {
+    for (State& state : states_) state.reset();
+  }
+
+  /// One token for every state; inputs are checked before any state moves.
+  /// @param phi_q  size() x C featurized queries, row i for state i
+  /// @param phi_k  size() x C featurized keys
+  /// @param v      size() x Dv values
+  /// @param out    size() x Dv outputs
+  template <class DQ, class DK, class DV>
+  void step_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                 const Eigen::MatrixBase<DV>& v, Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "RecurrentStateBatch::step";
+    check_rows(phi_q, phi_k, v, out, feature_dim(), where, "phi_q", "phi_k");
+    for_each_state([&](Eigen::Index i) {
+      states_[i].step_into(phi_q.row(i), phi_k.row(i), v.row(i), out.row(i).transpose());
+    });
+  }
+
+  /// As step_into, returning size() x Dv.
+  template <class DQ, class DK, class DV>
+  Matrix<T> step(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                 const Eigen::MatrixBase<DV>& v) {
+    Matrix<T> out(size(), value_dim());
+    step_into(phi_q, phi_k, v, out);
+    return out;
+  }
+
+  /// One raw token for every state through a feature map.
+  /// @param q    size() x Dk queries
+  /// @param k    size() x Dk keys
+  /// @param v    size() x Dv values
+  /// @param map  feature map with map.feature_dim(Dk) == C
+  /// @param out  size() x Dv outputs
+  template <class DQ, class DK, class DV, class Map,
+            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "RecurrentStateBatch::step";
+    check_rows(q, k, v, out, q.cols(), where, "q", "k");
+    for_each_state([&](Eigen::Index i) {
+      states_[i].step_into(q.row(i), k.row(i), v.row(i), map, out.row(i).transpose());
+    });
+  }
+
+  /// As step_into with a map, returning size() x Dv.
+  template <class DQ, class DK, class DV, class Map,
+            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  Matrix<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Map& map) {
+    Matrix<T> out(size(), value_dim());
+    step_into(q, k, v, map, out);
+    return out;
+  }
+
+  /// A prompt for every state from multi-head views through the chunked form: state
+  /// b * H + h takes head h of sequence b and ends where stepping each token would leave it.
+  /// This is the parallel routine with initial states in and final states out.
+  /// @param phi_q  B x H x N x C featurized queries, B * H == size()
+  /// @param phi_k  B x H x N x C featurized keys
+  /// @param v      B x H x N x Dv values
+  /// @param out    B x H x N x Dv outputs
+  template <class Q, class K, class V, class O, class = detail::enable_if_heads_scalars<Q, K, V, O>>
+  void prefill_into(const HeadsView<Q>& phi_q, const HeadsView<K>& phi_k, const HeadsView<V>& v,
+                    const HeadsView<O>& out) {
+    prefill_heads(phi_q, phi_k, v, static_cast<const void*>(nullptr), out, "phi_q", "phi_k");
+  }
+
+  /// As prefill_into, with raw q, k (B x H x N x Dk) and a feature map.
+  template <class Q, class K, class V, class Map, class O,
+            class = detail::enable_if_heads_scalars<Q, K, V, O>,
+            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  void prefill_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const Map& map, const HeadsView<O>& out) {
+    prefill_heads(q, k, v, &map, out, "q", "k");
+  }
+
+ private:
+  /// Shapes, finiteness and token room of a batch step, before any state moves.
+  template <class DQ, class DK, class DV>
+  void check_rows(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                  const Eigen::MatrixBase<DV>& v, const Eigen::Ref<Matrix<T>>& out,
+                  Eigen::Index q_cols, const char* where, const char* q_name,
+                  const char* k_name) const {
+    static_assert(std::is_same_v<typename DQ::Scalar, T> &&
+                      std::is_same_v<typename DK::Scalar, T> &&
+                      std::is_same_v<typename DV::Scalar, T>,
+                  "RecurrentStateBatch<T>: inputs must have scalar type T");
+    auto require = [&](Eigen::Index rows, Eigen::Index cols, Eigen::Index want_cols,
+                       const std::string& shape, const char* name) {
+      if (rows != size() || cols != want_cols) {
+        throw Error(std::string(where) + ": " + name + " is " + shape + " but the batch needs " +
+                    detail::shape_string(size(), want_cols) + " (one row per state)");
+      }
+    };
+    require(q.rows(), q.cols(), q_cols, detail::shape_string(q), q_name);
+    require(k.rows(), k.cols(), q_cols, detail::shape_string(k), k_name);
+    require(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v");
+    require(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out");
+    if (options().check_finite) {
+      detail::require_finite(q, where, q_name);
+      detail::require_finite(k, where, k_name);
+      detail::require_finite(v, where, "v");
+    }
+    for (const State& state : states_) state.require_token_room(1, where);
+  }
+
+  /// body(i) for every state, the states split in equal blocks across the threads.
+  template <class Body>
+  void for_each_state(const Body& body) {
+    const Eigen::Index count = size();
+    const Eigen::Index blocks = std::min<Eigen::Index>(detail::resolve_threads(options()), count);
+    detail::parallel_for(blocks, static_cast<int>(blocks), [&](Eigen::Index block) {
+      for (Eigen::Index i = count * block / blocks; i < count * (block + 1) / blocks; ++i) body(i);
+    });
+  }
+
+  template <class Q, class K, class V, class Map, class O>
+  void prefill_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                     const Map* map, const HeadsView<O>& out, const char* q_name,
+                     const char* k_name) {
+    constexpr const char* where = "RecurrentStateBatch::prefill";
+    static_assert(std::is_same_v<O, T>, "RecurrentStateBatch<T>: views must hold T");
+    detail::validate_heads(q, k, v, out, value_dim(), options(), where, q_name, k_name);
+    if (q.batch() * q.heads() != size()) {
+      throw Error(std::string(where) + ": " + q_name + " is " + q.sizes_string() +
+                  ", B x H = " + std::to_string(q.batch() * q.heads()) +
+                  " heads, but the batch holds " + std::to_string(size()) + " states");
+    }
+    Eigen::Index features = q.dim();
+    if constexpr (!std::is_same_v<Map, void>) features = map->feature_dim(q.dim());
+    if (features != feature_dim()) {
+      throw Error(std::string(where) + ": " + q_name + " gives " + std::to_string(features) +
+                  " features per token but the states hold " + std::to_string(feature_dim()));
+    }
+    for (const State& state : states_) state.require_token_room(q.tokens(), where);
+    // Each state works on a copy and is replaced only when every head succeeded.
+    std::vector<State> next = states_;
+    const detail::SequenceRows sequences{q.batch(), q.tokens(), nullptr};
+    detail::for_each_sequence_head(
+        q, k, v, out, sequences, options(),
+        [&](Eigen::Index b, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
+            int threads) {
+          using DQ = std::decay_t<decltype(qs)>;
+          using DK = std::decay_t<decltype(ks)>;
+          using DV = std::decay_t<decltype(vs)>;
+          State& state = next[static_cast<std::size_t>(b * q.heads() + h)];
+          if constexpr (std::is_same_v<Map, void>) {
+            state.run_chunked(detail::FeaturizedSource<DQ, DK, DV>(qs, ks, vs), os, threads);
+          } else {
+            state.run_chunked(detail::MappedSource<DQ, DK, DV, Map>(qs, ks, vs, *map,
+                                                                    options().check_finite, where),
+                              os, threads);
+          }
+        });
+    states_ = std::move(next);
+  }
+
+  std::vector<State> states_;
+};
+
+}  // namespace linattn
