@@ -180,6 +180,43 @@ plot 'decode_float.dat' using 1:2 with linespoints title 'recurrent state', \\
           f"{os.path.join(bench_dir, 'decode_latency.png')}")
 
 
+THREADS_NAME = re.compile(r"^(BM_\w+)<(\w+)>/(\d+)/(\d+)/real_time$")
+
+
+def threads_section(path):
+    """Thread scaling from bench_threads: each row's rate against the same kernel on one
+    thread and against Eigen's single-thread GEMM from the same run."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        data = json.load(f)
+    runs, gemm = {}, {}
+    for b in data.get("benchmarks", []):
+        if b.get("run_type", "iteration") != "iteration":
+            continue
+        m = NAME.match(b["name"])
+        if m and m.group(1) == "BM_EigenGemm":
+            gemm[m.group(2)] = b["FLOPS"]
+            continue
+        m = THREADS_NAME.match(b["name"])
+        if m:
+            runs[(m.group(1), m.group(2), int(m.group(3)), int(m.group(4)))] = b
+    if not runs:
+        return ""
+    rows = []
+    for (family, scalar, n, threads), b in sorted(runs.items()):
+        one = runs.get((family, scalar, n, 1))
+        speedup = f"{b['FLOPS'] / one['FLOPS']:.2f}x" if one else "-"
+        peak = gemm.get(scalar)
+        share = f"{100 * b['FLOPS'] / threads / peak:.0f}%" if peak else "-"
+        rows.append([family, scalar, n, threads,
+                     fmt_time(b["real_time"] * UNIT_TO_S[b.get("time_unit", "ns")]),
+                     f"{b['FLOPS'] / 1e9:.1f}", speedup, share])
+    return ("### Threads (bench_threads, OpenMP; C = Dv = 64, 16 heads = [4, 4, N, 64])\n\n" +
+            table(["benchmark", "scalar", "N", "threads", "time", "GFLOP/s", "vs 1 thread",
+                   "per thread, % of 1-thread GEMM"], rows) + "\n\n")
+
+
 def main():
     bench_dir = sys.argv[1] if len(sys.argv) > 1 else "build/release/bench"
     causal = load(os.path.join(bench_dir, "causal.json"))
@@ -192,6 +229,7 @@ def main():
     for scalar in ("float", "double"):
         text += decode_section(decode, scalar, decode_rows)
     text += feature_section(features)
+    text += threads_section(os.path.join(bench_dir, "threads.json"))
     with open(os.path.join(bench_dir, "report.md"), "w") as f:
         f.write(text)
     print(text)

@@ -1,0 +1,105 @@
+// Threads: many heads over B x H, and one long sequence split across threads, at 1..max
+// threads, with the single-thread Eigen GEMM rate in the same binary. Built with OpenMP.
+#include <linattn/heads_view.hpp>
+#include <linattn/multi_head.hpp>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+using linattn::HeadsView;
+using linattn::Matrix;
+using linattn_bench::random_matrix;
+using linattn_bench::set_rates;
+
+constexpr Eigen::Index kDim = 64;  // C = Dv = 64
+
+/// Positive featurized inputs for `heads` heads of n tokens, laid out [heads, n, 64].
+template <class T>
+struct HeadInputs {
+  Matrix<T> phi_q, phi_k, v, out;
+  HeadInputs(Eigen::Index heads, Eigen::Index n)
+      : phi_q(random_matrix<T>(heads * n, kDim, 21).array().exp().matrix()),
+        phi_k(random_matrix<T>(heads * n, kDim, 22).array().exp().matrix()),
+        v(random_matrix<T>(heads * n, kDim, 23)),
+        out(heads * n, kDim) {}
+};
+
+/// Causal kernel over B x H heads ([B, H, N, 64], B = heads / 4, H = 4) on range(1) threads.
+template <class T>
+void BM_HeadsKernel(benchmark::State& state, Eigen::Index heads) {
+  const Eigen::Index n = state.range(0);
+  HeadInputs<T> in(heads, n);
+  const Eigen::Index batch = heads / 4;
+  const auto q = HeadsView<const T>::bhnd(in.phi_q.data(), batch, 4, n, kDim);
+  const auto k = HeadsView<const T>::bhnd(in.phi_k.data(), batch, 4, n, kDim);
+  const auto v = HeadsView<const T>::bhnd(in.v.data(), batch, 4, n, kDim);
+  const auto out = HeadsView<T>::bhnd(in.out.data(), batch, 4, n, kDim);
+  linattn::Options options;
+  options.threads = static_cast<int>(state.range(1));
+  linattn_bench::measure(state, [&] {
+    linattn::causal_linear_attention_into(q, k, v, out, options);
+    benchmark::DoNotOptimize(in.out.data());
+  });
+  set_rates(state, 4.0 * double(heads) * double(n) * kDim * kDim, double(heads * n));
+  state.counters["threads"] = double(options.threads);
+}
+
+/// Causal kernel over one sequence of range(0) tokens on range(1) threads.
+template <class T>
+void BM_SequenceKernel(benchmark::State& state) {
+  const Eigen::Index n = state.range(0);
+  HeadInputs<T> in(1, n);
+  linattn::Options options;
+  options.threads = static_cast<int>(state.range(1));
+  linattn_bench::measure(state, [&] {
+    linattn::causal_linear_attention_into(in.phi_q, in.phi_k, in.v, in.out, options);
+    benchmark::DoNotOptimize(in.out.data());
+  });
+  set_rates(state, 4.0 * double(n) * kDim * kDim, double(n));
+  state.counters["threads"] = double(options.threads);
+}
+
+template <class T>
+void register_scalar(int max_threads) {
+  const std::string t = linattn_bench::scalar_name(T{});
+  benchmark::RegisterBenchmark(("BM_EigenGemm<" + t + ">").c_str(), linattn_bench::BM_EigenGemm<T>)
+      ->Arg(512)
+      ->MinTime(0.5)
+      ->Unit(benchmark::kMillisecond);
+  for (int threads = 1; threads <= max_threads; threads *= 2) {
+    benchmark::RegisterBenchmark(("BM_HeadsKernel16<" + t + ">").c_str(), BM_HeadsKernel<T>,
+                                 Eigen::Index{16})
+        ->Args({4096, threads})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_SequenceKernel<" + t + ">").c_str(), BM_SequenceKernel<T>)
+        ->Args({65536, threads})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int max_threads = 1;
+#ifdef _OPENMP
+  max_threads = omp_get_max_threads();
+#endif
+  // The GEMM reference is Eigen's single-thread rate; our threads come from Options::threads.
+  Eigen::setNbThreads(1);
+  register_scalar<float>(max_threads);
+  if (!linattn_bench::quick()) register_scalar<double>(max_threads);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
