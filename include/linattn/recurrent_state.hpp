@@ -153,10 +153,12 @@ class RecurrentState {
                     const Eigen::MatrixBase<DV>& v, Eigen::Ref<Matrix<T>> out) {
     constexpr const char* where = "RecurrentState::prefill";
     check_scalars<DQ, DK, DV>();
-    detail::validate_sequence(phi_q, phi_k, v, options_, where, "phi_q", "phi_k");
+    detail::validate_sequence_shapes(phi_q, phi_k, v, options_, where, "phi_q", "phi_k");
     check_dims(phi_q.cols(), v.cols(), where, "phi_q");
     detail::require_output_shape(out, phi_q.rows(), value_dim(), where);
-    run_chunked(detail::FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()),
+    run_chunked(detail::FeaturizedSource<DQ, DK, DV>(
+                    phi_q.derived(), phi_k.derived(), v.derived(),
+                    detail::InputChecks{options_.check_finite, where, "phi_q", "phi_k"}),
                 out);
   }
 
@@ -182,9 +184,10 @@ class RecurrentState {
                     const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Matrix<T>> out) {
     constexpr const char* where = "RecurrentState::prefill";
     check_scalars<DQ, DK, DV>();
-    detail::validate_sequence(q, k, v, options_, where, "q", "k");
-    const detail::MappedSource<DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(), map,
-                                                       options_.check_finite, where);
+    detail::validate_sequence_shapes(q, k, v, options_, where, "q", "k");
+    const detail::MappedSource<DQ, DK, DV, Map> source(
+        q.derived(), k.derived(), v.derived(), map,
+        detail::InputChecks{options_.check_finite, where, "q", "k"});
     check_dims(source.feature_dim(), v.cols(), where, "phi(q)");
     detail::require_output_shape(out, q.rows(), value_dim(), where);
     run_chunked(source, out);

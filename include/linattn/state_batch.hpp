@@ -166,7 +166,7 @@ class RecurrentStateBatch {
                      const char* k_name) {
     constexpr const char* where = "RecurrentStateBatch::prefill";
     static_assert(std::is_same_v<O, T>, "RecurrentStateBatch<T>: views must hold T");
-    detail::validate_heads(q, k, v, out, value_dim(), options(), where, q_name, k_name);
+    detail::validate_heads(q, k, v, out, value_dim(), options(), false, where, q_name, k_name);
     if (q.batch() * q.heads() != size()) {
       throw Error(std::string(where) + ": " + q_name + " is " + q.sizes_string() +
                   ", B x H = " + std::to_string(q.batch() * q.heads()) +
@@ -190,12 +190,17 @@ class RecurrentStateBatch {
           using DK = std::decay_t<decltype(ks)>;
           using DV = std::decay_t<decltype(vs)>;
           State& state = next[static_cast<std::size_t>(b * q.heads() + h)];
+          const std::string q_head = detail::head_name(q_name, b, h),
+                            k_head = detail::head_name(k_name, b, h),
+                            v_head = detail::head_name("v", b, h);
+          const detail::InputChecks checks{options().check_finite, where, q_head.c_str(),
+                                           k_head.c_str(), v_head.c_str()};
           if constexpr (std::is_same_v<Map, void>) {
-            state.run_chunked(detail::FeaturizedSource<DQ, DK, DV>(qs, ks, vs), os, threads);
+            state.run_chunked(detail::FeaturizedSource<DQ, DK, DV>(qs, ks, vs, checks), os,
+                              threads);
           } else {
-            state.run_chunked(detail::MappedSource<DQ, DK, DV, Map>(qs, ks, vs, *map,
-                                                                    options().check_finite, where),
-                              os, threads);
+            state.run_chunked(detail::MappedSource<DQ, DK, DV, Map>(qs, ks, vs, *map, checks), os,
+                              threads);
           }
         });
     states_ = std::move(next);

@@ -106,8 +106,8 @@ class FeaturizedSource {
   using Scalar = typename DQ::Scalar;
   static constexpr bool log_scaled = false;
 
-  FeaturizedSource(const DQ& phi_q, const DK& phi_k, const DV& v)
-      : phi_q_(phi_q), phi_k_(phi_k), v_(v) {}
+  FeaturizedSource(const DQ& phi_q, const DK& phi_k, const DV& v, const InputChecks& checks)
+      : phi_q_(phi_q), phi_k_(phi_k), v_(v), checks_(checks) {}
 
   Eigen::Index rows() const { return phi_q_.rows(); }
   Eigen::Index feature_dim() const { return phi_q_.cols(); }
@@ -116,17 +116,23 @@ class FeaturizedSource {
   template <class Acc>
   void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
     buf.q.topRows(len) = phi_q_.middleRows(begin, len).template cast<Acc>();
+    if (checks_.finite) require_finite(buf.q.topRows(len), checks_.where, checks_.q_name, begin);
   }
   template <class Acc>
   void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
     buf.k.topRows(len) = phi_k_.middleRows(begin, len).template cast<Acc>();
     buf.v.topRows(len) = v_.middleRows(begin, len).template cast<Acc>();
+    if (checks_.finite) {
+      require_finite(buf.k.topRows(len), checks_.where, checks_.k_name, begin);
+      require_finite(buf.v.topRows(len), checks_.where, checks_.v_name, begin);
+    }
   }
 
  private:
   const DQ& phi_q_;
   const DK& phi_k_;
   const DV& v_;
+  InputChecks checks_;
 };
 
 /// Token source over raw q, k (N x Dk) and v, featurized one chunk at a time by `map`.
@@ -136,15 +142,16 @@ class MappedSource {
   using Scalar = typename DQ::Scalar;
   static constexpr bool log_scaled = is_log_scaled<Map>::value;
 
-  MappedSource(const DQ& q, const DK& k, const DV& v, const Map& map, bool check_finite,
-               const char* where)
+  MappedSource(const DQ& q, const DK& k, const DV& v, const Map& map, const InputChecks& checks)
       : q_(q),
         k_(k),
         v_(v),
         map_(map),
         feature_dim_(map.feature_dim(q.cols())),
-        check_finite_(check_finite),
-        where_(where) {
+        check_finite_(checks.finite),
+        where_(checks.where),
+        checks_(checks) {
+    const char* where = checks.where;
     if (feature_dim_ < 1) {
       throw Error(std::string(where) + ": the feature map gives feature_dim " +
                   std::to_string(feature_dim_) + " for input_dim " + std::to_string(q.cols()));
@@ -159,6 +166,7 @@ class MappedSource {
   void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
     // Featurized in the accumulation type: a double accumulator also gets double features.
     const Matrix<Acc> x = q_.middleRows(begin, len).template cast<Acc>();
+    if (check_finite_) require_finite(x, where_, checks_.q_name, begin);
     if constexpr (log_scaled) {
       store(map_.scaled_features(x, log_scratch_), buf.q, len, "queries");
       buf.log_q.head(len) = log_scratch_;
@@ -169,6 +177,7 @@ class MappedSource {
   template <class Acc>
   void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
     const Matrix<Acc> x = k_.middleRows(begin, len).template cast<Acc>();
+    if (check_finite_) require_finite(x, where_, checks_.k_name, begin);
     if constexpr (log_scaled) {
       store(map_.scaled_features(x, log_scratch_), buf.k, len, "keys");
       buf.log_k.head(len) = log_scratch_;
@@ -176,6 +185,7 @@ class MappedSource {
       store(map_.keys(x), buf.k, len, "keys");
     }
     buf.v.topRows(len) = v_.middleRows(begin, len).template cast<Acc>();
+    if (check_finite_) require_finite(buf.v.topRows(len), where_, checks_.v_name, begin);
   }
 
  private:
@@ -186,7 +196,7 @@ class MappedSource {
                   shape_string(phi) + " for " + std::to_string(len) + " rows; expected " +
                   shape_string(len, feature_dim_));
     }
-    if (check_finite_) require_finite(phi, where_, what);
+    if (check_finite_) require_finite(phi, where_, what);  // a feature map's own overflow
     dst.topRows(len) = phi;
   }
 
@@ -197,6 +207,7 @@ class MappedSource {
   Eigen::Index feature_dim_;
   bool check_finite_;
   const char* where_;
+  InputChecks checks_;
   mutable Vector<double> log_scratch_;
 };
 

@@ -52,9 +52,11 @@ void require_nonempty(const Eigen::MatrixBase<Derived>& m, const char* where, co
   }
 }
 
-/// Throws naming the first NaN or Inf in `m` by row and column.
+/// Throws naming the first NaN or Inf in `m` by row and column; `first_row` is the index the
+/// caller knows m's row 0 by (m may be one chunk of a longer input).
 template <class Derived>
-void require_finite(const Eigen::MatrixBase<Derived>& m, const char* where, const char* name) {
+void require_finite(const Eigen::MatrixBase<Derived>& m, const char* where, const char* name,
+                    Eigen::Index first_row = 0) {
   using Scalar = typename Derived::Scalar;
   // x * 0 is NaN exactly for NaN and +-Inf: one vectorised pass (allFinite is not).
   if ((m.array() * Scalar(0)).sum() == Scalar(0)) return;
@@ -62,19 +64,20 @@ void require_finite(const Eigen::MatrixBase<Derived>& m, const char* where, cons
     for (Eigen::Index c = 0; c < m.cols(); ++c) {
       if (!std::isfinite(m(r, c))) {
         throw Error(std::string(where) + ": " + name + " has a non-finite value (" +
-                    std::to_string(static_cast<double>(m(r, c))) + ") at row " + std::to_string(r) +
-                    ", column " + std::to_string(c));
+                    std::to_string(static_cast<double>(m(r, c))) + ") at row " +
+                    std::to_string(first_row + r) + ", column " + std::to_string(c));
       }
     }
   }
 }
 
 /// Shape checks shared by every sequence routine: q, k (N x Dq, N x Dk) and v (N x Dv).
-/// `qk_name` is "phi_q"/"phi_k" for featurized inputs and "q"/"k" for raw ones.
+/// `qk_name` is "phi_q"/"phi_k" for featurized inputs and "q"/"k" for raw ones. The linear
+/// routines scan for NaN and Inf chunk by chunk, while the chunk is in cache (the sources).
 template <class DQ, class DK, class DV>
-void validate_sequence(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                       const Eigen::MatrixBase<DV>& v, const Options& options, const char* where,
-                       const char* q_name, const char* k_name) {
+void validate_sequence_shapes(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                              const Eigen::MatrixBase<DV>& v, const Options& options,
+                              const char* where, const char* q_name, const char* k_name) {
   validate_options(options, where);
   require_nonempty(q, where, q_name);
   require_nonempty(k, where, k_name);
@@ -87,12 +90,29 @@ void validate_sequence(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<D
     throw Error(std::string(where) + ": v is " + shape_string(v) + " but " + q_name + " is " +
                 shape_string(q) + "; they need the same number of rows (tokens)");
   }
+}
+
+/// validate_sequence_shapes, then (with check_finite) a scan of all three inputs.
+template <class DQ, class DK, class DV>
+void validate_sequence(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                       const Eigen::MatrixBase<DV>& v, const Options& options, const char* where,
+                       const char* q_name, const char* k_name) {
+  validate_sequence_shapes(q, k, v, options, where, q_name, k_name);
   if (options.check_finite) {
     require_finite(q, where, q_name);
     require_finite(k, where, k_name);
     require_finite(v, where, "v");
   }
 }
+
+/// Names for the messages of a chunk-by-chunk finite scan; `finite` switches the scan on.
+struct InputChecks {
+  bool finite = true;
+  const char* where = "";
+  const char* q_name = "q";
+  const char* k_name = "k";
+  const char* v_name = "v";
+};
 
 /// Throws unless `out` is rows x cols.
 template <class Out>
