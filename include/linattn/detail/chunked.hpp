@@ -114,17 +114,21 @@ class FeaturizedSource {
   Eigen::Index value_dim() const { return v_.cols(); }
 
   template <class Acc>
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
-    buf.q.topRows(len) = phi_q_.middleRows(begin, len).template cast<Acc>();
-    if (checks_.finite) require_finite(buf.q.topRows(len), checks_.where, checks_.q_name, begin);
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
+                    Eigen::Index at = 0) const {
+    buf.q.middleRows(at, len) = phi_q_.middleRows(begin, len).template cast<Acc>();
+    if (checks_.finite) {
+      require_finite(buf.q.middleRows(at, len), checks_.where, checks_.q_name, begin);
+    }
   }
   template <class Acc>
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
-    buf.k.topRows(len) = phi_k_.middleRows(begin, len).template cast<Acc>();
-    buf.v.topRows(len) = v_.middleRows(begin, len).template cast<Acc>();
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
+                        Eigen::Index at = 0) const {
+    buf.k.middleRows(at, len) = phi_k_.middleRows(begin, len).template cast<Acc>();
+    buf.v.middleRows(at, len) = v_.middleRows(begin, len).template cast<Acc>();
     if (checks_.finite) {
-      require_finite(buf.k.topRows(len), checks_.where, checks_.k_name, begin);
-      require_finite(buf.v.topRows(len), checks_.where, checks_.v_name, begin);
+      require_finite(buf.k.middleRows(at, len), checks_.where, checks_.k_name, begin);
+      require_finite(buf.v.middleRows(at, len), checks_.where, checks_.v_name, begin);
     }
   }
 
@@ -163,41 +167,44 @@ class MappedSource {
   Eigen::Index value_dim() const { return v_.cols(); }
 
   template <class Acc>
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
+                    Eigen::Index at = 0) const {
     // Featurized in the accumulation type: a double accumulator also gets double features.
     const Matrix<Acc> x = q_.middleRows(begin, len).template cast<Acc>();
     if (check_finite_) require_finite(x, where_, checks_.q_name, begin);
     if constexpr (log_scaled) {
-      store(map_.scaled_features(x, log_scratch_), buf.q, len, "queries");
-      buf.log_q.head(len) = log_scratch_;
+      store(map_.scaled_features(x, log_scratch_), buf.q, at, len, "queries");
+      buf.log_q.segment(at, len) = log_scratch_;
     } else {
-      store(map_.queries(x), buf.q, len, "queries");
+      store(map_.queries(x), buf.q, at, len, "queries");
     }
   }
   template <class Acc>
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
+                        Eigen::Index at = 0) const {
     const Matrix<Acc> x = k_.middleRows(begin, len).template cast<Acc>();
     if (check_finite_) require_finite(x, where_, checks_.k_name, begin);
     if constexpr (log_scaled) {
-      store(map_.scaled_features(x, log_scratch_), buf.k, len, "keys");
-      buf.log_k.head(len) = log_scratch_;
+      store(map_.scaled_features(x, log_scratch_), buf.k, at, len, "keys");
+      buf.log_k.segment(at, len) = log_scratch_;
     } else {
-      store(map_.keys(x), buf.k, len, "keys");
+      store(map_.keys(x), buf.k, at, len, "keys");
     }
-    buf.v.topRows(len) = v_.middleRows(begin, len).template cast<Acc>();
-    if (check_finite_) require_finite(buf.v.topRows(len), where_, checks_.v_name, begin);
+    buf.v.middleRows(at, len) = v_.middleRows(begin, len).template cast<Acc>();
+    if (check_finite_) require_finite(buf.v.middleRows(at, len), where_, checks_.v_name, begin);
   }
 
  private:
   template <class Acc>
-  void store(const Matrix<Acc>& phi, Matrix<Acc>& dst, Eigen::Index len, const char* what) const {
+  void store(const Matrix<Acc>& phi, Matrix<Acc>& dst, Eigen::Index at, Eigen::Index len,
+             const char* what) const {
     if (phi.rows() != len || phi.cols() != feature_dim_) {
       throw Error(std::string(where_) + ": the feature map's " + what + " returned " +
                   shape_string(phi) + " for " + std::to_string(len) + " rows; expected " +
                   shape_string(len, feature_dim_));
     }
     if (check_finite_) require_finite(phi, where_, what);  // a feature map's own overflow
-    dst.topRows(len) = phi;
+    dst.middleRows(at, len) = phi;
   }
 
   const DQ& q_;
@@ -229,12 +236,14 @@ class RowRange {
   Eigen::Index value_dim() const { return source_.value_dim(); }
 
   template <class Acc>
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
-    source_.load_queries(begin_ + begin, len, buf);
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
+                    Eigen::Index at = 0) const {
+    source_.load_queries(begin_ + begin, len, buf, at);
   }
   template <class Acc>
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
-    source_.load_keys_values(begin_ + begin, len, buf);
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
+                        Eigen::Index at = 0) const {
+    source_.load_keys_values(begin_ + begin, len, buf, at);
   }
 
  private:

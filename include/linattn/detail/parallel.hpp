@@ -123,6 +123,102 @@ void causal_sequence_parallel(const Source& src, CarriedState<T>& state, OutRef 
   state = std::move(ends[segments - 1]);
 }
 
+/// Tokens per step of the feature split: two barriers per step, so steps longer than a chunk.
+inline constexpr Eigen::Index kFeatureSplitStep = 256;
+
+#ifdef _OPENMP
+/// Causal attention over one sequence with the rows of S (the features) split across threads.
+/// Every step all threads load a share of the next tokens into shared buffers; each streams
+/// all of them through its own rows of S and z, giving partial numerators and denominators;
+/// then each sums the partials of a share of the rows and writes those outputs. No FLOP is
+/// repeated; only the order of that last sum depends on the thread count. The plain path only
+/// (no decay, no log-scales), which keeps every thread's rows independent.
+template <class T, class Source, class OutRef>
+void causal_feature_split(const Source& src, CarriedState<T>& state, OutRef out,
+                          const Options& options, int threads) {
+  static_assert(!Source::log_scaled, "the feature split runs the plain path only");
+  const Eigen::Index n = src.rows();
+  const Eigen::Index c = state.s.rows();
+  const Eigen::Index dv = state.s.cols();
+  constexpr Eigen::Index kRows = StreamShape<T>::kRows;
+  const Eigen::Index tiles = (c + kRows - 1) / kRows;
+  const Eigen::Index step = std::min(n, std::max(options.chunk, kFeatureSplitStep));
+  // Two of everything, alternating by step, so one barrier after the loads and one after the
+  // stream are enough: a step's outputs read parity p while the next step fills parity 1 - p.
+  std::vector<ChunkBuffers<T>> buffers(2, ChunkBuffers<T>(step, c, dv));
+  std::vector<Matrix<T>> num(2 * threads, Matrix<T>(step, dv));
+  std::vector<Vector<T>> den(2 * threads, Vector<T>(step));
+  std::exception_ptr error;
+  bool failed = false;
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    const int team = omp_get_num_threads();  // may be fewer than asked
+    const Eigen::Index row_begin = std::min(c, tiles * t / team * kRows);
+    const Eigen::Index row_end = std::min(c, tiles * (t + 1) / team * kRows);
+    Vector<T> row_sum(dv);
+    int parity = 0;
+    for (Eigen::Index begin = 0; begin < n; begin += step, parity ^= 1) {
+      const Eigen::Index len = std::min(step, n - begin);
+      const Eigen::Index share_begin = len * t / team;
+      const Eigen::Index share_end = len * (t + 1) / team;
+      ChunkBuffers<T>& buf = buffers[parity];
+      try {
+        if (share_end > share_begin) {
+          src.load_queries(begin + share_begin, share_end - share_begin, buf, share_begin);
+          src.load_keys_values(begin + share_begin, share_end - share_begin, buf, share_begin);
+        }
+      } catch (...) {
+#pragma omp critical(linattn_parallel_error)
+        {
+          if (!error) error = std::current_exception();
+          failed = true;
+        }
+      }
+#pragma omp barrier
+      bool stop = false;
+#pragma omp critical(linattn_parallel_error)
+      stop = failed;
+      if (stop) break;  // every thread sees the same flag after the barrier
+      Matrix<T>& my_num = num[parity * team + t];
+      Vector<T>& my_den = den[parity * team + t];
+      my_num.topRows(len).setZero();
+      my_den.head(len).setZero();
+      if (row_end > row_begin) {
+        const StreamOperands<T> operands{buf.q.data() + row_begin,
+                                         c,
+                                         buf.k.data() + row_begin,
+                                         c,
+                                         buf.v.data(),
+                                         dv,
+                                         state.s.data() + row_begin * dv,
+                                         dv,
+                                         my_num.data(),
+                                         dv,
+                                         len,
+                                         row_end - row_begin,
+                                         dv};
+        stream_product(operands);
+        stream_denominator(buf.q.data() + row_begin, c, buf.k.data() + row_begin, c, len,
+                           row_end - row_begin, state.z.data() + row_begin, my_den.data());
+      }
+#pragma omp barrier
+      for (Eigen::Index r = share_begin; r < share_end; ++r) {
+        row_sum = num[parity * team].row(r).transpose();
+        T d = den[parity * team](r);
+        for (int u = 1; u < team; ++u) {
+          row_sum += num[parity * team + u].row(r).transpose();
+          d += den[parity * team + u](r);
+        }
+        write_output_row(row_sum.transpose(), d, 0.0, options, out.row(begin + r));
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  state.log_scale = 0.0;
+}
+#endif
+
 /// Causal attention over `src` from `state` into `out` on up to `threads` threads: split
 /// across the sequence when it is long enough, one pass of the chunked kernel otherwise.
 template <class T, class Source, class OutRef>
@@ -131,6 +227,18 @@ void run_causal(const Source& src, CarriedState<T>& state, OutRef out, const Opt
   const Eigen::Index n = src.rows();
   const Eigen::Index usable = std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
   if (usable >= 2) {
+#ifdef _OPENMP
+    // Without decay or scales the features split with no extra work; else split the tokens.
+    if constexpr (!Source::log_scaled) {
+      const Eigen::Index tiles =
+          (state.s.rows() + StreamShape<T>::kRows - 1) / StreamShape<T>::kRows;
+      if (options.decay == 1.0 && state.unscaled() && tiles >= 2) {
+        causal_feature_split(src, state, out, options,
+                             static_cast<int>(std::min<Eigen::Index>(usable, tiles)));
+        return;
+      }
+    }
+#endif
     causal_sequence_parallel(src, state, out, options, static_cast<int>(usable));
     return;
   }
