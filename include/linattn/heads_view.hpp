@@ -67,11 +67,11 @@ class HeadsView {
                      HeadStrides{tokens * heads * dim, dim, heads * dim, 1});
   }
 
-  /// A read-only view of the same memory.
-  template <bool W = is_writable, class = std::enable_if_t<W>>
-  operator HeadsView<const Scalar>() const {  // NOLINT: implicit, like T* -> const T*
-    return HeadsView<const Scalar>(data_, batch_, heads_, tokens_, dim_, strides_);
-  }
+  /// A read-only view of a writable one, implicitly (like T* to const T*).
+  template <class U, class = std::enable_if_t<std::is_same_v<const U, T> && !std::is_same_v<U, T>>>
+  HeadsView(const HeadsView<U>& other)  // NOLINT(google-explicit-constructor)
+      : HeadsView(other.data(), other.batch(), other.heads(), other.tokens(), other.dim(),
+                  other.strides()) {}
 
   T* data() const { return data_; }
   Eigen::Index batch() const { return batch_; }

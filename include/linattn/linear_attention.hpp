@@ -51,12 +51,10 @@ void featurized_attention(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matri
                           const Eigen::MatrixBase<DV>& v,
                           Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
                           bool causal, const char* where) {
-  validate_sequence_shapes(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
+  validate_sequence_threads(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
   require_output_shape(out, phi_q.rows(), v.cols(), where);
-  const InputChecks checks{options.check_finite, where, "phi_q", "phi_k"};
-  run_attention<Acc>(
-      FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived(), checks),
-      Eigen::Ref<Matrix<typename DQ::Scalar>>(out), options, causal);
+  run_attention<Acc>(FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()),
+                     Eigen::Ref<Matrix<typename DQ::Scalar>>(out), options, causal);
 }
 
 /// Validates raw inputs and runs the kernel with `map` applied chunk by chunk.
@@ -65,12 +63,11 @@ void mapped_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK
                       const Eigen::MatrixBase<DV>& v, const Map& map,
                       Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
                       bool causal, const char* where) {
-  validate_sequence_shapes(q, k, v, options, where, "q", "k");
+  validate_sequence_threads(q, k, v, options, where, "q", "k");
   require_output_shape(out, q.rows(), v.cols(), where);
-  const InputChecks checks{options.check_finite, where, "q", "k"};
-  run_attention<Acc>(
-      MappedSource<DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(), map, checks),
-      Eigen::Ref<Matrix<typename DQ::Scalar>>(out), options, causal);
+  run_attention<Acc>(MappedSource<DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(), map,
+                                                   options.check_finite, where),
+                     Eigen::Ref<Matrix<typename DQ::Scalar>>(out), options, causal);
 }
 
 }  // namespace detail

@@ -85,13 +85,11 @@ void require_finite_head(const HeadsView<T>& view, Eigen::Index b, Eigen::Index 
   }
 }
 
-/// Shape checks for q, k (B x H x N x Dq), v (B x H x N x Dv) and out (B x H x N x out_dim);
-/// with check_finite and scan_finite, every head of q, k and v is scanned (the linear routines
-/// scan chunk by chunk instead, while each chunk is in cache).
+/// Shape checks for q, k (B x H x N x Dq), v (B x H x N x Dv) and out (B x H x N x out_dim).
 template <class Q, class K, class V, class O>
 void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const HeadsView<O>& out, Eigen::Index out_dim, const Options& options,
-                    bool scan_finite, const char* where, const char* q_name, const char* k_name) {
+                    const char* where, const char* q_name, const char* k_name) {
   validate_options(options, where);
   auto same_bhn = [&](auto& view, const char* name) {
     if (view.batch() != q.batch() || view.heads() != q.heads() || view.tokens() != q.tokens()) {
@@ -110,14 +108,20 @@ void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVie
     throw Error(std::string(where) + ": out is " + out.sizes_string() +
                 " but the result has D = " + std::to_string(out_dim));
   }
-  if (!options.check_finite || !scan_finite) return;
-  for (Eigen::Index b = 0; b < q.batch(); ++b) {
-    for (Eigen::Index h = 0; h < q.heads(); ++h) {
-      require_finite_head(q, b, h, where, q_name);
-      require_finite_head(k, b, h, where, k_name);
-      require_finite_head(v, b, h, where, "v");
-    }
-  }
+}
+
+/// With check_finite, scans every head of q, k and v, heads split over the threads; called
+/// before anything is written, so bad input leaves the output views as they were.
+template <class Q, class K, class V>
+void scan_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                const Options& options, const char* where, const char* q_name, const char* k_name) {
+  if (!options.check_finite) return;
+  const Eigen::Index heads = q.heads();
+  parallel_for(q.batch() * heads, resolve_threads(options), [&](Eigen::Index i) {
+    require_finite_head(q, i / heads, i % heads, where, q_name);
+    require_finite_head(k, i / heads, i % heads, where, k_name);
+    require_finite_head(v, i / heads, i % heads, where, "v");
+  });
 }
 
 /// Calls body(q_head, k_head, v_head, out_head) with N x D maps of head h of batch entry b;
@@ -178,7 +182,7 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
   const bool featurized = map == nullptr;
   const char* q_name = featurized ? "phi_q" : "q";
   const char* k_name = featurized ? "phi_k" : "k";
-  validate_heads(q, k, v, out, v.dim(), options, false, where, q_name, k_name);
+  validate_heads(q, k, v, out, v.dim(), options, where, q_name, k_name);
   SequenceRows sequences{q.batch(), q.tokens(), offsets};
   if (offsets) {
     if (q.batch() != 1) {
@@ -198,33 +202,30 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
                   std::to_string(feature_dim) + " for input_dim " + std::to_string(q.dim()));
     }
   }
-  for_each_sequence_head(q, k, v, out, sequences, options,
-                         [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks,
-                             const auto& vs, auto os, int threads) {
-                           const std::string q_head = head_name(q_name, s, h),
-                                             k_head = head_name(k_name, s, h),
-                                             v_head = head_name("v", s, h);
-                           const InputChecks checks{options.check_finite, where, q_head.c_str(),
-                                                    k_head.c_str(), v_head.c_str()};
-                           using DQ = std::decay_t<decltype(qs)>;
-                           using DK = std::decay_t<decltype(ks)>;
-                           using DV = std::decay_t<decltype(vs)>;
-                           CarriedState<Scalar> state(feature_dim, v.dim());
-                           Options run_options = options;
-                           run_options.threads = threads;
-                           auto attend = [&](const auto& source) {
-                             if (causal) {
-                               run_causal(source, state, os, run_options, threads);
-                             } else {
-                               run_non_causal(source, state, os, run_options, threads);
-                             }
-                           };
-                           if constexpr (std::is_same_v<Map, void>) {
-                             attend(FeaturizedSource<DQ, DK, DV>(qs, ks, vs, checks));
-                           } else {
-                             attend(MappedSource<DQ, DK, DV, Map>(qs, ks, vs, *map, checks));
-                           }
-                         });
+  scan_heads(q, k, v, options, where, q_name, k_name);
+  for_each_sequence_head(
+      q, k, v, out, sequences, options,
+      [&](Eigen::Index, Eigen::Index, const auto& qs, const auto& ks, const auto& vs, auto os,
+          int threads) {
+        using DQ = std::decay_t<decltype(qs)>;
+        using DK = std::decay_t<decltype(ks)>;
+        using DV = std::decay_t<decltype(vs)>;
+        CarriedState<Scalar> state(feature_dim, v.dim());
+        Options run_options = options;
+        run_options.threads = threads;
+        auto attend = [&](const auto& source) {
+          if (causal) {
+            run_causal(source, state, os, run_options, threads);
+          } else {
+            run_non_causal(source, state, os, run_options, threads);
+          }
+        };
+        if constexpr (std::is_same_v<Map, void>) {
+          attend(FeaturizedSource<DQ, DK, DV>(qs, ks, vs));
+        } else {
+          attend(MappedSource<DQ, DK, DV, Map>(qs, ks, vs, *map, options.check_finite, where));
+        }
+      });
 }
 
 }  // namespace detail
@@ -361,7 +362,8 @@ void softmax_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const 
   constexpr const char* where = "softmax_attention";
   Options options;
   options.threads = threads;
-  detail::validate_heads(q, k, v, out, v.dim(), options, true, where, "q", "k");
+  detail::validate_heads(q, k, v, out, v.dim(), options, where, "q", "k");
+  detail::scan_heads(q, k, v, options, where, "q", "k");
   const O s = static_cast<O>(detail::resolve_scale(scale, q.dim(), where));
   const detail::SequenceRows sequences{q.batch(), q.tokens(), nullptr};
   // Softmax has no sequence split: one head per thread.

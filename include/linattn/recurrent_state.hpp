@@ -156,9 +156,8 @@ class RecurrentState {
     detail::validate_sequence_shapes(phi_q, phi_k, v, options_, where, "phi_q", "phi_k");
     check_dims(phi_q.cols(), v.cols(), where, "phi_q");
     detail::require_output_shape(out, phi_q.rows(), value_dim(), where);
-    run_chunked(detail::FeaturizedSource<DQ, DK, DV>(
-                    phi_q.derived(), phi_k.derived(), v.derived(),
-                    detail::InputChecks{options_.check_finite, where, "phi_q", "phi_k"}),
+    detail::scan_inputs(phi_q, phi_k, v, options_, where, "phi_q", "phi_k");
+    run_chunked(detail::FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()),
                 out);
   }
 
@@ -185,11 +184,11 @@ class RecurrentState {
     constexpr const char* where = "RecurrentState::prefill";
     check_scalars<DQ, DK, DV>();
     detail::validate_sequence_shapes(q, k, v, options_, where, "q", "k");
-    const detail::MappedSource<DQ, DK, DV, Map> source(
-        q.derived(), k.derived(), v.derived(), map,
-        detail::InputChecks{options_.check_finite, where, "q", "k"});
+    const detail::MappedSource<DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(), map,
+                                                       options_.check_finite, where);
     check_dims(source.feature_dim(), v.cols(), where, "phi(q)");
     detail::require_output_shape(out, q.rows(), value_dim(), where);
+    detail::scan_inputs(q, k, v, options_, where, "q", "k");
     run_chunked(source, out);
   }
 

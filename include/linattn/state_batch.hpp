@@ -166,7 +166,11 @@ class RecurrentStateBatch {
                      const char* k_name) {
     constexpr const char* where = "RecurrentStateBatch::prefill";
     static_assert(std::is_same_v<O, T>, "RecurrentStateBatch<T>: views must hold T");
-    detail::validate_heads(q, k, v, out, value_dim(), options(), false, where, q_name, k_name);
+    detail::validate_heads(q, k, v, out, value_dim(), options(), where, q_name, k_name);
+    if (v.dim() != value_dim()) {
+      throw Error(std::string(where) + ": v is " + v.sizes_string() +
+                  " but the states hold Dv = " + std::to_string(value_dim()));
+    }
     if (q.batch() * q.heads() != size()) {
       throw Error(std::string(where) + ": " + q_name + " is " + q.sizes_string() +
                   ", B x H = " + std::to_string(q.batch() * q.heads()) +
@@ -179,6 +183,7 @@ class RecurrentStateBatch {
                   " features per token but the states hold " + std::to_string(feature_dim()));
     }
     for (const State& state : states_) state.require_token_room(q.tokens(), where);
+    detail::scan_heads(q, k, v, options(), where, q_name, k_name);
     // Each state works on a copy and is replaced only when every head succeeded.
     std::vector<State> next = states_;
     const detail::SequenceRows sequences{q.batch(), q.tokens(), nullptr};
@@ -190,17 +195,12 @@ class RecurrentStateBatch {
           using DK = std::decay_t<decltype(ks)>;
           using DV = std::decay_t<decltype(vs)>;
           State& state = next[static_cast<std::size_t>(b * q.heads() + h)];
-          const std::string q_head = detail::head_name(q_name, b, h),
-                            k_head = detail::head_name(k_name, b, h),
-                            v_head = detail::head_name("v", b, h);
-          const detail::InputChecks checks{options().check_finite, where, q_head.c_str(),
-                                           k_head.c_str(), v_head.c_str()};
           if constexpr (std::is_same_v<Map, void>) {
-            state.run_chunked(detail::FeaturizedSource<DQ, DK, DV>(qs, ks, vs, checks), os,
-                              threads);
+            state.run_chunked(detail::FeaturizedSource<DQ, DK, DV>(qs, ks, vs), os, threads);
           } else {
-            state.run_chunked(detail::MappedSource<DQ, DK, DV, Map>(qs, ks, vs, *map, checks), os,
-                              threads);
+            state.run_chunked(detail::MappedSource<DQ, DK, DV, Map>(qs, ks, vs, *map,
+                                                                    options().check_finite, where),
+                              os, threads);
           }
         });
     states_ = std::move(next);

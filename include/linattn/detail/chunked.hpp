@@ -106,37 +106,27 @@ class FeaturizedSource {
   using Scalar = typename DQ::Scalar;
   static constexpr bool log_scaled = false;
 
-  FeaturizedSource(const DQ& phi_q, const DK& phi_k, const DV& v, const InputChecks& checks)
-      : phi_q_(phi_q), phi_k_(phi_k), v_(v), checks_(checks) {}
+  FeaturizedSource(const DQ& phi_q, const DK& phi_k, const DV& v)
+      : phi_q_(phi_q), phi_k_(phi_k), v_(v) {}
 
   Eigen::Index rows() const { return phi_q_.rows(); }
   Eigen::Index feature_dim() const { return phi_q_.cols(); }
   Eigen::Index value_dim() const { return v_.cols(); }
 
   template <class Acc>
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
-                    Eigen::Index at = 0) const {
-    buf.q.middleRows(at, len) = phi_q_.middleRows(begin, len).template cast<Acc>();
-    if (checks_.finite) {
-      require_finite(buf.q.middleRows(at, len), checks_.where, checks_.q_name, begin);
-    }
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+    buf.q.topRows(len) = phi_q_.middleRows(begin, len).template cast<Acc>();
   }
   template <class Acc>
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
-                        Eigen::Index at = 0) const {
-    buf.k.middleRows(at, len) = phi_k_.middleRows(begin, len).template cast<Acc>();
-    buf.v.middleRows(at, len) = v_.middleRows(begin, len).template cast<Acc>();
-    if (checks_.finite) {
-      require_finite(buf.k.middleRows(at, len), checks_.where, checks_.k_name, begin);
-      require_finite(buf.v.middleRows(at, len), checks_.where, checks_.v_name, begin);
-    }
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+    buf.k.topRows(len) = phi_k_.middleRows(begin, len).template cast<Acc>();
+    buf.v.topRows(len) = v_.middleRows(begin, len).template cast<Acc>();
   }
 
  private:
   const DQ& phi_q_;
   const DK& phi_k_;
   const DV& v_;
-  InputChecks checks_;
 };
 
 /// Token source over raw q, k (N x Dk) and v, featurized one chunk at a time by `map`.
@@ -146,16 +136,15 @@ class MappedSource {
   using Scalar = typename DQ::Scalar;
   static constexpr bool log_scaled = is_log_scaled<Map>::value;
 
-  MappedSource(const DQ& q, const DK& k, const DV& v, const Map& map, const InputChecks& checks)
+  MappedSource(const DQ& q, const DK& k, const DV& v, const Map& map, bool check_finite,
+               const char* where)
       : q_(q),
         k_(k),
         v_(v),
         map_(map),
         feature_dim_(map.feature_dim(q.cols())),
-        check_finite_(checks.finite),
-        where_(checks.where),
-        checks_(checks) {
-    const char* where = checks.where;
+        check_finite_(check_finite),
+        where_(where) {
     if (feature_dim_ < 1) {
       throw Error(std::string(where) + ": the feature map gives feature_dim " +
                   std::to_string(feature_dim_) + " for input_dim " + std::to_string(q.cols()));
@@ -167,44 +156,38 @@ class MappedSource {
   Eigen::Index value_dim() const { return v_.cols(); }
 
   template <class Acc>
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
-                    Eigen::Index at = 0) const {
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
     // Featurized in the accumulation type: a double accumulator also gets double features.
     const Matrix<Acc> x = q_.middleRows(begin, len).template cast<Acc>();
-    if (check_finite_) require_finite(x, where_, checks_.q_name, begin);
     if constexpr (log_scaled) {
-      store(map_.scaled_features(x, log_scratch_), buf.q, at, len, "queries");
-      buf.log_q.segment(at, len) = log_scratch_;
+      store(map_.scaled_features(x, log_scratch_), buf.q, len, "queries");
+      buf.log_q.head(len) = log_scratch_;
     } else {
-      store(map_.queries(x), buf.q, at, len, "queries");
+      store(map_.queries(x), buf.q, len, "queries");
     }
   }
   template <class Acc>
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
-                        Eigen::Index at = 0) const {
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
     const Matrix<Acc> x = k_.middleRows(begin, len).template cast<Acc>();
-    if (check_finite_) require_finite(x, where_, checks_.k_name, begin);
     if constexpr (log_scaled) {
-      store(map_.scaled_features(x, log_scratch_), buf.k, at, len, "keys");
-      buf.log_k.segment(at, len) = log_scratch_;
+      store(map_.scaled_features(x, log_scratch_), buf.k, len, "keys");
+      buf.log_k.head(len) = log_scratch_;
     } else {
-      store(map_.keys(x), buf.k, at, len, "keys");
+      store(map_.keys(x), buf.k, len, "keys");
     }
-    buf.v.middleRows(at, len) = v_.middleRows(begin, len).template cast<Acc>();
-    if (check_finite_) require_finite(buf.v.middleRows(at, len), where_, checks_.v_name, begin);
+    buf.v.topRows(len) = v_.middleRows(begin, len).template cast<Acc>();
   }
 
  private:
   template <class Acc>
-  void store(const Matrix<Acc>& phi, Matrix<Acc>& dst, Eigen::Index at, Eigen::Index len,
-             const char* what) const {
+  void store(const Matrix<Acc>& phi, Matrix<Acc>& dst, Eigen::Index len, const char* what) const {
     if (phi.rows() != len || phi.cols() != feature_dim_) {
       throw Error(std::string(where_) + ": the feature map's " + what + " returned " +
                   shape_string(phi) + " for " + std::to_string(len) + " rows; expected " +
                   shape_string(len, feature_dim_));
     }
     if (check_finite_) require_finite(phi, where_, what);  // a feature map's own overflow
-    dst.middleRows(at, len) = phi;
+    dst.topRows(len) = phi;
   }
 
   const DQ& q_;
@@ -214,7 +197,6 @@ class MappedSource {
   Eigen::Index feature_dim_;
   bool check_finite_;
   const char* where_;
-  InputChecks checks_;
   mutable Vector<double> log_scratch_;
 };
 
@@ -236,14 +218,12 @@ class RowRange {
   Eigen::Index value_dim() const { return source_.value_dim(); }
 
   template <class Acc>
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
-                    Eigen::Index at = 0) const {
-    source_.load_queries(begin_ + begin, len, buf, at);
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+    source_.load_queries(begin_ + begin, len, buf);
   }
   template <class Acc>
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf,
-                        Eigen::Index at = 0) const {
-    source_.load_keys_values(begin_ + begin, len, buf, at);
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+    source_.load_keys_values(begin_ + begin, len, buf);
   }
 
  private:

@@ -54,6 +54,47 @@ void parallel_for(Eigen::Index count, int threads, const Body& body) {
   for (Eigen::Index i = 0; i < count; ++i) body(i);
 }
 
+/// require_finite over row blocks of `m` on up to `threads` threads: the scan is a pass over
+/// memory, so every thread streams its own block.
+template <class Derived>
+void require_finite_parallel(const Eigen::MatrixBase<Derived>& m, const char* where,
+                             const char* name, int threads) {
+  constexpr Eigen::Index kMinRows = 4096;
+  const Eigen::Index blocks =
+      std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, m.rows() / kMinRows));
+  if (blocks == 1) {
+    require_finite(m, where, name);
+    return;
+  }
+  parallel_for(blocks, static_cast<int>(blocks), [&](Eigen::Index b) {
+    const Eigen::Index first = m.rows() * b / blocks;
+    const Eigen::Index last = m.rows() * (b + 1) / blocks;
+    require_finite(m.middleRows(first, last - first), where, name, first);
+  });
+}
+
+/// With check_finite, scans q, k and v on up to Options::threads threads. The routines call it
+/// before they write anything, so bad input leaves the caller's output as it was.
+template <class DQ, class DK, class DV>
+void scan_inputs(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Options& options, const char* where,
+                 const char* q_name, const char* k_name) {
+  if (!options.check_finite) return;
+  const int threads = resolve_threads(options);
+  require_finite_parallel(q, where, q_name, threads);
+  require_finite_parallel(k, where, k_name, threads);
+  require_finite_parallel(v, where, "v", threads);
+}
+
+/// validate_sequence_shapes, then scan_inputs.
+template <class DQ, class DK, class DV>
+void validate_sequence_threads(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                               const Eigen::MatrixBase<DV>& v, const Options& options,
+                               const char* where, const char* q_name, const char* k_name) {
+  validate_sequence_shapes(q, k, v, options, where, q_name, k_name);
+  scan_inputs(q, k, v, options, where, q_name, k_name);
+}
+
 /// Shortest sequence worth splitting across threads, per thread.
 inline constexpr Eigen::Index kMinRowsPerThread = 1024;
 
@@ -123,102 +164,6 @@ void causal_sequence_parallel(const Source& src, CarriedState<T>& state, OutRef 
   state = std::move(ends[segments - 1]);
 }
 
-/// Tokens per step of the feature split: two barriers per step, so steps longer than a chunk.
-inline constexpr Eigen::Index kFeatureSplitStep = 256;
-
-#ifdef _OPENMP
-/// Causal attention over one sequence with the rows of S (the features) split across threads.
-/// Every step all threads load a share of the next tokens into shared buffers; each streams
-/// all of them through its own rows of S and z, giving partial numerators and denominators;
-/// then each sums the partials of a share of the rows and writes those outputs. No FLOP is
-/// repeated; only the order of that last sum depends on the thread count. The plain path only
-/// (no decay, no log-scales), which keeps every thread's rows independent.
-template <class T, class Source, class OutRef>
-void causal_feature_split(const Source& src, CarriedState<T>& state, OutRef out,
-                          const Options& options, int threads) {
-  static_assert(!Source::log_scaled, "the feature split runs the plain path only");
-  const Eigen::Index n = src.rows();
-  const Eigen::Index c = state.s.rows();
-  const Eigen::Index dv = state.s.cols();
-  constexpr Eigen::Index kRows = StreamShape<T>::kRows;
-  const Eigen::Index tiles = (c + kRows - 1) / kRows;
-  const Eigen::Index step = std::min(n, std::max(options.chunk, kFeatureSplitStep));
-  // Two of everything, alternating by step, so one barrier after the loads and one after the
-  // stream are enough: a step's outputs read parity p while the next step fills parity 1 - p.
-  std::vector<ChunkBuffers<T>> buffers(2, ChunkBuffers<T>(step, c, dv));
-  std::vector<Matrix<T>> num(2 * threads, Matrix<T>(step, dv));
-  std::vector<Vector<T>> den(2 * threads, Vector<T>(step));
-  std::exception_ptr error;
-  bool failed = false;
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num();
-    const int team = omp_get_num_threads();  // may be fewer than asked
-    const Eigen::Index row_begin = std::min(c, tiles * t / team * kRows);
-    const Eigen::Index row_end = std::min(c, tiles * (t + 1) / team * kRows);
-    Vector<T> row_sum(dv);
-    int parity = 0;
-    for (Eigen::Index begin = 0; begin < n; begin += step, parity ^= 1) {
-      const Eigen::Index len = std::min(step, n - begin);
-      const Eigen::Index share_begin = len * t / team;
-      const Eigen::Index share_end = len * (t + 1) / team;
-      ChunkBuffers<T>& buf = buffers[parity];
-      try {
-        if (share_end > share_begin) {
-          src.load_queries(begin + share_begin, share_end - share_begin, buf, share_begin);
-          src.load_keys_values(begin + share_begin, share_end - share_begin, buf, share_begin);
-        }
-      } catch (...) {
-#pragma omp critical(linattn_parallel_error)
-        {
-          if (!error) error = std::current_exception();
-          failed = true;
-        }
-      }
-#pragma omp barrier
-      bool stop = false;
-#pragma omp critical(linattn_parallel_error)
-      stop = failed;
-      if (stop) break;  // every thread sees the same flag after the barrier
-      Matrix<T>& my_num = num[parity * team + t];
-      Vector<T>& my_den = den[parity * team + t];
-      my_num.topRows(len).setZero();
-      my_den.head(len).setZero();
-      if (row_end > row_begin) {
-        const StreamOperands<T> operands{buf.q.data() + row_begin,
-                                         c,
-                                         buf.k.data() + row_begin,
-                                         c,
-                                         buf.v.data(),
-                                         dv,
-                                         state.s.data() + row_begin * dv,
-                                         dv,
-                                         my_num.data(),
-                                         dv,
-                                         len,
-                                         row_end - row_begin,
-                                         dv};
-        stream_product(operands);
-        stream_denominator(buf.q.data() + row_begin, c, buf.k.data() + row_begin, c, len,
-                           row_end - row_begin, state.z.data() + row_begin, my_den.data());
-      }
-#pragma omp barrier
-      for (Eigen::Index r = share_begin; r < share_end; ++r) {
-        row_sum = num[parity * team].row(r).transpose();
-        T d = den[parity * team](r);
-        for (int u = 1; u < team; ++u) {
-          row_sum += num[parity * team + u].row(r).transpose();
-          d += den[parity * team + u](r);
-        }
-        write_output_row(row_sum.transpose(), d, 0.0, options, out.row(begin + r));
-      }
-    }
-  }
-  if (error) std::rethrow_exception(error);
-  state.log_scale = 0.0;
-}
-#endif
-
 /// Causal attention over `src` from `state` into `out` on up to `threads` threads: split
 /// across the sequence when it is long enough, one pass of the chunked kernel otherwise.
 template <class T, class Source, class OutRef>
@@ -227,18 +172,6 @@ void run_causal(const Source& src, CarriedState<T>& state, OutRef out, const Opt
   const Eigen::Index n = src.rows();
   const Eigen::Index usable = std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
   if (usable >= 2) {
-#ifdef _OPENMP
-    // Without decay or scales the features split with no extra work; else split the tokens.
-    if constexpr (!Source::log_scaled) {
-      const Eigen::Index tiles =
-          (state.s.rows() + StreamShape<T>::kRows - 1) / StreamShape<T>::kRows;
-      if (options.decay == 1.0 && state.unscaled() && tiles >= 2) {
-        causal_feature_split(src, state, out, options,
-                             static_cast<int>(std::min<Eigen::Index>(usable, tiles)));
-        return;
-      }
-    }
-#endif
     causal_sequence_parallel(src, state, out, options, static_cast<int>(usable));
     return;
   }

@@ -73,7 +73,7 @@ void require_finite(const Eigen::MatrixBase<Derived>& m, const char* where, cons
 
 /// Shape checks shared by every sequence routine: q, k (N x Dq, N x Dk) and v (N x Dv).
 /// `qk_name` is "phi_q"/"phi_k" for featurized inputs and "q"/"k" for raw ones. The linear
-/// routines scan for NaN and Inf chunk by chunk, while the chunk is in cache (the sources).
+/// routines then scan for NaN and Inf with require_finite_parallel.
 template <class DQ, class DK, class DV>
 void validate_sequence_shapes(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                               const Eigen::MatrixBase<DV>& v, const Options& options,
@@ -104,15 +104,6 @@ void validate_sequence(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<D
     require_finite(v, where, "v");
   }
 }
-
-/// Names for the messages of a chunk-by-chunk finite scan; `finite` switches the scan on.
-struct InputChecks {
-  bool finite = true;
-  const char* where = "";
-  const char* q_name = "q";
-  const char* k_name = "k";
-  const char* v_name = "v";
-};
 
 /// Throws unless `out` is rows x cols.
 template <class Out>

@@ -1,0 +1,344 @@
+// LinearAttentionLayer: the parallel forward against prefill + token-by-token steps over the
+// same feature map, against the naive formula, over a fused QKV buffer, and its errors.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <linattn/feature_maps.hpp>
+#include <linattn/heads_view.hpp>
+#include <linattn/layer.hpp>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "support.hpp"
+
+using linattn::HeadStrides;
+using linattn::HeadsView;
+using linattn::LinearAttentionLayer;
+using linattn::Matrix;
+using linattn_test::gaussian;
+using linattn_test::naive_linear_attention;
+using linattn_test::relative_error;
+
+namespace {
+
+constexpr Eigen::Index kB = 2, kH = 4, kDk = 8, kDv = 6;
+
+template <class T>
+double tolerance() {  // DESIGN.md: parallel and recurrent forms agree to this
+  return std::is_same_v<T, float> ? 2e-5 : 1e-12;
+}
+
+/// The part of a view holding tokens [begin, begin + count).
+template <class T>
+HeadsView<T> token_range(const HeadsView<T>& view, Eigen::Index begin, Eigen::Index count) {
+  return HeadsView<T>(view.data() + begin * view.strides().token, view.batch(), view.heads(), count,
+                      view.dim(), view.strides());
+}
+
+/// kB x kH heads of N tokens in [B, N, H, D] caller memory (as a QKV projection leaves them),
+/// plus a Matrix copy of each head, head b * kH + h.
+template <class T>
+struct HeadData {
+  std::vector<T> data;
+  std::vector<Matrix<T>> heads;
+  Eigen::Index tokens, dim;
+
+  HeadData(Eigen::Index n, Eigen::Index d, std::uint64_t seed)
+      : data(static_cast<std::size_t>(kB * n * kH * d)), tokens(n), dim(d) {
+    for (Eigen::Index i = 0; i < kB * kH; ++i) {
+      heads.push_back(gaussian<T>(n, d, seed + 101 * static_cast<std::uint64_t>(i)));
+      view().head(i / kH, i % kH) = heads.back();
+    }
+  }
+  HeadsView<T> view() { return HeadsView<T>::bnhd(data.data(), kB, tokens, kH, dim); }
+  HeadsView<const T> cview() const {
+    return HeadsView<const T>::bnhd(data.data(), kB, tokens, kH, dim);
+  }
+};
+
+struct Worst {
+  double steps = 0.0;      ///< prefill + steps vs forward
+  double reference = 0.0;  ///< forward vs the naive formula
+};
+
+/// forward_into over N tokens; then, for several prompt lengths P, prefill_into over the first
+/// P tokens and step_into for the rest; every output against forward's.
+template <class T, class Map>
+void forward_vs_recurrent(const Map& map, double decay, Eigen::Index n, std::uint64_t seed,
+                          Worst& worst) {
+  linattn::Options options;
+  options.decay = decay;
+  options.threads = 2;
+  const LinearAttentionLayer<T, Map> layer(map, kH, kDk, kDv, options);
+  const HeadData<T> q(n, kDk, seed), k(n, kDk, seed + 1), v(n, kDv, seed + 2);
+  std::vector<T> forward_data(static_cast<std::size_t>(kB * kH * n * kDv), T(-5));
+  const auto forward = HeadsView<T>::bhnd(forward_data.data(), kB, kH, n, kDv);
+  layer.forward_into(q.cview(), k.cview(), v.cview(), forward);
+
+  // An independent reference for two heads: the naive formula in double.
+  for (const Eigen::Index i : {Eigen::Index(0), kB * kH - 1}) {
+    const auto idx = static_cast<std::size_t>(i);
+    const Matrix<double> expected = naive_linear_attention(
+        map.queries(q.heads[idx].template cast<double>()),
+        map.keys(k.heads[idx].template cast<double>()), v.heads[idx].template cast<double>(), true,
+        decay, options.eps, true);
+    const double error = relative_error(forward.head(i / kH, i % kH), expected);
+    INFO("head " << i << " vs the naive formula");
+    CHECK(error <= tolerance<T>());
+    worst.reference = std::max(worst.reference, error);
+  }
+
+  for (const Eigen::Index prompt : {Eigen::Index(0), Eigen::Index(1), Eigen::Index(257), n}) {
+    auto states = layer.make_states(kB);
+    REQUIRE(states.size() == kB * kH);
+    std::vector<Matrix<T>> recurrent(static_cast<std::size_t>(kB * kH), Matrix<T>(n, kDv));
+    if (prompt > 0) {
+      std::vector<T> out(static_cast<std::size_t>(kB * kH * prompt * kDv));
+      const auto out_view = HeadsView<T>::bhnd(out.data(), kB, kH, prompt, kDv);
+      layer.prefill_into(states, token_range(q.cview(), 0, prompt),
+                         token_range(k.cview(), 0, prompt), token_range(v.cview(), 0, prompt),
+                         out_view);
+      for (Eigen::Index i = 0; i < kB * kH; ++i) {
+        recurrent[static_cast<std::size_t>(i)].topRows(prompt) = out_view.head(i / kH, i % kH);
+      }
+    }
+    // One token of every head at a time: row b * H + h of a (B * H) x D matrix.
+    Matrix<T> qt(kB * kH, kDk), kt(kB * kH, kDk), vt(kB * kH, kDv), ot(kB * kH, kDv);
+    for (Eigen::Index t = prompt; t < n; ++t) {
+      for (Eigen::Index i = 0; i < kB * kH; ++i) {
+        const auto idx = static_cast<std::size_t>(i);
+        qt.row(i) = q.heads[idx].row(t);
+        kt.row(i) = k.heads[idx].row(t);
+        vt.row(i) = v.heads[idx].row(t);
+      }
+      layer.step_into(states, qt, kt, vt, ot);
+      for (Eigen::Index i = 0; i < kB * kH; ++i) {
+        recurrent[static_cast<std::size_t>(i)].row(t) = ot.row(i);
+      }
+    }
+    INFO("decay = " << decay << ", prompt of " << prompt << " tokens, then " << n - prompt
+                    << " steps");
+    for (Eigen::Index i = 0; i < kB * kH; ++i) {
+      const auto& got = recurrent[static_cast<std::size_t>(i)];
+      const Matrix<T> expected = forward.head(i / kH, i % kH);
+      REQUIRE(got.allFinite());
+      const double error = relative_error(got, expected);
+      CHECK(error <= tolerance<T>());
+      // The whole sequence as a prompt is the same kernel from an empty state.
+      if (prompt == n) CHECK(got == expected);
+      CHECK(states[i].tokens() == n);
+      worst.steps = std::max(worst.steps, error);
+    }
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("layer: forward equals prefill then token-by-token steps", "[layer]", float,
+                   double) {
+  using T = TestType;
+  const Eigen::Index n = 1000;
+  SECTION("EluPlusOne") {
+    Worst worst;
+    for (const double decay : {1.0, 0.99}) {
+      forward_vs_recurrent<T>(linattn::EluPlusOne{}, decay, n, 11, worst);
+    }
+    WARN("layer, EluPlusOne, N = 1000: worst relative error, recurrent vs parallel "
+         << worst.steps << ", parallel vs naive " << worst.reference);
+  }
+  SECTION("PositiveRandomFeatures") {
+    Worst worst;
+    for (const double decay : {1.0, 0.99}) {
+      forward_vs_recurrent<T>(linattn::PositiveRandomFeatures(kDk, 16, 21), decay, n, 31, worst);
+    }
+    WARN("layer, PositiveRandomFeatures, N = 1000: worst relative error, recurrent vs parallel "
+         << worst.steps << ", parallel vs naive " << worst.reference);
+  }
+}
+
+TEMPLATE_TEST_CASE("layer: views over a fused QKV buffer equal contiguous heads", "[layer]", float,
+                   double) {
+  using T = TestType;
+  const Eigen::Index n = 100, d = kDk;  // one width for q, k and v in a fused projection
+  // [B, N, 3, H, D]: per token, all query heads, then all key heads, then all value heads.
+  const Matrix<T> qkv = gaussian<T>(kB * n, 3 * kH * d, 41);
+  const HeadStrides strides{n * 3 * kH * d, d, 3 * kH * d, 1};
+  const HeadsView<const T> q(qkv.data(), kB, kH, n, d, strides);
+  const HeadsView<const T> k(qkv.data() + kH * d, kB, kH, n, d, strides);
+  const HeadsView<const T> v(qkv.data() + 2 * kH * d, kB, kH, n, d, strides);
+  // The same heads copied to [B, H, N, D].
+  std::vector<T> qc(static_cast<std::size_t>(kB * kH * n * d)), kc(qc.size()), vc(qc.size());
+  for (Eigen::Index b = 0; b < kB; ++b) {
+    for (Eigen::Index h = 0; h < kH; ++h) {
+      HeadsView<T>::bhnd(qc.data(), kB, kH, n, d).head(b, h) = q.head(b, h);
+      HeadsView<T>::bhnd(kc.data(), kB, kH, n, d).head(b, h) = k.head(b, h);
+      HeadsView<T>::bhnd(vc.data(), kB, kH, n, d).head(b, h) = v.head(b, h);
+      // Spot check the addressing: token 7 of head h of sequence b.
+      CHECK(q.head(b, h)(7, 3) == qkv(b * n + 7, h * d + 3));
+      CHECK(v.head(b, h)(7, 3) == qkv(b * n + 7, 2 * kH * d + h * d + 3));
+    }
+  }
+  linattn::Options options;
+  options.decay = 0.97;
+  const LinearAttentionLayer<T, linattn::PositiveRandomFeatures> layer(
+      linattn::PositiveRandomFeatures(d, 16, 51), kH, d, d, options);
+  std::vector<T> fused_out(qc.size()), copy_out(qc.size());
+  layer.forward_into(q, k, v, HeadsView<T>::bhnd(fused_out.data(), kB, kH, n, d));
+  layer.forward_into(HeadsView<const T>::bhnd(qc.data(), kB, kH, n, d),
+                     HeadsView<const T>::bhnd(kc.data(), kB, kH, n, d),
+                     HeadsView<const T>::bhnd(vc.data(), kB, kH, n, d),
+                     HeadsView<T>::bhnd(copy_out.data(), kB, kH, n, d));
+  CHECK(fused_out == copy_out);
+}
+
+TEMPLATE_TEST_CASE("layer: accessors and wrong shapes", "[layer][errors]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  using Layer = LinearAttentionLayer<T, linattn::PositiveRandomFeatures>;
+  const linattn::PositiveRandomFeatures map(kDk, 16, 61);
+  linattn::Options options;
+  options.decay = 0.9;
+  const Layer layer(map, kH, kDk, kDv, options);
+  CHECK(layer.heads() == kH);
+  CHECK(layer.key_dim() == kDk);
+  CHECK(layer.value_dim() == kDv);
+  CHECK(layer.feature_dim() == 16);
+  CHECK(layer.options().decay == 0.9);
+  CHECK(layer.feature_map().projection() == map.projection());
+
+  SECTION("constructor") {
+    CHECK_THROWS_WITH(Layer(map, 0, kDk, kDv), Contains("heads must be >= 1"));
+    CHECK_THROWS_WITH(Layer(map, kH, 0, kDv), Contains("key_dim must be >= 1"));
+    CHECK_THROWS_WITH(Layer(map, kH, kDk, -1), Contains("value_dim must be >= 1"));
+    CHECK_THROWS_AS(Layer(map, kH, kDk + 1, kDv), linattn::Error);  // map built for kDk
+    linattn::Options bad;
+    bad.chunk = 0;
+    CHECK_THROWS_WITH(Layer(map, kH, kDk, kDv, bad), Contains("Options::chunk"));
+    CHECK_THROWS_WITH(layer.make_states(0), Contains("batch must be >= 1"));
+  }
+
+  const Eigen::Index n = 12;
+  auto buffer = [&](Eigen::Index b, Eigen::Index h, Eigen::Index d, std::uint64_t seed) {
+    const Matrix<T> m = gaussian<T>(b * h * n, d, seed);
+    return std::vector<T>(m.data(), m.data() + m.size());
+  };
+  const std::vector<T> q = buffer(kB, kH, kDk, 1), k = buffer(kB, kH, kDk, 2);
+  const std::vector<T> v = buffer(kB, kH, kDv, 3);
+  std::vector<T> out(static_cast<std::size_t>(kB * kH * n * kDv), T(8));
+  const std::vector<T> out_before = out;
+  auto view = [&](const std::vector<T>& data, Eigen::Index b, Eigen::Index h, Eigen::Index d) {
+    return HeadsView<const T>::bhnd(data.data(), b, h, n, d);
+  };
+  const auto qv = view(q, kB, kH, kDk), kv = view(k, kB, kH, kDk), vv = view(v, kB, kH, kDv);
+  const auto ov = HeadsView<T>::bhnd(out.data(), kB, kH, n, kDv);
+
+  SECTION("forward_into and prefill_into") {
+    // q holds B * H * n * Dk elements, so [B, H - 1, n, Dk] and such fit in it.
+    CHECK_THROWS_WITH(layer.forward_into(view(q, kB, kH - 1, kDk), kv, vv, ov),
+                      Contains("LinearAttentionLayer::forward") && Contains("H = 4"));
+    CHECK_THROWS_WITH(layer.forward_into(view(q, kB, kH, kDk - 1), kv, vv, ov),
+                      Contains("LinearAttentionLayer::forward") && Contains("Dk = 8"));
+    CHECK_THROWS_WITH(layer.forward_into(qv, kv, view(v, kB, kH, kDv - 1), ov),
+                      Contains("LinearAttentionLayer::forward") && Contains("Dv = 6"));
+    CHECK_THROWS_WITH(layer.forward_into(qv, view(k, kB, kH, kDk - 1), vv, ov),
+                      Contains("k is [2, 4, 12, 7]"));
+    CHECK_THROWS_WITH(layer.forward_into(qv, view(k, 1, kH, kDk), vv, ov),
+                      Contains("k is [1, 4, 12, 8]"));
+    CHECK_THROWS_WITH(
+        layer.forward_into(qv, kv, vv, HeadsView<T>::bhnd(out.data(), kB, kH, n, kDv - 1)),
+        Contains("out is [2, 4, 12, 5]"));
+    auto states = layer.make_states(kB);
+    auto one_sequence = layer.make_states(1);
+    CHECK_THROWS_WITH(layer.prefill_into(one_sequence, qv, kv, vv, ov),
+                      Contains("B x H = 8 heads, but the batch holds 4 states"));
+    CHECK_THROWS_WITH(layer.prefill_into(states, view(q, kB, kH - 1, kDk), kv, vv, ov),
+                      Contains("LinearAttentionLayer::prefill") && Contains("H = 4"));
+    CHECK_THROWS_WITH(layer.prefill_into(states, qv, kv, view(v, kB, kH, kDv - 1), ov),
+                      Contains("LinearAttentionLayer::prefill") && Contains("Dv = 6"));
+    const bool unchanged = out == out_before;  // every error above is found before any work
+    CHECK(unchanged);
+    // A NaN in v (head 0, token 0, feature 5) throws and moves no state; it writes into a
+    // scratch buffer, since the chunks are scanned as they are loaded.
+    std::vector<T> bad = v, scratch(out.size());
+    const auto sv = HeadsView<T>::bhnd(scratch.data(), kB, kH, n, kDv);
+    bad[5] = std::numeric_limits<T>::quiet_NaN();
+    CHECK_THROWS_WITH(layer.prefill_into(states, qv, kv, view(bad, kB, kH, kDv), sv),
+                      Contains("v[b=0, h=0]") && Contains("row 0, column 5"));
+    CHECK_THROWS_WITH(layer.forward_into(qv, kv, view(bad, kB, kH, kDv), sv),
+                      Contains("v[b=0, h=0]") && Contains("row 0, column 5"));
+    for (Eigen::Index i = 0; i < states.size(); ++i) CHECK(states[i].tokens() == 0);
+  }
+
+  SECTION("step_into") {
+    auto states = layer.make_states(kB);
+    layer.prefill_into(states, qv, kv, vv, ov);
+    const Matrix<T> qt = gaussian<T>(kB * kH, kDk, 7), kt = gaussian<T>(kB * kH, kDk, 8);
+    const Matrix<T> vt = gaussian<T>(kB * kH, kDv, 9);
+    Matrix<T> ot(kB * kH, kDv);
+    CHECK_THROWS_WITH(layer.step_into(states, qt.leftCols(kDk - 1), kt, vt, ot),
+                      Contains("LinearAttentionLayer::step: q is 8 x 7") && Contains("key_dim 8"));
+    CHECK_THROWS_WITH(layer.step_into(states, qt.topRows(7), kt, vt, ot),
+                      Contains("q is 7 x 8 but the batch needs 8 x 8"));
+    CHECK_THROWS_WITH(layer.step_into(states, qt, kt.leftCols(kDk - 1), vt, ot),
+                      Contains("k is 8 x 7"));
+    CHECK_THROWS_WITH(layer.step_into(states, qt, kt, vt.leftCols(kDv - 1), ot),
+                      Contains("v is 8 x 5"));
+    Matrix<T> narrow(kB * kH, kDv - 1);
+    CHECK_THROWS_WITH(layer.step_into(states, qt, kt, vt, narrow), Contains("out is 8 x 5"));
+    auto one_sequence = layer.make_states(1);
+    CHECK_THROWS_WITH(layer.step_into(one_sequence, qt, kt, vt, ot),
+                      Contains("q is 8 x 8 but the batch needs 4 x 8"));
+    for (Eigen::Index i = 0; i < states.size(); ++i) CHECK(states[i].tokens() == n);
+    layer.step_into(states, qt, kt, vt, ot);
+    CHECK(ot.allFinite());
+    for (Eigen::Index i = 0; i < states.size(); ++i) CHECK(states[i].tokens() == n + 1);
+  }
+}
+
+TEST_CASE("layer: float inputs with double accumulation", "[layer]") {
+  // LinearAttentionLayer<float, Map, double>: float q, k, v and outputs, double states and sums.
+  const Eigen::Index n = 400;
+  linattn::Options options;
+  options.decay = 0.995;
+  const linattn::PositiveRandomFeatures map(kDk, 16, 71);
+  const LinearAttentionLayer<float, linattn::PositiveRandomFeatures, double> layer(map, kH, kDk,
+                                                                                   kDv, options);
+  const HeadData<float> q(n, kDk, 81), k(n, kDk, 82), v(n, kDv, 83);
+  std::vector<float> forward_data(static_cast<std::size_t>(kB * kH * n * kDv));
+  const auto forward = HeadsView<float>::bhnd(forward_data.data(), kB, kH, n, kDv);
+  layer.forward_into(q.cview(), k.cview(), v.cview(), forward);
+  auto states = layer.make_states(kB);
+  Matrix<float> qt(kB * kH, kDk), kt(kB * kH, kDk), vt(kB * kH, kDv), ot(kB * kH, kDv);
+  double worst_steps = 0.0, worst_reference = 0.0;
+  std::vector<Matrix<float>> recurrent(static_cast<std::size_t>(kB * kH), Matrix<float>(n, kDv));
+  for (Eigen::Index t = 0; t < n; ++t) {
+    for (Eigen::Index i = 0; i < kB * kH; ++i) {
+      const auto idx = static_cast<std::size_t>(i);
+      qt.row(i) = q.heads[idx].row(t);
+      kt.row(i) = k.heads[idx].row(t);
+      vt.row(i) = v.heads[idx].row(t);
+    }
+    layer.step_into(states, qt, kt, vt, ot);
+    for (Eigen::Index i = 0; i < kB * kH; ++i)
+      recurrent[static_cast<std::size_t>(i)].row(t) = ot.row(i);
+  }
+  for (Eigen::Index i = 0; i < kB * kH; ++i) {
+    const auto idx = static_cast<std::size_t>(i);
+    const Matrix<float> parallel = forward.head(i / kH, i % kH);
+    // The reference: the same computation in double throughout.
+    const Matrix<double> expected =
+        linattn::causal_linear_attention(q.heads[idx].cast<double>(), k.heads[idx].cast<double>(),
+                                         v.heads[idx].cast<double>(), map, options);
+    const double e_steps = relative_error(recurrent[idx], parallel);
+    const double e_reference = relative_error(parallel, expected);
+    CHECK(e_steps <= 2e-5);
+    CHECK(e_reference <= 2e-5);
+    worst_steps = std::max(worst_steps, e_steps);
+    worst_reference = std::max(worst_reference, e_reference);
+  }
+  WARN("layer<float, PRF, double>, N = 400: worst relative error, recurrent vs parallel "
+       << worst_steps << ", parallel vs double " << worst_reference);
+}

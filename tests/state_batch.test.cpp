@@ -1,0 +1,423 @@
+// RecurrentStateBatch: batch steps and prefill against per-session RecurrentStates, threads,
+// and errors that must leave every state as it was.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <linattn/feature_maps.hpp>
+#include <linattn/heads_view.hpp>
+#include <linattn/multi_head.hpp>
+#include <linattn/recurrent_state.hpp>
+#include <linattn/state_batch.hpp>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "support.hpp"
+
+using linattn::HeadsView;
+using linattn::Matrix;
+using linattn::RecurrentState;
+using linattn::RecurrentStateBatch;
+using linattn::Vector;
+using linattn_test::gaussian;
+
+namespace {
+
+constexpr Eigen::Index kDk = 8;
+constexpr Eigen::Index kDv = 5;
+
+enum class Kind { featurized, elu, prf };
+
+const char* kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::featurized:
+      return "featurized";
+    case Kind::elu:
+      return "EluPlusOne";
+    case Kind::prf:
+      return "PositiveRandomFeatures";
+  }
+  return "?";
+}
+
+const linattn::PositiveRandomFeatures& prf_map() {
+  static const linattn::PositiveRandomFeatures map(kDk, 16, 3);
+  return map;
+}
+
+Eigen::Index feature_dim(Kind kind) { return kind == Kind::prf ? 16 : kDk; }
+
+/// rows x kDk inputs for a kind: elu + 1 of Gaussians when featurized, else raw Gaussians.
+template <class T>
+Matrix<T> inputs(Kind kind, Eigen::Index rows, std::uint64_t seed) {
+  const Matrix<T> g = gaussian<T>(rows, kDk, seed);
+  return kind == Kind::featurized ? linattn::EluPlusOne{}.queries(g) : g;
+}
+
+/// One batch step for a kind, into `out`.
+template <class T, class DQ, class DK, class DV>
+void batch_step(Kind kind, RecurrentStateBatch<T>& batch, const Eigen::MatrixBase<DQ>& q,
+                const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                Eigen::Ref<Matrix<T>> out) {
+  switch (kind) {
+    case Kind::featurized:
+      batch.step_into(q, k, v, out);
+      return;
+    case Kind::elu:
+      batch.step_into(q, k, v, linattn::EluPlusOne{}, out);
+      return;
+    case Kind::prf:
+      batch.step_into(q, k, v, prf_map(), out);
+      return;
+  }
+}
+
+/// One step of a single state for a kind.
+template <class T, class DQ, class DK, class DV>
+Vector<T> single_step(Kind kind, RecurrentState<T>& state, const Eigen::MatrixBase<DQ>& q,
+                      const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v) {
+  switch (kind) {
+    case Kind::featurized:
+      return state.step(q, k, v);
+    case Kind::elu:
+      return state.step(q, k, v, linattn::EluPlusOne{});
+    case Kind::prf:
+      return state.step(q, k, v, prf_map());
+  }
+  return {};
+}
+
+/// True when the two states hold the same sums, bit for bit.
+template <class T>
+bool same_state(const RecurrentState<T>& a, const RecurrentState<T>& b) {
+  // -infinity == -infinity, so fresh states compare equal too.
+  return a.s() == b.s() && a.z() == b.z() && a.tokens() == b.tokens() &&
+         a.log_scale() == b.log_scale();
+}
+
+/// Steps `batch` and the per-session states `single` through `steps` random tokens; returns
+/// the number of output rows that were not bit-identical.
+template <class T>
+int step_both(Kind kind, RecurrentStateBatch<T>& batch, std::vector<RecurrentState<T>>& single,
+              Eigen::Index steps, std::uint64_t seed) {
+  const Eigen::Index count = batch.size();
+  int differing = 0;
+  // Every other step writes into a block of a bigger matrix; its border must stay as it was.
+  Matrix<T> big = Matrix<T>::Constant(count + 2, kDv + 3, T(-3));
+  for (Eigen::Index t = 0; t < steps; ++t) {
+    const std::uint64_t s = seed + 3 * static_cast<std::uint64_t>(t);
+    const Matrix<T> q = inputs<T>(kind, count, s), k = inputs<T>(kind, count, s + 1);
+    const Matrix<T> v = gaussian<T>(count, kDv, s + 2);
+    Matrix<T> out(count, kDv);
+    if (t % 2 == 0) {
+      batch_step<T>(kind, batch, q, k, v, out);
+    } else {
+      batch_step<T>(kind, batch, q, k, v, big.block(1, 2, count, kDv));
+      out = big.block(1, 2, count, kDv);
+    }
+    for (Eigen::Index i = 0; i < count; ++i) {
+      const Vector<T> expected =
+          single_step<T>(kind, single[static_cast<std::size_t>(i)], q.row(i), k.row(i), v.row(i));
+      if (!(out.row(i).transpose() == expected)) ++differing;
+    }
+  }
+  CHECK((big.topRows(1).array() == T(-3)).all());
+  CHECK((big.bottomRows(1).array() == T(-3)).all());
+  CHECK((big.leftCols(2).array() == T(-3)).all());
+  CHECK((big.rightCols(1).array() == T(-3)).all());
+  return differing;
+}
+
+/// A snapshot of every state of a batch.
+template <class T>
+std::vector<RecurrentState<T>> snapshot(const RecurrentStateBatch<T>& batch) {
+  std::vector<RecurrentState<T>> states;
+  for (Eigen::Index i = 0; i < batch.size(); ++i) states.push_back(batch[i]);
+  return states;
+}
+
+template <class T>
+int states_moved(const RecurrentStateBatch<T>& batch,
+                 const std::vector<RecurrentState<T>>& before) {
+  int moved = 0;
+  for (Eigen::Index i = 0; i < batch.size(); ++i) {
+    if (!same_state(batch[i], before[static_cast<std::size_t>(i)])) ++moved;
+  }
+  return moved;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("batch steps equal per-session RecurrentState steps bit for bit",
+                   "[state_batch]", float, double) {
+  using T = TestType;
+  const Eigen::Index count = 6, steps = 40;
+  int differing = 0, rows = 0;
+  for (const Kind kind : {Kind::featurized, Kind::elu, Kind::prf}) {
+    for (const double decay : {1.0, 0.97}) {
+      for (const bool normalize : {true, false}) {
+        for (const int threads : {1, 2, 4}) {
+          linattn::Options options;
+          options.decay = decay;
+          options.normalize = normalize;
+          options.threads = threads;
+          RecurrentStateBatch<T> batch(count, feature_dim(kind), kDv, options);
+          CHECK(batch.size() == count);
+          CHECK(batch.feature_dim() == feature_dim(kind));
+          CHECK(batch.value_dim() == kDv);
+          CHECK(batch.options().decay == decay);
+          std::vector<RecurrentState<T>> single(static_cast<std::size_t>(count),
+                                                RecurrentState<T>(feature_dim(kind), kDv, options));
+          INFO(kind_name(kind) << ", decay = " << decay << ", normalize = " << normalize
+                               << ", threads = " << threads);
+          const int d = step_both(kind, batch, single, steps, 1000);
+          CHECK(d == 0);
+          differing += d;
+          rows += static_cast<int>(count * steps);
+          for (Eigen::Index i = 0; i < count; ++i) {
+            CHECK(same_state(batch[i], single[static_cast<std::size_t>(i)]));
+            CHECK(batch[i].tokens() == steps);
+          }
+        }
+      }
+    }
+  }
+  WARN("batch vs per-session steps: " << differing << " of " << rows
+                                      << " output rows not bit-identical");
+}
+
+TEMPLATE_TEST_CASE("a batch step that throws moves no state", "[state_batch][errors]", float,
+                   double) {
+  using T = TestType;
+  using Catch::Contains;
+  const Eigen::Index count = 6;
+  for (const int threads : {1, 2}) {
+    linattn::Options options;
+    options.decay = 0.9;
+    options.threads = threads;
+    RecurrentStateBatch<T> batch(count, feature_dim(Kind::prf), kDv, options);
+    std::vector<RecurrentState<T>> single(static_cast<std::size_t>(count),
+                                          RecurrentState<T>(feature_dim(Kind::prf), kDv, options));
+    REQUIRE(step_both(Kind::prf, batch, single, 5, 2000) == 0);
+    const std::vector<RecurrentState<T>> before = snapshot(batch);
+
+    const Matrix<T> q = gaussian<T>(count, kDk, 2100), k = gaussian<T>(count, kDk, 2101);
+    const Matrix<T> v = gaussian<T>(count, kDv, 2102);
+    const Matrix<T> phi_q = prf_map().queries(q), phi_k = prf_map().keys(k);
+    Matrix<T> out = Matrix<T>::Constant(count, kDv, T(9));
+    const Matrix<T> out_before = out;
+    INFO("threads = " << threads);
+    for (const T poison :
+         {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity()}) {
+      Matrix<T> bad_k = phi_k, bad_q = q, bad_v = v;
+      bad_k(3, 2) = poison;
+      bad_q(4, 0) = -poison;
+      bad_v(count - 1, kDv - 1) = poison;
+      CHECK_THROWS_WITH(batch.step_into(phi_q, bad_k, v, out),
+                        Contains("RecurrentStateBatch::step") && Contains("phi_k") &&
+                            Contains("row 3, column 2"));
+      CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, bad_v, out),
+                        Contains("v has a non-finite value") && Contains("row 5, column 4"));
+      CHECK_THROWS_WITH(batch.step_into(bad_q, k, v, prf_map(), out),
+                        Contains("q has a non-finite value") && Contains("row 4, column 0"));
+      CHECK_THROWS_WITH(batch.step(q, k, bad_v, prf_map()), Contains("v has a non-finite value"));
+    }
+    // Wrong counts and widths.
+    CHECK_THROWS_WITH(batch.step_into(phi_q.topRows(5), phi_k, v, out),
+                      Contains("phi_q is 5 x 16 but the batch needs 6 x 16"));
+    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k.leftCols(15), v, out),
+                      Contains("phi_k is 6 x 15"));
+    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, v.leftCols(4), out), Contains("v is 6 x 4"));
+    Matrix<T> tall(count + 1, kDv);
+    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, v, tall), Contains("out is 7 x 5"));
+    CHECK_THROWS_WITH(batch.step(q, k.topRows(5), v, prf_map()), Contains("k is 5 x 8"));
+    CHECK_THROWS_WITH(batch.step(q, k.leftCols(7), v, prf_map()), Contains("k is 6 x 7"));
+    // A feature map whose width is not the states' C throws in every state, before any moves.
+    const linattn::PositiveRandomFeatures narrow(kDk, 10, 3);
+    CHECK_THROWS_AS(batch.step_into(q, k, v, narrow, out), linattn::Error);
+    CHECK_THROWS_AS(batch.step_into(q, k, v, linattn::EluPlusOne{}, out), linattn::Error);
+
+    CHECK(states_moved(batch, before) == 0);
+    for (Eigen::Index i = 0; i < count; ++i) CHECK(batch[i].tokens() == 5);
+    CHECK(out == out_before);
+    // The batch goes on as if nothing had happened.
+    CHECK(step_both(Kind::prf, batch, single, 3, 2200) == 0);
+  }
+}
+
+TEMPLATE_TEST_CASE("prefill_into equals a per-head RecurrentState::prefill, then steps continue",
+                   "[state_batch][prefill]", float, double) {
+  using T = TestType;
+  const Eigen::Index B = 2, H = 3, N = 300, steps = 25;
+  int differing = 0, compared = 0;
+  for (const bool bnhd : {false, true}) {
+    for (const Kind kind : {Kind::featurized, Kind::elu, Kind::prf}) {
+      // Heads in caller memory: [B, H, N, D] or [B, N, H, D].
+      std::vector<T> qd(static_cast<std::size_t>(B * H * N * kDk));
+      std::vector<T> kd(qd.size()), vd(static_cast<std::size_t>(B * H * N * kDv));
+      auto view = [&](std::vector<T>& data, Eigen::Index dim) {
+        return bnhd ? HeadsView<T>::bnhd(data.data(), B, N, H, dim)
+                    : HeadsView<T>::bhnd(data.data(), B, H, N, dim);
+      };
+      std::vector<Matrix<T>> q, k, v;
+      for (Eigen::Index i = 0; i < B * H; ++i) {
+        const std::uint64_t seed = 3000 + 10 * static_cast<std::uint64_t>(i);
+        q.push_back(inputs<T>(kind, N, seed));
+        k.push_back(inputs<T>(kind, N, seed + 1));
+        v.push_back(gaussian<T>(N, kDv, seed + 2));
+        view(qd, kDk).head(i / H, i % H) = q.back();
+        view(kd, kDk).head(i / H, i % H) = k.back();
+        view(vd, kDv).head(i / H, i % H) = v.back();
+      }
+      for (const double decay : {1.0, 0.98}) {
+        for (const int threads : {1, 2, 4}) {
+          linattn::Options options;
+          options.decay = decay;
+          options.threads = threads;
+          const Eigen::Index c = feature_dim(kind);
+          RecurrentStateBatch<T> batch(B * H, c, kDv, options);
+          std::vector<T> od(vd.size(), T(0));
+          const HeadsView<const T> qv = view(qd, kDk), kv = view(kd, kDk), vv = view(vd, kDv);
+          if (kind == Kind::featurized) {
+            batch.prefill_into(qv, kv, vv, view(od, kDv));
+          } else if (kind == Kind::elu) {
+            batch.prefill_into(qv, kv, vv, linattn::EluPlusOne{}, view(od, kDv));
+          } else {
+            batch.prefill_into(qv, kv, vv, prf_map(), view(od, kDv));
+          }
+          INFO((bnhd ? "[B,N,H,D]" : "[B,H,N,D]")
+               << ", " << kind_name(kind) << ", decay = " << decay << ", threads = " << threads);
+          std::vector<RecurrentState<T>> single;
+          for (Eigen::Index i = 0; i < B * H; ++i) {
+            RecurrentState<T> state(c, kDv, options);
+            const std::size_t si = static_cast<std::size_t>(i);
+            Matrix<T> expected;
+            if (kind == Kind::featurized) {
+              expected = state.prefill(q[si], k[si], v[si]);
+            } else if (kind == Kind::elu) {
+              expected = state.prefill(q[si], k[si], v[si], linattn::EluPlusOne{});
+            } else {
+              expected = state.prefill(q[si], k[si], v[si], prf_map());
+            }
+            const Matrix<T> got = view(od, kDv).head(i / H, i % H);
+            CHECK(got == expected);
+            CHECK(same_state(batch[i], state));
+            CHECK(batch[i].tokens() == N);
+            differing += got == expected ? 0 : 1;
+            ++compared;
+            single.push_back(state);
+          }
+          // Decoding continues identically from the prefilled states.
+          const int d = step_both(kind, batch, single, steps, 3500);
+          CHECK(d == 0);
+          differing += d;
+          for (Eigen::Index i = 0; i < B * H; ++i) {
+            CHECK(same_state(batch[i], single[static_cast<std::size_t>(i)]));
+          }
+        }
+      }
+    }
+  }
+  WARN("batch prefill vs per-head prefill (threads 1, 2, 4): "
+       << differing << " differing of " << compared << " heads (and their steps)");
+}
+
+TEMPLATE_TEST_CASE("prefill_into errors throw and move no state", "[state_batch][errors]", float,
+                   double) {
+  using T = TestType;
+  using Catch::Contains;
+  const Eigen::Index B = 2, H = 3, N = 20;
+  std::vector<T> q(static_cast<std::size_t>(B * H * N * kDk)), k(q.size());
+  std::vector<T> v(static_cast<std::size_t>(B * H * N * kDv)), o(v.size(), T(4));
+  const Matrix<T> qm = gaussian<T>(B * H * N, kDk, 4000), km = gaussian<T>(B * H * N, kDk, 4001);
+  const Matrix<T> vm = gaussian<T>(B * H * N, kDv, 4002);
+  std::copy(qm.data(), qm.data() + qm.size(), q.begin());
+  std::copy(km.data(), km.data() + km.size(), k.begin());
+  std::copy(vm.data(), vm.data() + vm.size(), v.begin());
+  auto cview = [&](const std::vector<T>& data, Eigen::Index b, Eigen::Index n, Eigen::Index dim) {
+    return HeadsView<const T>::bhnd(data.data(), b, H, n, dim);
+  };
+  const auto qv = cview(q, B, N, kDk), kv = cview(k, B, N, kDk), vv = cview(v, B, N, kDv);
+  const auto ov = HeadsView<T>::bhnd(o.data(), B, H, N, kDv);
+  const linattn::PositiveRandomFeatures& map = prf_map();
+
+  linattn::Options options;
+  options.decay = 0.95;
+  options.threads = 2;
+  RecurrentStateBatch<T> batch(B * H, 16, kDv, options);
+  batch.prefill_into(qv, kv, vv, map, ov);
+  const std::vector<RecurrentState<T>> before = snapshot(batch);
+  const std::vector<T> o_before = o;
+
+  // B x H must be the number of states.
+  CHECK_THROWS_WITH(
+      batch.prefill_into(cview(q, 1, N, kDk), cview(k, 1, N, kDk), cview(v, 1, N, kDv), map,
+                         HeadsView<T>::bhnd(o.data(), 1, H, N, kDv)),
+      Contains("RecurrentStateBatch::prefill") &&
+          Contains("B x H = 3 heads, but the batch holds 6 states"));
+  // Mismatched views.
+  CHECK_THROWS_WITH(batch.prefill_into(qv, cview(k, B, N - 1, kDk), vv, map, ov),
+                    Contains("k is [2, 3, 19, 8]") && Contains("B, H and N must match"));
+  CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, map, HeadsView<T>::bhnd(o.data(), B, H, N, 4)),
+                    Contains("out is [2, 3, 20, 4]"));
+  // Featurized inputs of the wrong width, and a map of the wrong width.
+  CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, ov),
+                    Contains("phi_q gives 8 features per token but the states hold 16"));
+  CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, linattn::EluPlusOne{}, ov),
+                    Contains("q gives 8 features per token but the states hold 16"));
+  const bool unchanged = o == o_before;  // every error above is found before any work
+  CHECK(unchanged);
+  // NaN in one head: no state moves (out is covered by multi_head.test.cpp).
+  std::vector<T> scratch(o.size());
+  const auto sv = HeadsView<T>::bhnd(scratch.data(), B, H, N, kDv);
+  for (const T poison :
+       {std::numeric_limits<T>::quiet_NaN(), -std::numeric_limits<T>::infinity()}) {
+    std::vector<T> bad = v;
+    HeadsView<T>::bhnd(bad.data(), B, H, N, kDv).head(1, 2)(N - 1, 0) = poison;
+    CHECK_THROWS_WITH(batch.prefill_into(qv, kv, cview(bad, B, N, kDv), map, sv),
+                      Contains("RecurrentStateBatch::prefill") && Contains("v[b=1, h=2]") &&
+                          Contains("row 19, column 0"));
+    std::vector<T> bad_k = k;
+    HeadsView<T>::bhnd(bad_k.data(), B, H, N, kDk).head(0, 1)(2, 3) = poison;
+    CHECK_THROWS_WITH(batch.prefill_into(qv, cview(bad_k, B, N, kDk), vv, map, sv),
+                      Contains("k[b=0, h=1]") && Contains("row 2, column 3"));
+  }
+  CHECK(states_moved(batch, before) == 0);
+
+  // Constructor and accessors.
+  CHECK_THROWS_WITH(RecurrentStateBatch<T>(0, 4, 4), Contains("count must be >= 1"));
+  CHECK_THROWS_WITH(RecurrentStateBatch<T>(3, 0, 4), Contains("feature_dim must be >= 1"));
+  CHECK_THROWS_WITH(RecurrentStateBatch<T>(3, 4, 0), Contains("value_dim must be >= 1"));
+  linattn::Options bad_options;
+  bad_options.decay = 1.5;
+  CHECK_THROWS_WITH(RecurrentStateBatch<T>(3, 4, 4, bad_options), Contains("Options::decay"));
+  CHECK_THROWS_AS(batch[B * H], std::out_of_range);
+  CHECK_THROWS_AS(batch[-1], std::out_of_range);
+  batch.reset();
+  for (Eigen::Index i = 0; i < B * H; ++i) {
+    CHECK(batch[i].tokens() == 0);
+    CHECK(batch[i].s().cwiseAbs().maxCoeff() == T(0));
+  }
+}
+
+// Regression: prefill_into once checked out.dim() against value_dim() but not v.dim(), and read
+// past each v head of width 2 for states of Dv = 3 instead of throwing.
+TEMPLATE_TEST_CASE("prefill_into rejects v of the wrong width", "[state_batch][errors]", float,
+                   double) {
+  using T = TestType;
+  using Catch::Contains;
+  const Eigen::Index B = 1, H = 2, N = 5, C = 4, Dv = 3;
+  std::vector<T> q(static_cast<std::size_t>(B * H * N * C), T(0.5)), k(q.size(), T(0.25));
+  std::vector<T> v(static_cast<std::size_t>(B * H * N * 2), T(1));
+  std::vector<T> o(static_cast<std::size_t>(B * H * N * Dv), T(0));
+  RecurrentStateBatch<T> batch(B * H, C, Dv);
+  CHECK_THROWS_WITH(batch.prefill_into(HeadsView<const T>::bhnd(q.data(), B, H, N, C),
+                                       HeadsView<const T>::bhnd(k.data(), B, H, N, C),
+                                       HeadsView<const T>::bhnd(v.data(), B, H, N, 2),
+                                       HeadsView<T>::bhnd(o.data(), B, H, N, Dv)),
+                    Contains("v is [1, 2, 5, 2]"));
+  CHECK(batch[0].tokens() == 0);
+}
