@@ -22,6 +22,8 @@ using linattn::HeadStrides;
 using linattn::HeadsView;
 using linattn::Matrix;
 using linattn_test::gaussian;
+using linattn_test::Kind;
+using linattn_test::kind_name;
 using linattn_test::relative_error;
 
 namespace {
@@ -139,20 +141,6 @@ template <class T>
 HeadsView<T> token_range(const HeadsView<T>& view, Eigen::Index begin, Eigen::Index count) {
   return HeadsView<T>(view.data() + begin * view.strides().token, view.batch(), view.heads(), count,
                       view.dim(), view.strides());
-}
-
-enum class Kind { featurized, elu, prf };
-
-const char* kind_name(Kind kind) {
-  switch (kind) {
-    case Kind::featurized:
-      return "featurized";
-    case Kind::elu:
-      return "EluPlusOne";
-    case Kind::prf:
-      return "PositiveRandomFeatures";
-  }
-  return "?";
 }
 
 const linattn::PositiveRandomFeatures& prf_map() {

@@ -23,25 +23,13 @@ using linattn::RecurrentState;
 using linattn::RecurrentStateBatch;
 using linattn::Vector;
 using linattn_test::gaussian;
+using linattn_test::Kind;
+using linattn_test::kind_name;
 
 namespace {
 
 constexpr Eigen::Index kDk = 8;
 constexpr Eigen::Index kDv = 5;
-
-enum class Kind { featurized, elu, prf };
-
-const char* kind_name(Kind kind) {
-  switch (kind) {
-    case Kind::featurized:
-      return "featurized";
-    case Kind::elu:
-      return "EluPlusOne";
-    case Kind::prf:
-      return "PositiveRandomFeatures";
-  }
-  return "?";
-}
 
 const linattn::PositiveRandomFeatures& prf_map() {
   static const linattn::PositiveRandomFeatures map(kDk, 16, 3);

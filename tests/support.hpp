@@ -64,4 +64,19 @@ inline Matrix<double> naive_linear_attention(const Matrix<double>& phi_q,
   return out;
 }
 
+/// The inputs a multi-head test feeds: featurized rows, or raw rows through a feature map.
+enum class Kind { featurized, elu, prf };
+
+inline const char* kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::featurized:
+      return "featurized";
+    case Kind::elu:
+      return "EluPlusOne";
+    case Kind::prf:
+      return "PositiveRandomFeatures";
+  }
+  return "?";
+}
+
 }  // namespace linattn_test

@@ -9,6 +9,7 @@
 #include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
 #include <string>
+#include <type_traits>
 
 namespace linattn::detail {
 
@@ -28,6 +29,24 @@ struct CarriedState {
   /// True while the state holds plain (unscaled) sums, so the cheaper unscaled path applies.
   bool unscaled() const { return empty() || log_scale == 0.0; }
 };
+
+/// Where the stream kernel reads a chunk's phi_q, phi_k and v: row-major rows with leading
+/// dimensions in elements, either the chunk buffers or the caller's memory itself.
+template <class T>
+struct ChunkRows {
+  const T* q;
+  Eigen::Index ldq;
+  const T* k;
+  Eigen::Index ldk;
+  const T* v;
+  Eigen::Index ldv;
+};
+
+/// True when `Derived` is row-major memory with adjacent columns, readable in place.
+template <class Derived>
+inline constexpr bool is_row_memory =
+    bool(Derived::Flags& Eigen::DirectAccessBit) &&
+    bool(Derived::IsRowMajor) && Derived::InnerStrideAtCompileTime == 1;
 
 /// Per-call workspace, sized by the chunk length, never by N.
 template <class T>
@@ -108,6 +127,18 @@ class FeaturizedSource {
 
   FeaturizedSource(const DQ& phi_q, const DK& phi_k, const DV& v)
       : phi_q_(phi_q), phi_k_(phi_k), v_(v) {}
+
+  /// True when the stream kernel can read the inputs in place (as Acc), skipping the copy.
+  template <class Acc>
+  static constexpr bool readable_in_place =
+      std::is_same_v<Acc, Scalar>&& is_row_memory<DQ>&& is_row_memory<DK>&& is_row_memory<DV>;
+
+  /// Rows from `begin` on, in place; only when readable_in_place<Scalar>.
+  ChunkRows<Scalar> rows_in_place(Eigen::Index begin) const {
+    return {phi_q_.data() + begin * phi_q_.outerStride(), phi_q_.outerStride(),
+            phi_k_.data() + begin * phi_k_.outerStride(), phi_k_.outerStride(),
+            v_.data() + begin * v_.outerStride(),         v_.outerStride()};
+  }
 
   Eigen::Index rows() const { return phi_q_.rows(); }
   Eigen::Index feature_dim() const { return phi_q_.cols(); }
@@ -200,6 +231,13 @@ class MappedSource {
   mutable Vector<double> log_scratch_;
 };
 
+/// Whether Source offers rows_in_place for accumulation type Acc.
+template <class Source, class Acc, class = void>
+struct has_rows_in_place : std::false_type {};
+template <class Source, class Acc>
+struct has_rows_in_place<Source, Acc, std::enable_if_t<Source::template readable_in_place<Acc>>>
+    : std::true_type {};
+
 /// Rows [begin, begin + rows) of another source. Holds a copy of it, so each thread that
 /// reads through its own RowRange also has its own scratch space.
 template <class Source>
@@ -211,6 +249,13 @@ class RowRange {
   RowRange(const Source& source, Eigen::Index begin, Eigen::Index rows)
       : source_(source), begin_(begin), rows_(rows) {
     LINATTN_ASSERT(begin >= 0 && rows >= 0 && begin + rows <= source.rows());
+  }
+
+  template <class Acc>
+  static constexpr bool readable_in_place = has_rows_in_place<Source, Acc>::value;
+  template <class S = Source>
+  ChunkRows<typename S::Scalar> rows_in_place(Eigen::Index begin) const {
+    return source_.rows_in_place(begin_ + begin);
   }
 
   Eigen::Index rows() const { return rows_; }
@@ -270,11 +315,18 @@ class ChunkedKernel {
     const bool scaled = Source::log_scaled || !state.unscaled();
     for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, src.rows() - begin);
+      OutRef out_rows = out.middleRows(begin, len);
+      if constexpr (has_rows_in_place<Source, T>::value) {
+        if (!scaled && !has_decay()) {
+          // The plain stream reads the caller's rows directly: no copy through the buffers.
+          plain_stream_chunk(len, src.rows_in_place(begin), state, out_rows);
+          continue;
+        }
+      }
       src.load_queries(begin, len, buf_);
       src.load_keys_values(begin, len, buf_);
-      OutRef out_rows = out.middleRows(begin, len);
       if (!scaled && !has_decay()) {
-        plain_stream_chunk(len, state, out_rows);
+        plain_stream_chunk(len, buffer_rows(buf_.k), state, out_rows);
         continue;
       }
       if (!Source::log_scaled) {
@@ -362,32 +414,28 @@ class ChunkedKernel {
 
   /// No decay, no scale: the register-tiled stream over the chunk, S and z updated in place.
   template <class OutRef>
-  void plain_stream_chunk(Eigen::Index len, CarriedState<T>& state, OutRef out) {
-    stream_chunk(len, buf_.k, state);
+  void plain_stream_chunk(Eigen::Index len, const ChunkRows<T>& rows, CarriedState<T>& state,
+                          OutRef out) {
+    stream_chunk(len, rows, state);
     state.log_scale = 0.0;
     write_unscaled_output(len, out);
   }
 
-  /// num, den for the chunk by the stream kernel, with keys taken from `keys`.
-  void stream_chunk(Eigen::Index len, const Matrix<T>& keys, CarriedState<T>& state) {
+  /// The chunk buffers' q and v, with keys taken from `keys`.
+  ChunkRows<T> buffer_rows(const Matrix<T>& keys) const {
+    return {buf_.q.data(), buf_.q.cols(), keys.data(), keys.cols(), buf_.v.data(), buf_.v.cols()};
+  }
+
+  /// num, den for the chunk by the stream kernel.
+  void stream_chunk(Eigen::Index len, const ChunkRows<T>& rows, CarriedState<T>& state) {
     const Eigen::Index c = state.s.rows();
     const Eigen::Index dv = state.s.cols();
     buf_.num.topRows(len).setZero();
-    const StreamOperands<T> operands{buf_.q.data(),
-                                     c,
-                                     keys.data(),
-                                     c,
-                                     buf_.v.data(),
-                                     dv,
-                                     state.s.data(),
-                                     dv,
-                                     buf_.num.data(),
-                                     dv,
-                                     len,
-                                     c,
-                                     dv};
+    const StreamOperands<T> operands{
+        rows.q, rows.ldq,        rows.k, rows.ldk, rows.v, rows.ldv, state.s.data(),
+        dv,     buf_.num.data(), dv,     len,      c,      dv};
     stream_product(operands);
-    stream_denominator(buf_.q.data(), c, keys.data(), c, len, c, state.z.data(), buf_.den.data());
+    stream_denominator(rows.q, rows.ldq, rows.k, rows.ldk, len, c, state.z.data(), buf_.den.data());
   }
 
   /// c_i = max(c_{i-1} + log g, log_k_i) for the chunk, from the carried c.
@@ -426,7 +474,7 @@ class ChunkedKernel {
       state.s *= carry;
       state.z *= carry;
     }
-    stream_chunk(len, buf_.weighted_keys, state);
+    stream_chunk(len, buffer_rows(buf_.weighted_keys), state);
     for (Eigen::Index r = 0; r < len; ++r) {
       const T lift = exp_as<T>(rho - (buf_.running_log(r) - static_cast<double>(r + 1) * lg));
       buf_.num.row(r) *= lift;
