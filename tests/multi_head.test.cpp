@@ -18,6 +18,10 @@
 
 #include "support.hpp"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 using linattn::HeadStrides;
 using linattn::HeadsView;
 using linattn::Matrix;
@@ -1085,3 +1089,31 @@ TEMPLATE_TEST_CASE("errors: HeadsView rejects empty sizes, null data and negativ
                     Contains("strides must be >= 0") && Contains("dim -1"));
   CHECK_THROWS_AS(HeadsView<T>(data.data(), 1, 2, 3, 2, HeadStrides{16, 8, 2, -1}), linattn::Error);
 }
+
+#ifdef _OPENMP
+// Eigen's products inside a call run on the calling thread (its OpenMP thread count is 1 for
+// the call), and the caller's setting comes back afterwards, also after a throw.
+TEST_CASE("OpenMP: calls leave the caller's thread count as they found it",
+          "[multi_head][threads]") {
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(3);
+  const Matrix<double> q = gaussian<double>(300, kDk, 41), k = gaussian<double>(300, kDk, 42),
+                       v = gaussian<double>(300, kDv, 43);
+  const linattn::EluPlusOne elu;
+  linattn::Options one;
+  one.threads = 1;
+  Matrix<double> out(300, kDv);
+  linattn::linear_attention_into(q, k, v, elu, out, one);
+  CHECK(omp_get_max_threads() == 3);
+  linattn::softmax_attention_into(q, k, v, true, out);
+  CHECK(omp_get_max_threads() == 3);
+  Matrix<double> bad = q;
+  bad(7, 2) = std::numeric_limits<double>::quiet_NaN();
+  linattn::RecurrentState<double> state(kDk, kDv, one);
+  CHECK_THROWS_AS(state.prefill_into(bad, k, v, elu, out), linattn::Error);
+  CHECK(omp_get_max_threads() == 3);
+  state.prefill_into(q, k, v, elu, out);
+  CHECK(omp_get_max_threads() == 3);
+  omp_set_num_threads(before);
+}
+#endif

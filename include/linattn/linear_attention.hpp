@@ -38,6 +38,7 @@ void run_attention(const Source& source, OutRef out, const Options& options, boo
                 "linattn kernels take float or double inputs and accumulators");
   CarriedState<Scalar> state(source.feature_dim(), source.value_dim());
   const int threads = resolve_threads(options);
+  const SerialEigenScope serial_eigen;
   if (causal) {
     run_causal(source, state, out, options, threads);
   } else {

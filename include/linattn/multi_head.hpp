@@ -148,6 +148,7 @@ void for_each_sequence_head(const HeadsView<Q>& q, const HeadsView<K>& k, const 
   const Eigen::Index heads = q.heads();
   const Eigen::Index items = sequences.count * heads;
   const int threads = resolve_threads(options);
+  const SerialEigenScope serial_eigen;
   const bool over_items = items >= threads;
   auto one = [&](Eigen::Index i, int inner_threads) {
     const Eigen::Index s = i / heads;

@@ -418,8 +418,9 @@ class RecurrentState {
     require_token_room(source.rows(), "RecurrentState::prefill");
     // Work on a copy so a throw from a feature map leaves the state as it was.
     detail::CarriedState<Acc> next = state_;
-    detail::run_causal(source, next, out, options_,
-                       threads > 0 ? threads : detail::resolve_threads(options_));
+    const int usable = threads > 0 ? threads : detail::resolve_threads(options_);
+    const detail::SerialEigenScope serial_eigen;
+    detail::run_causal(source, next, out, options_, usable);
     state_ = std::move(next);
     tokens_ += source.rows();
   }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <linattn/config.hpp>
+#include <linattn/detail/openmp.hpp>
 #include <linattn/detail/validate.hpp>
 #include <string>
 #include <type_traits>
@@ -132,6 +133,7 @@ void softmax_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixB
   detail::validate_softmax_inputs(q, k, v, where);
   detail::require_output_shape(out, q.rows(), v.cols(), where);
   const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
+  const detail::SerialEigenScope serial_eigen;  // a single-thread baseline, also under OpenMP
   detail::TiledSoftmax<T>(q.cols(), v.cols()).run(q, k, v, s, causal, 0, out);
 }
 
@@ -168,6 +170,7 @@ void sliding_window_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::
   }
   detail::require_output_shape(out, q.rows(), v.cols(), where);
   const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
+  const detail::SerialEigenScope serial_eigen;
   detail::TiledSoftmax<T>(q.cols(), v.cols()).run(q, k, v, s, true, window, out);
 }
 

@@ -7,25 +7,10 @@
 #include <exception>
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
+#include <linattn/detail/openmp.hpp>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 namespace linattn::detail {
-
-/// The number of threads one call may use: Options::threads, or OpenMP's default for 0;
-/// always 1 without OpenMP.
-inline int resolve_threads(const Options& options) {
-#ifdef _OPENMP
-  if (options.threads > 0) return options.threads;
-  return omp_in_parallel() ? 1 : std::max(1, omp_get_max_threads());
-#else
-  static_cast<void>(options);
-  return 1;
-#endif
-}
 
 /// Runs body(i) for i in [0, count) on up to `threads` threads. An exception thrown by any
 /// body is rethrown here, after every thread has finished (none escapes an OpenMP region).
