@@ -55,6 +55,7 @@ struct Options {
 /// Thrown for bad input at the API boundary; the message names the argument and the shapes.
 class Error : public std::invalid_argument {
  public:
+  /// The message is "linattn: " followed by `what`.
   explicit Error(const std::string& what) : std::invalid_argument("linattn: " + what) {}
 };
 

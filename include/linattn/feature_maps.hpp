@@ -78,7 +78,9 @@ enum class RowNorm {
 
 /// Settings of the random-feature maps.
 struct RandomFeatureOptions {
+  /// How W is drawn.
   Projection projection = Projection::orthogonal;
+  /// The norms given to the rows of W.
   RowNorm row_norm = RowNorm::chi;
   /// Softmax temperature tau: the map estimates exp(tau q.k) (positive features) or
   /// exp(-tau |q - k|^2 / 2) (Fourier features); u = sqrt(tau) x. Negative means 1/sqrt(Dk).
@@ -212,6 +214,7 @@ class PositiveRandomFeatures {
   /// @param input_dim     Dk, the width of q and k
   /// @param num_features  m, rows of W (C = m, or 2m when hyperbolic)
   /// @param seed          W is a function of the seed alone, the same on every platform
+  /// @param options       projection, row_norm, temperature, hyperbolic
   PositiveRandomFeatures(Eigen::Index input_dim, Eigen::Index num_features, std::uint64_t seed = 0,
                          const RandomFeatureOptions& options = {})
       : projection_(input_dim, num_features, seed, options, "PositiveRandomFeatures") {}
@@ -271,9 +274,13 @@ class PositiveRandomFeatures {
   const Matrix<double>& projection() const { return projection_.matrix(); }
   /// tau: E[phi(q) . phi(k)] = exp(tau q . k).
   double temperature() const { return projection_.temperature(); }
+  /// Dk, the width of q and k.
   Eigen::Index input_dim() const { return projection_.input_dim(); }
+  /// m, rows of W.
   Eigen::Index num_features() const { return projection_.num_features(); }
+  /// The seed of the current W (the constructor's or the last redraw's).
   std::uint64_t seed() const { return projection_.seed(); }
+  /// The options as given; temperature() is the resolved tau.
   const RandomFeatureOptions& options() const { return projection_.options(); }
 
  private:
@@ -323,6 +330,7 @@ class RandomFourierFeatures {
   /// @param input_dim     Dk
   /// @param num_features  m, rows of W (C = 2m)
   /// @param seed          W is a function of the seed alone
+  /// @param options       projection, row_norm, temperature (hyperbolic is ignored)
   RandomFourierFeatures(Eigen::Index input_dim, Eigen::Index num_features, std::uint64_t seed = 0,
                         const RandomFeatureOptions& options = {})
       : projection_(input_dim, num_features, seed, options, "RandomFourierFeatures") {}
@@ -351,10 +359,15 @@ class RandomFourierFeatures {
 
   /// W, m x Dk, in double.
   const Matrix<double>& projection() const { return projection_.matrix(); }
+  /// tau: E[phi(q) . phi(k)] = exp(-tau |q - k|^2 / 2).
   double temperature() const { return projection_.temperature(); }
+  /// Dk, the width of q and k.
   Eigen::Index input_dim() const { return projection_.input_dim(); }
+  /// m, rows of W.
   Eigen::Index num_features() const { return projection_.num_features(); }
+  /// The seed of the current W (the constructor's or the last redraw's).
   std::uint64_t seed() const { return projection_.seed(); }
+  /// The options as given; temperature() is the resolved tau.
   const RandomFeatureOptions& options() const { return projection_.options(); }
 
  private:

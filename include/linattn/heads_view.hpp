@@ -23,8 +23,11 @@ struct HeadStrides {
 template <class T>
 class HeadsView {
  public:
+  /// The element type, T without const.
   using Scalar = std::remove_const_t<T>;
+  /// True for output views (T not const).
   static constexpr bool is_writable = !std::is_const_v<T>;
+  /// Matrix<Scalar>, const for read-only views.
   using MatrixType = std::conditional_t<is_writable, Matrix<Scalar>, const Matrix<Scalar>>;
   /// One head, any strides.
   using HeadMap =
@@ -73,11 +76,17 @@ class HeadsView {
       : HeadsView(other.data(), other.batch(), other.heads(), other.tokens(), other.dim(),
                   other.strides()) {}
 
+  /// Element (0, 0, 0, 0).
   T* data() const { return data_; }
+  /// B, sequences.
   Eigen::Index batch() const { return batch_; }
+  /// H, heads per sequence.
   Eigen::Index heads() const { return heads_; }
+  /// N, tokens per sequence.
   Eigen::Index tokens() const { return tokens_; }
+  /// D, features per token.
   Eigen::Index dim() const { return dim_; }
+  /// Element distances along each axis.
   const HeadStrides& strides() const { return strides_; }
 
   /// Head h of sequence b: N x D.

@@ -25,6 +25,7 @@ class LinearAttentionLayer {
   static_assert(detail::is_feature_map<Map>::value, "LinearAttentionLayer needs a feature map");
 
  public:
+  /// The states make_states returns, one per (sequence, head).
   using States = RecurrentStateBatch<T, Acc>;
 
   /// @param map        feature map applied to every head's queries and keys
@@ -47,12 +48,17 @@ class LinearAttentionLayer {
     }
   }
 
+  /// The map applied to every head's queries and keys.
   const Map& feature_map() const { return map_; }
+  /// H, heads per sequence.
   Eigen::Index heads() const { return heads_; }
+  /// Dk, width of each head's q and k.
   Eigen::Index key_dim() const { return key_dim_; }
+  /// Dv, width of each head's v and output.
   Eigen::Index value_dim() const { return value_dim_; }
   /// C = feature_map().feature_dim(key_dim()).
   Eigen::Index feature_dim() const { return feature_dim_; }
+  /// The options both forms run with.
   const Options& options() const { return options_; }
 
   /// The parallel form over whole sequences.

@@ -200,8 +200,11 @@ class RecurrentState {
   double log_scale() const { return state_.log_scale; }
   /// Tokens added since construction or reset.
   std::int64_t tokens() const { return tokens_; }
+  /// C, rows of S.
   Eigen::Index feature_dim() const { return state_.s.rows(); }
+  /// Dv, columns of S.
   Eigen::Index value_dim() const { return state_.s.cols(); }
+  /// The options given at construction (or read by load).
   const Options& options() const { return options_; }
 
   /// Forgets every token; keeps the dimensions and options.

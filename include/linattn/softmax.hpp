@@ -295,9 +295,13 @@ class SoftmaxKVCache {
     scores_.resize(capacity);
   }
 
+  /// Tokens cached.
   Eigen::Index tokens() const { return size_; }
+  /// Rows allocated for keys and values, >= tokens().
   Eigen::Index capacity() const { return keys_.rows(); }
+  /// Dk, the width of q and k.
   Eigen::Index key_dim() const { return key_dim_; }
+  /// Dv, the width of v and the output.
   Eigen::Index value_dim() const { return value_dim_; }
   /// Cached keys, tokens() x Dk.
   typename Matrix<T>::ConstRowsBlockXpr keys() const { return keys_.topRows(size_); }
@@ -307,6 +311,7 @@ class SoftmaxKVCache {
   std::size_t bytes() const {
     return static_cast<std::size_t>(size_ * (key_dim_ + value_dim_)) * sizeof(T);
   }
+  /// Drops every token; keeps the capacity.
   void reset() { size_ = 0; }
 
  private:
@@ -383,14 +388,19 @@ class SlidingWindowCache {
     out /= scores.sum();
   }
 
+  /// Tokens stepped since construction or reset; may exceed window().
   std::int64_t tokens() const { return tokens_; }
+  /// Tokens each query sees, itself included.
   Eigen::Index window() const { return keys_.rows(); }
+  /// Dk, the width of q and k.
   Eigen::Index key_dim() const { return keys_.cols(); }
+  /// Dv, the width of v and the output.
   Eigen::Index value_dim() const { return values_.cols(); }
   /// Bytes held for keys and values (the full window).
   std::size_t bytes() const {
     return static_cast<std::size_t>(window() * (key_dim() + value_dim())) * sizeof(T);
   }
+  /// Forgets every token; keeps the window and dimensions.
   void reset() { tokens_ = 0; }
 
  private:

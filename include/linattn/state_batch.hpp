@@ -21,6 +21,7 @@ namespace linattn {
 template <class T, class Acc = T>
 class RecurrentStateBatch {
  public:
+  /// The type of each state.
   using State = RecurrentState<T, Acc>;
 
   /// @param count        number of states, >= 1
@@ -33,13 +34,18 @@ class RecurrentStateBatch {
                     detail::require_positive_dim(count, "RecurrentStateBatch", "count")),
                 State(feature_dim, value_dim, options)) {}
 
+  /// Number of states.
   Eigen::Index size() const { return static_cast<Eigen::Index>(states_.size()); }
+  /// C of every state.
   Eigen::Index feature_dim() const { return states_.front().feature_dim(); }
+  /// Dv of every state.
   Eigen::Index value_dim() const { return states_.front().value_dim(); }
+  /// The options shared by every state.
   const Options& options() const { return states_.front().options(); }
 
   /// State i, e.g. to save or load one session.
   State& operator[](Eigen::Index i) { return states_.at(static_cast<std::size_t>(i)); }
+  /// State i, read-only.
   const State& operator[](Eigen::Index i) const { return states_.at(static_cast<std::size_t>(i)); }
 
   /// Clears every state.
