@@ -1,9 +1,12 @@
 // Causal forward: chunked linear attention (elu+1 and FAVOR+) against softmax baselines,
-// d = 64, one thread, with Eigen's GEMM rate measured in the same binary.
+// d = 64, one thread, with Eigen's GEMM rate measured in the same binary; and linear
+// attention on Eigen::half and Eigen::bfloat16 inputs (float accumulation).
+#include <cstdint>
 #include <linattn/feature_maps.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/softmax.hpp>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -42,13 +45,20 @@ void BM_CausalLinear(benchmark::State& state, Map map) {
   state.counters["C"] = double(c);
 }
 
+/// exp of N(0, 1) entries; 16-bit types get float's values, rounded once (their exp is emulated).
+template <class T>
+Matrix<T> positive_features(Eigen::Index rows, Eigen::Index cols, std::uint64_t seed) {
+  using Wide = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  return random_matrix<Wide>(rows, cols, seed).array().exp().matrix().template cast<T>();
+}
+
 /// The kernel alone on featurized inputs (positive features, N x C), Dv = 64: the rate
 /// issue #4 reads against GEMM, without the cost of computing the features.
 template <class T>
 void BM_CausalKernel(benchmark::State& state, Eigen::Index feature_dim) {
   const Eigen::Index n = state.range(0);
-  const Matrix<T> phi_q = random_matrix<T>(n, feature_dim, 14).array().exp().matrix();
-  const Matrix<T> phi_k = random_matrix<T>(n, feature_dim, 15).array().exp().matrix();
+  const Matrix<T> phi_q = positive_features<T>(n, feature_dim, 14);
+  const Matrix<T> phi_k = positive_features<T>(n, feature_dim, 15);
   const Matrix<T> v = random_matrix<T>(n, kDim, 16);
   Matrix<T> out(n, kDim);
   linattn_bench::measure(state, [&] {
@@ -139,6 +149,23 @@ void register_scalar(const std::vector<Eigen::Index>& sizes, Eigen::Index materi
   }
 }
 
+/// 16-bit inputs with float accumulation (the default for them): elu+1 from raw q, k and the
+/// kernel alone on featurized inputs, C = Dv = 64, read against the float rows above.
+template <class T>
+void register_half(const std::vector<Eigen::Index>& sizes) {
+  const std::string t = linattn_bench::scalar_name(T{});
+  for (const Eigen::Index n : sizes) {
+    benchmark::RegisterBenchmark(("BM_CausalLinear_Elu<" + t + ">").c_str(),
+                                 BM_CausalLinear<T, linattn::EluPlusOne>, linattn::EluPlusOne{})
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_CausalKernel64<" + t + ">").c_str(), BM_CausalKernel<T>,
+                                 Eigen::Index{64})
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -148,6 +175,8 @@ int main(int argc, char** argv) {
   register_scalar<float>(sizes, quick ? 4096 : 8192);
   register_scalar<double>(quick ? std::vector<Eigen::Index>{128, 1024, 8192} : sizes,
                           quick ? 1024 : 8192);
+  register_half<Eigen::half>(sizes);
+  register_half<Eigen::bfloat16>(sizes);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

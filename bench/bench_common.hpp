@@ -63,5 +63,7 @@ void BM_EigenGemm(benchmark::State& state) {
 
 inline const char* scalar_name(float) { return "float"; }
 inline const char* scalar_name(double) { return "double"; }
+inline const char* scalar_name(Eigen::half) { return "half"; }
+inline const char* scalar_name(Eigen::bfloat16) { return "bfloat16"; }
 
 }  // namespace linattn_bench

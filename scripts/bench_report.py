@@ -96,6 +96,30 @@ def causal_section(causal, scalar, plot_rows):
     return text
 
 
+def half_section(causal):
+    """16-bit inputs (float accumulation) against float inputs at the same N."""
+    sizes = sorted({k[2] for k in causal
+                    if k[1] in ("half", "bfloat16") and k[0] == "BM_CausalLinear_Elu"})
+    if not sizes:
+        return ""
+    rows = []
+    for n in sizes:
+        row = [n]
+        for fam in ("BM_CausalLinear_Elu", "BM_CausalKernel64"):
+            entries = [causal.get((fam, scalar, n)) for scalar in ("float", "half", "bfloat16")]
+            row += [fmt_time(e["seconds"]) if e else "-" for e in entries]
+            base = entries[0]
+            row.append(" / ".join(f"{e['seconds'] / base['seconds']:.2f}" if e and base else "-"
+                                  for e in entries[1:]))
+        rows.append(row)
+    header = ["N", "elu+1 float", "elu+1 half", "elu+1 bfloat16", "time vs float (half / bf16)",
+              "kernel C=64 float", "kernel half", "kernel bfloat16", "time vs float (half / bf16)"]
+    return ("### Causal forward, 16-bit inputs (float accumulation), d = C = Dv = 64, one thread\n\n" +
+            table(header, rows) + "\n\n" +
+            "Inputs and outputs in Eigen::half / Eigen::bfloat16, converted chunk by chunk; the "
+            "sums in float. Ratios are times against the float row of the same N.\n\n")
+
+
 def decode_section(decode, scalar, plot_rows):
     contexts = sorted({k[2] for k in decode if k[1] == scalar and k[0] == "BM_RecurrentStep"})
     if not contexts:
@@ -120,6 +144,39 @@ def decode_section(decode, scalar, plot_rows):
                 f"{100 * (last['seconds'] / first['seconds'] - 1):+.1f}%\n\n")
     return (f"### Decoding, {scalar}, C = Dk = Dv = 64, one thread\n\n" + table(header, rows) +
             "\n\n" + flat)
+
+
+def backward_section(backward, scalar):
+    """Forward + backward (bench_backward): linear elu+1 against the tiled softmax baseline,
+    with each method's (forward + backward) / forward ratio."""
+    gemm = backward.get(("BM_EigenGemm", scalar, 512))
+    peak = gemm["FLOPS"] if gemm else None
+    fams = ("BM_LinearForwardBackward", "BM_SoftmaxForwardBackward", "BM_LinearForward",
+            "BM_SoftmaxForward")
+    sizes = sorted({k[2] for k in backward if k[1] == scalar and k[0] in fams})
+    if not sizes:
+        return ""
+    rows = []
+    for n in sizes:
+        lin, soft, lin_fwd, soft_fwd = (backward.get((fam, scalar, n)) for fam in fams)
+        secs = lambda e: e["seconds"] if e else None
+        ratio = lambda a, b: f"{a['seconds'] / b['seconds']:.1f}x" if a and b else "-"
+        share = lambda e: f"{100 * e['FLOPS'] / peak:.0f}%" if e and peak else "-"
+        rows.append([n, fmt_time(secs(lin)), fmt_time(secs(soft)), ratio(soft, lin),
+                     ratio(lin, lin_fwd), ratio(soft, soft_fwd), share(lin), share(soft)])
+    header = ["N", "linear fwd+bwd", "softmax fwd+bwd", "linear / softmax speed-up",
+              "linear (fwd+bwd) / fwd", "softmax (fwd+bwd) / fwd", "linear % GEMM",
+              "softmax % GEMM"]
+    text = f"### Causal forward + backward, {scalar}, d = C = Dv = 64, one thread\n\n"
+    if gemm:
+        text += f"Eigen {scalar} GEMM 512^3: {gemm['FLOPS'] / 1e9:.1f} GFLOP/s (the 100% below).\n\n"
+    text += table(header, rows) + "\n\n"
+    text += ("Linear: elu+1 features computed inside the timed region, the backward through the "
+             "feature map. Softmax: the tiled forward, then the FlashAttention-2-style tiled "
+             "backward, which recomputes the softmax statistics. Useful FLOPs for fwd+bwd: "
+             "12 N C Dv for linear, 3.5 x 2 N (N+1) d for causal softmax (the recomputation "
+             "not counted).\n\n")
+    return text
 
 
 def feature_section(features):
@@ -222,10 +279,14 @@ def main():
     causal = load(os.path.join(bench_dir, "causal.json"))
     decode = load(os.path.join(bench_dir, "decode.json"))
     features = load(os.path.join(bench_dir, "feature_maps.json"))
+    backward = load(os.path.join(bench_dir, "backward.json"))
     causal_rows, decode_rows = [], []
     text = "## linattn benchmark results\n\n"
     for scalar in ("float", "double"):
         text += causal_section(causal, scalar, causal_rows)
+    text += half_section(causal)
+    for scalar in ("float", "double"):
+        text += backward_section(backward, scalar)
     for scalar in ("float", "double"):
         text += decode_section(decode, scalar, decode_rows)
     text += feature_section(features)

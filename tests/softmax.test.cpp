@@ -1,7 +1,8 @@
-// Softmax baselines against a naive double reference written here.
+// Softmax baselines (forward and backward) against naive double references written here.
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <limits>
+#include <linattn/gradients.hpp>
 #include <linattn/softmax.hpp>
 #include <vector>
 
@@ -164,4 +165,209 @@ TEMPLATE_TEST_CASE("softmax baselines reject bad input", "[softmax][errors]", fl
   CHECK(cache.tokens() == 0);
   CHECK_THROWS_AS(linattn::SoftmaxKVCache<T>(0, 3), linattn::Error);
   CHECK_THROWS_AS(linattn::SlidingWindowCache<T>(4, 3, 0), linattn::Error);
+}
+
+namespace {
+
+/// Reverse mode through the materialised N x N softmax, in double: P = softmax(s Q K^T) (masked
+/// when causal), dV = P^T dO, dP = dO V^T, dS_ij = P_ij (dP_ij - sum_l P_il dP_il) (the
+/// softmax Jacobian row by row), dQ = s dS K, dK = s dS^T Q.
+linattn::AttentionGradients<double> naive_softmax_backward(const Matrix<double>& q,
+                                                           const Matrix<double>& k,
+                                                           const Matrix<double>& v,
+                                                           const Matrix<double>& dout, bool causal,
+                                                           double scale) {
+  const Eigen::Index n = q.rows();
+  Matrix<double> p = scale * q * k.transpose();
+  for (Eigen::Index i = 0; i < n; ++i) {
+    const Eigen::Index visible = causal ? i + 1 : n;
+    p.row(i).tail(n - visible).setConstant(-std::numeric_limits<double>::infinity());
+    p.row(i) = (p.row(i).array() - p.row(i).maxCoeff()).exp().matrix();
+    p.row(i) /= p.row(i).sum();
+  }
+  const Matrix<double> dp = dout * v.transpose();
+  const Vector<double> row_dot = p.cwiseProduct(dp).rowwise().sum();
+  const Matrix<double> ds = p.cwiseProduct(dp.colwise() - row_dot);
+  return {scale * ds * k, scale * ds.transpose() * q, p.transpose() * dout};
+}
+
+/// sum(w .* softmax_attention(q, k, v)) in double: the scalar loss whose gradient the backward
+/// computes when grad_out = w.
+double weighted_output(const Matrix<double>& q, const Matrix<double>& k, const Matrix<double>& v,
+                       const Matrix<double>& w, bool causal, double scale) {
+  return linattn::softmax_attention(q, k, v, causal, scale).cwiseProduct(w).sum();
+}
+
+/// Each gradient entry sums up to N products and its dS term cancels (dP - D), so errors grow
+/// with N; measured at N = 700 both types land near 100 ulps of max|gradient| (float 4.1e-6,
+/// double 1.3e-14). The bounds are ~500 ulps in float and ~9000 in double, where the reference's
+/// own rounding is of the same order as the kernel's.
+template <class T>
+double backward_tolerance() {
+  return std::is_same_v<T, float> ? 3e-5 : 1e-12;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("softmax backward matches central finite differences", "[softmax][backward]",
+                   float, double) {
+  using T = TestType;
+  const Eigen::Index n = 9, dk = 5, dv = 3;
+  const Matrix<T> q = gaussian<T>(n, dk, 901), k = gaussian<T>(n, dk, 902);
+  const Matrix<T> v = gaussian<T>(n, dv, 903), dout = gaussian<T>(n, dv, 904);
+  // The finite differences see the same (rounded) inputs as the kernel, in double.
+  const Matrix<double> qd = q.template cast<double>(), kd = k.template cast<double>(),
+                       vd = v.template cast<double>(), wd = dout.template cast<double>();
+  const double h = 1e-5;  // truncation O(h^2) ~ 1e-10, rounding O(1e-16 / h) ~ 1e-11
+  for (const bool causal : {true, false}) {
+    for (const double scale : {-1.0, 0.7}) {
+      const double s = scale < 0 ? 1.0 / std::sqrt(double(dk)) : scale;
+      const linattn::AttentionGradients<T> grads =
+          linattn::softmax_attention_backward(q, k, v, dout, causal, scale);
+      // d loss / d x by central differences, one entry of one input at a time.
+      const auto numeric = [&](int which) {
+        Matrix<double> x[3] = {qd, kd, vd};
+        Matrix<double> grad(x[which].rows(), x[which].cols());
+        for (Eigen::Index r = 0; r < grad.rows(); ++r) {
+          for (Eigen::Index c = 0; c < grad.cols(); ++c) {
+            const double saved = x[which](r, c);
+            x[which](r, c) = saved + h;
+            const double up = weighted_output(x[0], x[1], x[2], wd, causal, s);
+            x[which](r, c) = saved - h;
+            const double down = weighted_output(x[0], x[1], x[2], wd, causal, s);
+            x[which](r, c) = saved;
+            grad(r, c) = (up - down) / (2 * h);
+          }
+        }
+        return grad;
+      };
+      INFO("causal = " << causal << ", scale = " << scale);
+      // Double: the differences themselves (~3e-10 measured). Float: the kernel's own rounding
+      // (1.0e-6 measured), not the differences, sets the error.
+      const double bound = std::is_same_v<T, float> ? 5e-6 : 1e-6;
+      CHECK(relative_error(grads.q, numeric(0)) <= bound);
+      CHECK(relative_error(grads.k, numeric(1)) <= bound);
+      CHECK(relative_error(grads.v, numeric(2)) <= bound);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("softmax backward matches reverse mode through the materialised softmax",
+                   "[softmax][backward]", float, double) {
+  using T = TestType;
+  const Eigen::Index dk = 12, dv = 7;                  // Dk != Dv
+  for (const Eigen::Index n : {1, 5, 64, 100, 700}) {  // one tile, tile edges, several tiles
+    const Matrix<T> q = gaussian<T>(n, dk, 1000 + n, 1.5), k = gaussian<T>(n, dk, 1100 + n, 1.5);
+    const Matrix<T> v = gaussian<T>(n, dv, 1200 + n), dout = gaussian<T>(n, dv, 1300 + n);
+    const Matrix<double> qd = q.template cast<double>(), kd = k.template cast<double>(),
+                         vd = v.template cast<double>(), dd = dout.template cast<double>();
+    for (const bool causal : {true, false}) {
+      for (const double scale : {-1.0, 0.7}) {
+        const double s = scale < 0 ? 1.0 / std::sqrt(double(dk)) : scale;
+        const linattn::AttentionGradients<double> expected =
+            naive_softmax_backward(qd, kd, vd, dd, causal, s);
+        const linattn::AttentionGradients<T> grads =
+            linattn::softmax_attention_backward(q, k, v, dout, causal, scale);
+        INFO("N = " << n << ", causal = " << causal << ", scale = " << scale);
+        CHECK(relative_error(grads.q, expected.q) <= backward_tolerance<T>());
+        CHECK(relative_error(grads.k, expected.k) <= backward_tolerance<T>());
+        CHECK(relative_error(grads.v, expected.v) <= backward_tolerance<T>());
+        // Softmax ignores a shift shared by all keys a query sees, so the key gradients sum
+        // to zero.
+        const double shift = grads.k.template cast<double>().colwise().sum().cwiseAbs().maxCoeff();
+        CHECK(shift <= backward_tolerance<T>() * std::max(1.0, expected.k.cwiseAbs().maxCoeff()));
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("softmax backward takes views and writes into strided outputs",
+                   "[softmax][backward]", float, double) {
+  using T = TestType;
+  const Eigen::Index n = 300, dk = 8, dv = 5;
+  const Matrix<T> q = gaussian<T>(n, dk, 1401), k = gaussian<T>(n, dk, 1402);
+  const Matrix<T> v = gaussian<T>(n, dv, 1403), dout = gaussian<T>(n, dv, 1404);
+  const linattn::AttentionGradients<T> plain =
+      linattn::softmax_attention_backward(q, k, v, dout, true);
+  // Column-major inputs, a block of a wider matrix, and outputs that are column blocks.
+  const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> q_col = q;
+  Matrix<T> wide = Matrix<T>::Zero(n, dv + 3);
+  wide.middleCols(2, dv) = dout;
+  Matrix<T> out(n, 2 * dk + dv + 1);
+  out.setConstant(T(7));
+  linattn::softmax_attention_backward_into(q_col, k, v, wide.middleCols(2, dv), true,
+                                           out.leftCols(dk), out.middleCols(dk, dk),
+                                           out.middleCols(2 * dk, dv));
+  // Same operations in the same order: identical bits.
+  CHECK(out.leftCols(dk) == plain.q);
+  CHECK(out.middleCols(dk, dk) == plain.k);
+  CHECK(out.middleCols(2 * dk, dv) == plain.v);
+  CHECK((out.rightCols(1).array() == T(7)).all());  // nothing written outside the outputs
+}
+
+TEMPLATE_TEST_CASE("softmax backward stays finite for large logits", "[softmax][backward]", float,
+                   double) {
+  using T = TestType;
+  const Eigen::Index n = 300;
+  const Matrix<T> q = gaussian<T>(n, 8, 1501, 30.0), k = gaussian<T>(n, 8, 1502, 30.0);
+  const Matrix<T> v = gaussian<T>(n, 4, 1503), dout = gaussian<T>(n, 4, 1504);
+  const linattn::AttentionGradients<T> grads =
+      linattn::softmax_attention_backward(q, k, v, dout, true);
+  REQUIRE(grads.q.allFinite());
+  REQUIRE(grads.k.allFinite());
+  REQUIRE(grads.v.allFinite());
+  const linattn::AttentionGradients<double> expected = naive_softmax_backward(
+      q.template cast<double>(), k.template cast<double>(), v.template cast<double>(),
+      dout.template cast<double>(), true, 1 / std::sqrt(8.0));
+  // Logits of several hundred carry an absolute error of ~1e-4 in float (~2e-13 in double),
+  // which P inherits: 4.4e-4 and 6.7e-13 measured.
+  const double bound = std::is_same_v<T, float> ? 2e-3 : 1e-11;
+  CHECK(relative_error(grads.q, expected.q) <= bound);
+  CHECK(relative_error(grads.k, expected.k) <= bound);
+  CHECK(relative_error(grads.v, expected.v) <= bound);
+}
+
+TEMPLATE_TEST_CASE("softmax backward rejects bad input", "[softmax][backward][errors]", float,
+                   double) {
+  using T = TestType;
+  using Catch::Matchers::Contains;
+  const Matrix<T> q = gaussian<T>(10, 4, 1601), k = gaussian<T>(10, 4, 1602),
+                  v = gaussian<T>(10, 3, 1603), dout = gaussian<T>(10, 3, 1604);
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k.topRows(9), v, dout, true),
+                    Contains("k is 9 x 4"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k.leftCols(3), v, dout, true),
+                    Contains("k is 10 x 3"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v.topRows(9), dout, false),
+                    Contains("v is 9 x 3"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout.topRows(9), true),
+                    Contains("grad_out is 9 x 3"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout.leftCols(2), true),
+                    Contains("grad_out is 10 x 2"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q.topRows(0), k.topRows(0), v.topRows(0),
+                                                        dout.topRows(0), true),
+                    Contains("q is empty"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout, true, std::nan("")),
+                    Contains("scale"));
+  Matrix<T> bad_dout = dout, bad_k = k;
+  bad_dout(4, 1) = std::numeric_limits<T>::quiet_NaN();
+  bad_k(3, 2) = -std::numeric_limits<T>::infinity();
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, bad_dout, true),
+                    Contains("grad_out has a non-finite value"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, bad_k, v, dout, true),
+                    Contains("row 3, column 2"));
+  // Wrong output shapes are named, and a failed call leaves every output as it was.
+  Matrix<T> gq = Matrix<T>::Constant(10, 4, T(5)), gk = gq, gv = Matrix<T>::Constant(10, 3, T(5));
+  Matrix<T> wrong(10, 3);
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, dout, true, wrong, gk, gv),
+                    Contains("grad_q is 10 x 3"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, dout, true, gq, wrong, gv),
+                    Contains("grad_k is 10 x 3"));
+  CHECK_THROWS_WITH(
+      linattn::softmax_attention_backward_into(q, k, v, dout, true, gq, gk, gq.topRows(9)),
+      Contains("grad_v is 9 x 4"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, bad_dout, true, gq, gk, gv),
+                    Contains("grad_out has a non-finite value"));
+  CHECK((gq.array() == T(5)).all());
+  CHECK((gk.array() == T(5)).all());
+  CHECK((gv.array() == T(5)).all());
 }

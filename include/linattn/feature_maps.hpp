@@ -32,14 +32,34 @@ struct EluPlusOne {
     return map(x);
   }
 
+  /// Carries a gradient through the map (queries and keys alike): d phi / d x is 1 for x > 0
+  /// and exp(x) otherwise.
+  /// @param x         N x Dk inputs the features were computed from
+  /// @param grad_phi  N x Dk gradient of the loss with respect to phi(x)
+  /// @return          N x Dk gradient with respect to x
+  template <class DX, class DG>
+  Matrix<typename DX::Scalar> backward(const Eigen::MatrixBase<DX>& x,
+                                       const Eigen::MatrixBase<DG>& grad_phi) const {
+    using Scalar = typename DX::Scalar;
+    detail::require_same_shape(x, grad_phi, "EluPlusOne::backward");
+    Matrix<Scalar> grad = x;
+    grad = grad_phi.array() * grad.array().min(Scalar(0)).exp();
+    return grad;
+  }
+
  private:
   template <class Derived>
   static Matrix<typename Derived::Scalar> map(const Eigen::MatrixBase<Derived>& x) {
     using Scalar = typename Derived::Scalar;
-    // max(x, 0) + exp(min(x, 0)) is elu(x) + 1 exactly, and vectorises where select does not.
-    Matrix<Scalar> phi = x;
-    phi = phi.array().max(Scalar(0)) + phi.array().min(Scalar(0)).exp();
-    return phi;
+    if constexpr (detail::is_half_scalar<Scalar>) {
+      // Computed in float and rounded once (16-bit arithmetic is emulated anyway).
+      return map(x.template cast<float>()).template cast<Scalar>();
+    } else {
+      // max(x, 0) + exp(min(x, 0)) is elu(x) + 1 exactly, and vectorises where select does not.
+      Matrix<Scalar> phi = x;
+      phi = phi.array().max(Scalar(0)) + phi.array().min(Scalar(0)).exp();
+      return phi;
+    }
   }
 };
 
@@ -61,6 +81,18 @@ struct Relu {
   template <class Derived>
   Matrix<typename Derived::Scalar> keys(const Eigen::MatrixBase<Derived>& x) const {
     return x.cwiseMax(typename Derived::Scalar(0));
+  }
+
+  /// Carries a gradient through the map: d phi / d x is 1 for x > 0 and 0 otherwise.
+  /// @param x         N x Dk inputs the features were computed from
+  /// @param grad_phi  N x Dk gradient of the loss with respect to phi(x)
+  /// @return          N x Dk gradient with respect to x
+  template <class DX, class DG>
+  Matrix<typename DX::Scalar> backward(const Eigen::MatrixBase<DX>& x,
+                                       const Eigen::MatrixBase<DG>& grad_phi) const {
+    using Scalar = typename DX::Scalar;
+    detail::require_same_shape(x, grad_phi, "Relu::backward");
+    return (x.array() > Scalar(0)).select(grad_phi, Scalar(0));
   }
 };
 
@@ -250,24 +282,70 @@ class PositiveRandomFeatures {
   Matrix<typename Derived::Scalar> scaled_features(const Eigen::MatrixBase<Derived>& x,
                                                    Vector<double>& log_scale) const {
     using Scalar = typename Derived::Scalar;
-    Matrix<Scalar> phi;
-    if constexpr (std::is_same_v<Scalar, float>) {
-      // Float logits are exact enough while they are small; past kFloatLogitLimit their
-      // rounding (~1e-5 relative in the features at exponents near 200) would also differ
-      // between a chunk's GEMM and a single token's GEMV, so those inputs go through double.
-      Matrix<float> logits;
-      Vector<float> half_sq;
-      projection_.project<float>(x, logits, half_sq, "PositiveRandomFeatures");
-      if (logits.cwiseAbs().maxCoeff() <= kFloatLogitLimit) {
-        exponentiate(logits, half_sq, phi, log_scale);
-        return phi;
+    if constexpr (detail::is_half_scalar<Scalar>) {
+      // Computed in float, rounded once: the entries are in (0, 1], so only the tiniest
+      // underflow, and the scale stays in double.
+      return scaled_features(x.template cast<float>(), log_scale).template cast<Scalar>();
+    } else {
+      Matrix<Scalar> phi;
+      if constexpr (std::is_same_v<Scalar, float>) {
+        // Float logits are exact enough while they are small; past kFloatLogitLimit their
+        // rounding (~1e-5 relative in the features at exponents near 200) would also differ
+        // between a chunk's GEMM and a single token's GEMV, so those inputs go through double.
+        Matrix<float> logits;
+        Vector<float> half_sq;
+        projection_.project<float>(x, logits, half_sq, "PositiveRandomFeatures");
+        if (logits.cwiseAbs().maxCoeff() <= kFloatLogitLimit) {
+          exponentiate(logits, half_sq, phi, log_scale);
+          return phi;
+        }
+      }
+      Matrix<double> logits;
+      Vector<double> half_sq;
+      projection_.project<double>(x, logits, half_sq, "PositiveRandomFeatures");
+      exponentiate(logits, half_sq, phi, log_scale);
+      return phi;
+    }
+  }
+
+  /// Carries a gradient through the map for fixed W (queries and keys alike):
+  /// d loss / d u = (grad_phi o phi) W - u sum(grad_phi o phi) (hyperbolic: the second half of
+  /// the features enters with -W), then d loss / d x = sqrt(tau) d loss / d u. The products
+  /// grad_phi o phi are formed from the scaled features, so they overflow only if they are
+  /// themselves out of range.
+  /// @param x         N x Dk inputs the features were computed from
+  /// @param grad_phi  N x C gradient of the loss with respect to phi(x)
+  /// @return          N x Dk gradient with respect to x
+  template <class DX, class DG>
+  Matrix<typename DX::Scalar> backward(const Eigen::MatrixBase<DX>& x,
+                                       const Eigen::MatrixBase<DG>& grad_phi) const {
+    using Scalar = typename DX::Scalar;
+    const Eigen::Index m = projection_.num_features();
+    const bool hyperbolic = projection_.options().hyperbolic;
+    detail::require_backward_shape(x, grad_phi, hyperbolic ? 2 * m : m,
+                                   "PositiveRandomFeatures::backward");
+    Vector<double> log_scale;
+    const Matrix<Scalar> scaled = scaled_features(x, log_scale);
+    Matrix<Scalar> weighted(x.rows(), m);
+    Vector<Scalar> total(x.rows());
+    for (Eigen::Index r = 0; r < x.rows(); ++r) {
+      const Eigen::Array<double, 1, Eigen::Dynamic> product =
+          grad_phi.row(r).template cast<double>().array() *
+          scaled.row(r).template cast<double>().array() * std::exp(log_scale(r));
+      total(r) = static_cast<Scalar>(product.sum());
+      if (hyperbolic) {
+        weighted.row(r) = (product.head(m) - product.tail(m)).template cast<Scalar>();
+      } else {
+        weighted.row(r) = product.template cast<Scalar>();
       }
     }
-    Matrix<double> logits;
-    Vector<double> half_sq;
-    projection_.project<double>(x, logits, half_sq, "PositiveRandomFeatures");
-    exponentiate(logits, half_sq, phi, log_scale);
-    return phi;
+    const Scalar root_tau = static_cast<Scalar>(std::sqrt(projection_.temperature()));
+    Matrix<Scalar> grad(x.rows(), x.cols());
+    grad.noalias() = weighted * projection_.weights<Scalar>();
+    // u = sqrt(tau) x, so the |u|^2 / 2 term gives -u sum(grad_phi o phi) = -sqrt(tau) x total.
+    grad -= (x.array().colwise() * (total.array() * root_tau)).matrix();
+    grad *= root_tau;
+    return grad;
   }
 
   /// W, m x Dk, in double.
@@ -287,12 +365,18 @@ class PositiveRandomFeatures {
   template <class Derived>
   Matrix<typename Derived::Scalar> unscaled(const Eigen::MatrixBase<Derived>& x) const {
     using Scalar = typename Derived::Scalar;
-    Vector<double> log_scale;
-    Matrix<Scalar> phi = scaled_features(x, log_scale);
-    for (Eigen::Index r = 0; r < phi.rows(); ++r) {
-      phi.row(r) *= static_cast<Scalar>(std::exp(log_scale(r)));
+    if constexpr (detail::is_half_scalar<Scalar>) {
+      // Scaled in float, so only values past the 16-bit range become Inf (not a product
+      // of an underflowed feature and an overflowed scale).
+      return unscaled(x.template cast<float>()).template cast<Scalar>();
+    } else {
+      Vector<double> log_scale;
+      Matrix<Scalar> phi = scaled_features(x, log_scale);
+      for (Eigen::Index r = 0; r < phi.rows(); ++r) {
+        phi.row(r) *= static_cast<Scalar>(std::exp(log_scale(r)));
+      }
+      return phi;
     }
-    return phi;
   }
 
   /// phi rows = exp(logits - row max) (hyperbolic: also exp(-logits - row max)), and the log
@@ -357,6 +441,29 @@ class RandomFourierFeatures {
     return map(x);
   }
 
+  /// Carries a gradient through the map for fixed W (queries and keys alike):
+  /// d loss / d x = sqrt(tau) ((g_sin o cos(W u) - g_cos o sin(W u)) / sqrt(m)) W.
+  /// @param x         N x Dk inputs the features were computed from
+  /// @param grad_phi  N x 2m gradient of the loss with respect to phi(x)
+  /// @return          N x Dk gradient with respect to x
+  template <class DX, class DG>
+  Matrix<typename DX::Scalar> backward(const Eigen::MatrixBase<DX>& x,
+                                       const Eigen::MatrixBase<DG>& grad_phi) const {
+    using Scalar = typename DX::Scalar;
+    const Eigen::Index m = projection_.num_features();
+    detail::require_backward_shape(x, grad_phi, 2 * m, "RandomFourierFeatures::backward");
+    Matrix<Scalar> logits;
+    Vector<Scalar> half_sq;
+    projection_.project<Scalar>(x, logits, half_sq, "RandomFourierFeatures::backward");
+    const Scalar norm = Scalar(1) / std::sqrt(static_cast<Scalar>(m));
+    const Matrix<Scalar> weighted = norm * (grad_phi.leftCols(m).array() * logits.array().cos() -
+                                            grad_phi.rightCols(m).array() * logits.array().sin());
+    Matrix<Scalar> grad(x.rows(), x.cols());
+    grad.noalias() = weighted * projection_.weights<Scalar>();
+    grad *= static_cast<Scalar>(std::sqrt(projection_.temperature()));
+    return grad;
+  }
+
   /// W, m x Dk, in double.
   const Matrix<double>& projection() const { return projection_.matrix(); }
   /// tau: E[phi(q) . phi(k)] = exp(-tau |q - k|^2 / 2).
@@ -374,15 +481,19 @@ class RandomFourierFeatures {
   template <class Derived>
   Matrix<typename Derived::Scalar> map(const Eigen::MatrixBase<Derived>& x) const {
     using Scalar = typename Derived::Scalar;
-    Matrix<Scalar> logits;
-    Vector<Scalar> half_sq;
-    projection_.project<Scalar>(x, logits, half_sq, "RandomFourierFeatures");
-    const Eigen::Index m = logits.cols();
-    const Scalar norm = Scalar(1) / std::sqrt(static_cast<Scalar>(m));
-    Matrix<Scalar> phi(logits.rows(), 2 * m);
-    phi.leftCols(m) = norm * logits.array().sin();
-    phi.rightCols(m) = norm * logits.array().cos();
-    return phi;
+    if constexpr (detail::is_half_scalar<Scalar>) {
+      return map(x.template cast<float>()).template cast<Scalar>();  // in float, rounded once
+    } else {
+      Matrix<Scalar> logits;
+      Vector<Scalar> half_sq;
+      projection_.project<Scalar>(x, logits, half_sq, "RandomFourierFeatures");
+      const Eigen::Index m = logits.cols();
+      const Scalar norm = Scalar(1) / std::sqrt(static_cast<Scalar>(m));
+      Matrix<Scalar> phi(logits.rows(), 2 * m);
+      phi.leftCols(m) = norm * logits.array().sin();
+      phi.rightCols(m) = norm * logits.array().cos();
+      return phi;
+    }
   }
 
   detail::RandomProjection projection_;

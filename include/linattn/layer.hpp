@@ -17,10 +17,12 @@ namespace linattn {
 /// both forms): `forward` is the parallel form, for training and prompts; `prefill` and `step`
 /// are the recurrent form over a RecurrentStateBatch, for decoding. Both give the same outputs.
 /// The projections around attention (W_q, W_k, W_v, W_o) stay with the caller's model.
-/// @tparam T    float or double, the type of q, k, v and the outputs
+/// @tparam T    float, double, Eigen::half or Eigen::bfloat16: the type of q, k, v and the
+///              outputs
 /// @tparam Map  feature map type (EluPlusOne, Relu, PositiveRandomFeatures, ...)
-/// @tparam Acc  accumulation type of the sums and states (default T)
-template <class T, class Map, class Acc = T>
+/// @tparam Acc  accumulation type of the sums and states, float or double (default T, or float
+///              for the 16-bit types)
+template <class T, class Map, class Acc = detail::default_accumulator_t<T>>
 class LinearAttentionLayer {
   static_assert(detail::is_feature_map<Map>::value, "LinearAttentionLayer needs a feature map");
 

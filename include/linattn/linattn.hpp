@@ -2,8 +2,10 @@
 // linattn: header-only linear-attention kernels on Eigen 3.4. The umbrella header.
 #pragma once
 
+#include <linattn/backward.hpp>
 #include <linattn/config.hpp>
 #include <linattn/feature_maps.hpp>
+#include <linattn/gradients.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/layer.hpp>
 #include <linattn/linear_attention.hpp>

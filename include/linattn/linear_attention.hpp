@@ -13,6 +13,14 @@
 /// state and the sums: `causal_linear_attention<double>(q_float, k_float, v_float, map)` keeps
 /// float inputs and outputs but accumulates in double (at the double rate), for very long
 /// sequences. It defaults to the input type.
+///
+/// Inputs may also be Eigen::half or Eigen::bfloat16 (matrices, maps or expressions of them):
+/// each chunk is converted to the accumulation type as it is read (float by default, double
+/// on request; never the 16-bit type), feature maps run on the converted chunk, and each
+/// output is rounded to the input type once. The result is the float routine's result on the
+/// same inputs rounded to 16 bits (within half an ulp of it); nothing is summed in 16 bits,
+/// so the error does not grow with the sequence. Build with F16C (-mf16c, -march=native) for
+/// fast half conversions; the other conversions are plain loops the compiler vectorises.
 namespace linattn {
 
 namespace detail {
@@ -25,17 +33,19 @@ using enable_if_same_scalar =
 template <class Map>
 using enable_if_feature_map = std::enable_if_t<is_feature_map<Map>::value>;
 
-/// The accumulation type: Acc, or the input scalar when Acc is void.
+/// The accumulation type: Acc, or when Acc is void the input scalar (float for 16-bit inputs).
 template <class Acc, class Scalar>
-using accumulator_t = std::conditional_t<std::is_void_v<Acc>, Scalar, Acc>;
+using accumulator_t = std::conditional_t<std::is_void_v<Acc>, default_accumulator_t<Scalar>, Acc>;
 
 /// Runs the causal or non-causal kernel over `source` from an empty state into `out`, with
 /// the state and every sum in Acc, on up to Options::threads threads.
 template <class Acc, class Source, class OutRef>
 void run_attention(const Source& source, OutRef out, const Options& options, bool causal) {
   using Scalar = accumulator_t<Acc, typename Source::Scalar>;
-  static_assert(is_supported_scalar<typename Source::Scalar> && is_supported_scalar<Scalar>,
-                "linattn kernels take float or double inputs and accumulators");
+  static_assert(is_input_scalar<typename Source::Scalar>,
+                "linattn kernels take float, double, Eigen::half or Eigen::bfloat16 inputs");
+  static_assert(is_supported_scalar<Scalar>,
+                "linattn kernels accumulate in float or double (Acc = float or double)");
   CarriedState<Scalar> state(source.feature_dim(), source.value_dim());
   const int threads = resolve_threads(options);
   const SerialEigenScope serial_eigen;

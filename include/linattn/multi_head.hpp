@@ -178,8 +178,10 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
                             const std::vector<std::int64_t>* offsets, const Options& options,
                             bool causal, const char* where) {
   using Scalar = accumulator_t<Acc, O>;
-  static_assert(is_supported_scalar<O> && is_supported_scalar<Scalar>,
-                "linattn kernels take float or double inputs and accumulators");
+  static_assert(is_input_scalar<O>,
+                "linattn kernels take float, double, Eigen::half or Eigen::bfloat16 inputs");
+  static_assert(is_supported_scalar<Scalar>,
+                "linattn kernels accumulate in float or double (Acc = float or double)");
   const bool featurized = map == nullptr;
   const char* q_name = featurized ? "phi_q" : "q";
   const char* k_name = featurized ? "phi_k" : "k";

@@ -10,6 +10,7 @@
 #include <limits>
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
+#include <linattn/detail/convert.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
 #include <linattn/detail/stream.hpp>
@@ -36,10 +37,23 @@ class RecurrentStateBatch;
 /// Acc is the type of the state and of every sum (default T): RecurrentState<float, double>
 /// takes and returns float but accumulates in double, for sequences long enough that float
 /// sums lose digits (a million tokens and more).
-template <class T, class Acc = T>
+///
+/// T may also be Eigen::half or Eigen::bfloat16: inputs and outputs in the 16-bit type, the
+/// state and every sum in Acc, which then defaults to float (RecurrentState<Eigen::half> is
+/// RecurrentState<Eigen::half, float>; ask for double with RecurrentState<Eigen::half, double>).
+/// A 16-bit state is never allowed: its sums would stop growing after a few thousand tokens.
+///
+/// save() records the accumulation type, not T: the stream of a RecurrentState<Eigen::half>
+/// loads as any RecurrentState<T, float> (the sums are the same float sums whatever type the
+/// tokens came in), while a state accumulating in double refuses it.
+template <class T, class Acc = detail::default_accumulator_t<T>>
 class RecurrentState {
-  static_assert(detail::is_supported_scalar<T> && detail::is_supported_scalar<Acc>,
-                "RecurrentState<T, Acc> takes float or double");
+  static_assert(detail::is_input_scalar<T>,
+                "RecurrentState<T, Acc> takes float, double, Eigen::half or Eigen::bfloat16 "
+                "inputs (T)");
+  static_assert(detail::is_supported_scalar<Acc>,
+                "RecurrentState<T, Acc> accumulates in float or double: for 16-bit inputs "
+                "write RecurrentState<Eigen::half, float> (or bfloat16, or double)");
 
  public:
   /// @param feature_dim  C, the width of phi(q) and phi(k)
@@ -357,9 +371,9 @@ class RecurrentState {
       detail::require_finite(phi_k, where, k_name);
       detail::require_finite(v, where, "v");
     }
-    query_ = phi_q.reshaped().template cast<Acc>();
-    key_ = phi_k.reshaped().template cast<Acc>();
-    value_ = v.reshaped().template cast<Acc>();
+    detail::load_vector(phi_q, query_);
+    detail::load_vector(phi_k, key_);
+    detail::load_vector(v, value_);
   }
 
   /// The recurrence for the token in the workspace: S and z rescaled if the scale moves, then
@@ -370,7 +384,11 @@ class RecurrentState {
       advance_in_accumulator(log_q, log_k, scaled, out);
     } else {
       advance_in_accumulator(log_q, log_k, scaled, output_);
-      out = output_.template cast<T>();
+      if constexpr (detail::is_half_scalar<T>) {
+        detail::convert(output_.data(), out.data(), output_.size());
+      } else {
+        out = output_.template cast<T>();
+      }
     }
   }
 

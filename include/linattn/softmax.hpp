@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Softmax attention baselines: tiled (online softmax), materialised, sliding window, and the
-// decoding caches. The same rows-are-tokens convention as the linear routines.
+// Softmax attention baselines: tiled (online softmax), materialised, sliding window, the
+// decoding caches, and the tiled backward. The same rows-are-tokens convention as the linear
+// routines.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/openmp.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/gradients.hpp>
 #include <string>
 #include <type_traits>
 
@@ -56,61 +58,179 @@ class TiledSoftmax {
   void run(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
            const Eigen::MatrixBase<DV>& v, T scale, bool causal, Eigen::Index window, OutRef out) {
     const Eigen::Index n = q.rows();
-    const T minus_inf = -std::numeric_limits<T>::infinity();
     for (Eigen::Index qb = 0; qb < n; qb += kQueryTile) {
       const Eigen::Index qlen = std::min(kQueryTile, n - qb);
-      Eigen::Ref<Matrix<T>> queries = q_.topRows(qlen);
-      queries = q.middleRows(qb, qlen) * scale;  // fold the scale into q once
-      Eigen::Ref<Matrix<T>> acc = acc_.topRows(qlen);
-      acc.setZero();
-      row_max_.head(qlen).setConstant(minus_inf);
-      row_sum_.head(qlen).setZero();
-      // Keys visible to this tile: [first, last).
-      const Eigen::Index last = causal ? qb + qlen : n;
-      const Eigen::Index first =
-          (causal && window > 0) ? std::max<Eigen::Index>(0, qb - window + 1) : 0;
-      for (Eigen::Index kb = first; kb < last; kb += kKeyTile) {
-        const Eigen::Index klen = std::min(kKeyTile, last - kb);
-        k_.topRows(klen) = k.middleRows(kb, klen);
-        v_.topRows(klen) = v.middleRows(kb, klen);
-        Eigen::Ref<Matrix<T>> scores = scores_.topLeftCorner(qlen, klen);
-        scores.noalias() = queries * k_.topRows(klen).transpose();
-        // Mask keys outside [i - window + 1, i] where the tile straddles an edge.
-        if (causal) {
-          const bool crosses_diagonal = kb + klen > qb;
-          const bool crosses_window = window > 0 && kb < qb + qlen - window;
-          if (crosses_diagonal || crosses_window) {
-            for (Eigen::Index r = 0; r < qlen; ++r) {
-              const Eigen::Index i = qb + r;
-              for (Eigen::Index c = 0; c < klen; ++c) {
-                const Eigen::Index j = kb + c;
-                if (j > i || (window > 0 && j <= i - window)) scores(r, c) = minus_inf;
-              }
+      attend(q, k, v, scale, causal, window, qb, qlen);
+      for (Eigen::Index r = 0; r < qlen; ++r) out.row(qb + r) = acc_.row(r) / row_sum_(r);
+    }
+  }
+
+  /// Query rows [qb, qb + qlen), qlen <= kQueryTile, against every key they see. Leaves, in
+  /// the first qlen rows, the unnormalised output in acc(), the running maximum of the scaled
+  /// logits in row_max() and the sum of exp(logit - row_max) in row_sum(); the output is
+  /// acc / row_sum and the logsumexp row_max + log(row_sum).
+  template <class DQ, class DK, class DV>
+  void attend(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+              const Eigen::MatrixBase<DV>& v, T scale, bool causal, Eigen::Index window,
+              Eigen::Index qb, Eigen::Index qlen) {
+    const Eigen::Index n = q.rows();
+    const T minus_inf = -std::numeric_limits<T>::infinity();
+    Eigen::Ref<Matrix<T>> queries = q_.topRows(qlen);
+    queries = q.middleRows(qb, qlen) * scale;  // fold the scale into q once
+    Eigen::Ref<Matrix<T>> acc = acc_.topRows(qlen);
+    acc.setZero();
+    row_max_.head(qlen).setConstant(minus_inf);
+    row_sum_.head(qlen).setZero();
+    // Keys visible to this tile: [first, last).
+    const Eigen::Index last = causal ? qb + qlen : n;
+    const Eigen::Index first =
+        (causal && window > 0) ? std::max<Eigen::Index>(0, qb - window + 1) : 0;
+    for (Eigen::Index kb = first; kb < last; kb += kKeyTile) {
+      const Eigen::Index klen = std::min(kKeyTile, last - kb);
+      k_.topRows(klen) = k.middleRows(kb, klen);
+      v_.topRows(klen) = v.middleRows(kb, klen);
+      Eigen::Ref<Matrix<T>> scores = scores_.topLeftCorner(qlen, klen);
+      scores.noalias() = queries * k_.topRows(klen).transpose();
+      // Mask keys outside [i - window + 1, i] where the tile straddles an edge.
+      if (causal) {
+        const bool crosses_diagonal = kb + klen > qb;
+        const bool crosses_window = window > 0 && kb < qb + qlen - window;
+        if (crosses_diagonal || crosses_window) {
+          for (Eigen::Index r = 0; r < qlen; ++r) {
+            const Eigen::Index i = qb + r;
+            for (Eigen::Index c = 0; c < klen; ++c) {
+              const Eigen::Index j = kb + c;
+              if (j > i || (window > 0 && j <= i - window)) scores(r, c) = minus_inf;
             }
           }
         }
-        for (Eigen::Index r = 0; r < qlen; ++r) {
-          const T tile_max = scores.row(r).maxCoeff();
-          const T new_max = std::max(row_max_(r), tile_max);
-          if (new_max == minus_inf) {  // nothing visible to this query yet
-            scores.row(r).setZero();
-            continue;
-          }
-          const T rescale = std::exp(row_max_(r) - new_max);
-          scores.row(r) = (scores.row(r).array() - new_max).exp().matrix();
-          row_sum_(r) = row_sum_(r) * rescale + scores.row(r).sum();
-          acc.row(r) *= rescale;
-          row_max_(r) = new_max;
-        }
-        acc.noalias() += scores * v_.topRows(klen);
       }
-      for (Eigen::Index r = 0; r < qlen; ++r) out.row(qb + r) = acc.row(r) / row_sum_(r);
+      for (Eigen::Index r = 0; r < qlen; ++r) {
+        const T tile_max = scores.row(r).maxCoeff();
+        const T new_max = std::max(row_max_(r), tile_max);
+        if (new_max == minus_inf) {  // nothing visible to this query yet
+          scores.row(r).setZero();
+          continue;
+        }
+        const T rescale = std::exp(row_max_(r) - new_max);
+        scores.row(r) = (scores.row(r).array() - new_max).exp().matrix();
+        row_sum_(r) = row_sum_(r) * rescale + scores.row(r).sum();
+        acc.row(r) *= rescale;
+        row_max_(r) = new_max;
+      }
+      acc.noalias() += scores * v_.topRows(klen);
     }
   }
+
+  /// kQueryTile x Dv; see attend.
+  const Matrix<T>& acc() const { return acc_; }
+  /// kQueryTile; see attend.
+  const Vector<T>& row_max() const { return row_max_; }
+  /// kQueryTile; see attend.
+  const Vector<T>& row_sum() const { return row_sum_; }
 
  private:
   Matrix<T> q_, k_, v_, scores_, acc_;
   Vector<T> row_max_, row_sum_;
+};
+
+/// The FlashAttention-2 backward on the CPU: the same tiles, never an N x N buffer. A first
+/// sweep recomputes each row's logsumexp L_i and D_i = dO_i . O_i (O itself is not kept: O(N)
+/// extra memory); then every visible (key tile, query tile) pair rebuilds P = exp(S - L) and
+/// adds its share to all three gradients with five tile GEMMs.
+template <class T>
+class TiledSoftmaxBackward {
+ public:
+  static constexpr Eigen::Index kQueryTile = 64;
+  static constexpr Eigen::Index kKeyTile = 256;
+
+  TiledSoftmaxBackward(Eigen::Index n, Eigen::Index key_dim, Eigen::Index value_dim)
+      : forward_(key_dim, value_dim),
+        lse_(n),
+        delta_(n),
+        q_(kQueryTile, key_dim),
+        dout_(kQueryTile, value_dim),
+        k_(kKeyTile, key_dim),
+        v_(kKeyTile, value_dim),
+        p_(kQueryTile, kKeyTile),
+        ds_(kQueryTile, kKeyTile),
+        dk_(kKeyTile, key_dim),
+        dv_(kKeyTile, value_dim) {}
+
+  /// Writes every row of grad_q, grad_k (N x Dk) and grad_v (N x Dv); they may not alias the
+  /// inputs.
+  template <class DQ, class DK, class DV, class DO>
+  void run(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+           const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& dout, T scale, bool causal,
+           Eigen::Ref<Matrix<T>> grad_q, Eigen::Ref<Matrix<T>> grad_k,
+           Eigen::Ref<Matrix<T>> grad_v) {
+    const Eigen::Index n = q.rows();
+    const T minus_inf = -std::numeric_limits<T>::infinity();
+    statistics(q, k, v, dout, scale, causal);
+    grad_q.setZero();
+    // Key tiles outside, so dK_j and dV_j stay in a tile buffer; dQ_i accumulates in place.
+    for (Eigen::Index kb = 0; kb < n; kb += kKeyTile) {
+      const Eigen::Index klen = std::min(kKeyTile, n - kb);
+      // The scale goes on the keys: S = Q (sK)^T and dQ = dS (sK) take it for free, and dK =
+      // s dS^T Q takes it once per key tile instead of once per pair.
+      k_.topRows(klen) = k.middleRows(kb, klen) * scale;
+      v_.topRows(klen) = v.middleRows(kb, klen);
+      dk_.topRows(klen).setZero();
+      dv_.topRows(klen).setZero();
+      const Eigen::Index first = causal ? kb / kQueryTile * kQueryTile : 0;
+      for (Eigen::Index qb = first; qb < n; qb += kQueryTile) {
+        const Eigen::Index qlen = std::min(kQueryTile, n - qb);
+        // Causal: keys after this tile's last query are masked in every row, so they are left
+        // out of the products rather than computed and zeroed.
+        const Eigen::Index kcols = causal ? std::min(klen, qb + qlen - kb) : klen;
+        Eigen::Ref<Matrix<T>> queries = q_.topRows(qlen);
+        Eigen::Ref<Matrix<T>> douts = dout_.topRows(qlen);
+        queries = q.middleRows(qb, qlen);
+        douts = dout.middleRows(qb, qlen);
+        const Eigen::Ref<const Matrix<T>> keys = k_.topRows(kcols);
+        const Eigen::Ref<const Matrix<T>> values = v_.topRows(kcols);
+        Eigen::Ref<Matrix<T>> p = p_.topLeftCorner(qlen, kcols);
+        Eigen::Ref<Matrix<T>> ds = ds_.topLeftCorner(qlen, kcols);
+        p.noalias() = queries * keys.transpose();
+        if (causal && kb + kcols - 1 > qb) {  // the tile crosses the diagonal
+          for (Eigen::Index r = 0; r < qlen; ++r) {
+            const Eigen::Index visible = std::clamp<Eigen::Index>(qb + r - kb + 1, 0, kcols);
+            p.row(r).tail(kcols - visible).setConstant(minus_inf);
+          }
+        }
+        p = (p.array().colwise() - lse_.segment(qb, qlen).array()).exp().matrix();
+        dv_.topRows(kcols).noalias() += p.transpose() * douts;
+        ds.noalias() = douts * values.transpose();  // dP
+        ds = (p.array() * (ds.array().colwise() - delta_.segment(qb, qlen).array())).matrix();
+        grad_q.middleRows(qb, qlen).noalias() += ds * keys;
+        dk_.topRows(kcols).noalias() += ds.transpose() * queries;
+      }
+      grad_k.middleRows(kb, klen) = dk_.topRows(klen) * scale;
+      grad_v.middleRows(kb, klen) = dv_.topRows(klen);
+    }
+  }
+
+ private:
+  /// L_i = log sum_j exp(S_ij) and D_i = dO_i . O_i for every row, one query tile at a time.
+  template <class DQ, class DK, class DV, class DO>
+  void statistics(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                  const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& dout, T scale,
+                  bool causal) {
+    const Eigen::Index n = q.rows();
+    for (Eigen::Index qb = 0; qb < n; qb += TiledSoftmax<T>::kQueryTile) {
+      const Eigen::Index qlen = std::min(TiledSoftmax<T>::kQueryTile, n - qb);
+      forward_.attend(q, k, v, scale, causal, 0, qb, qlen);
+      for (Eigen::Index r = 0; r < qlen; ++r) {
+        const T sum = forward_.row_sum()(r);
+        lse_(qb + r) = forward_.row_max()(r) + std::log(sum);
+        delta_(qb + r) = dout.row(qb + r).dot(forward_.acc().row(r)) / sum;
+      }
+    }
+  }
+
+  TiledSoftmax<T> forward_;
+  Vector<T> lse_, delta_;                          // N
+  Matrix<T> q_, dout_, k_, v_, p_, ds_, dk_, dv_;  // tiles
 };
 
 }  // namespace detail
@@ -147,6 +267,72 @@ Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& q,
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
   softmax_attention_into(q, k, v, causal, out, scale);
   return out;
+}
+
+/// Gradients of softmax_attention: given dO = d loss / d out, writes d loss / d q, k and v. The
+/// FlashAttention-2 algorithm on tiles (Eigen GEMMs, one thread): it recomputes the softmax
+/// statistics rather than taking them from the forward, and allocates O(N + tile * (tile + Dk
+/// + Dv)), never an N x N buffer. Causal mode skips the tiles above the diagonal.
+/// @param q         N x Dk queries
+/// @param k         N x Dk keys
+/// @param v         N x Dv values
+/// @param grad_out  N x Dv gradient of the loss with respect to the attention output
+/// @param causal    query i sees keys j <= i (as in the forward)
+/// @param grad_q    N x Dk result, d loss / d q (may not alias the inputs)
+/// @param grad_k    N x Dk result, d loss / d k
+/// @param grad_v    N x Dv result, d loss / d v
+/// @param scale     multiplies q . k; negative means 1/sqrt(Dk)
+template <class DQ, class DK, class DV, class DO>
+void softmax_attention_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                     const Eigen::MatrixBase<DV>& v,
+                                     const Eigen::MatrixBase<DO>& grad_out, bool causal,
+                                     Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q,
+                                     Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
+                                     Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v,
+                                     double scale = -1) {
+  using T = typename DQ::Scalar;
+  static_assert(detail::is_supported_scalar<T>, "linattn kernels take float or double inputs");
+  constexpr const char* where = "softmax_attention_backward";
+  detail::validate_softmax_inputs(q, k, v, where);
+  if (grad_out.rows() != q.rows() || grad_out.cols() != v.cols()) {
+    throw Error(std::string(where) + ": grad_out is " + detail::shape_string(grad_out) +
+                " but the attention output is " + detail::shape_string(q.rows(), v.cols()));
+  }
+  detail::require_finite(grad_out, where, "grad_out");
+  const auto require_shape = [&](const Eigen::Ref<Matrix<T>>& out, Eigen::Index cols,
+                                 const char* name) {
+    if (out.rows() != q.rows() || out.cols() != cols) {
+      throw Error(std::string(where) + ": " + name + " is " +
+                  detail::shape_string(out.rows(), out.cols()) + " but the gradient is " +
+                  detail::shape_string(q.rows(), cols));
+    }
+  };
+  require_shape(grad_q, q.cols(), "grad_q");
+  require_shape(grad_k, k.cols(), "grad_k");
+  require_shape(grad_v, v.cols(), "grad_v");
+  const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
+  const detail::SerialEigenScope serial_eigen;  // a single-thread baseline, also under OpenMP
+  detail::TiledSoftmaxBackward<T>(q.rows(), q.cols(), v.cols())
+      .run(q, k, v, grad_out, s, causal, grad_q, grad_k, grad_v);
+}
+
+/// Gradients of softmax_attention; returns {d q (N x Dk), d k (N x Dk), d v (N x Dv)}. See
+/// softmax_attention_backward_into.
+/// @param q         N x Dk queries
+/// @param k         N x Dk keys
+/// @param v         N x Dv values
+/// @param grad_out  N x Dv gradient of the loss with respect to the attention output
+/// @param causal    query i sees keys j <= i
+/// @param scale     multiplies q . k; negative means 1/sqrt(Dk)
+template <class DQ, class DK, class DV, class DO>
+AttentionGradients<typename DQ::Scalar> softmax_attention_backward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DO>& grad_out, bool causal, double scale = -1) {
+  using T = typename DQ::Scalar;
+  AttentionGradients<T> grads{Matrix<T>(q.rows(), q.cols()), Matrix<T>(k.rows(), k.cols()),
+                              Matrix<T>(v.rows(), v.cols())};
+  softmax_attention_backward_into(q, k, v, grad_out, causal, grads.q, grads.k, grads.v, scale);
+  return grads;
 }
 
 /// Causal softmax over the last `window` tokens (j in (i - window, i]), Longformer / StreamingLLM

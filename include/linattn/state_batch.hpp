@@ -18,7 +18,9 @@ namespace linattn {
 /// row i of every argument belongs to state i. For H heads of B sequences, state b * H + h
 /// holds head h of sequence b (the order prefill_into uses). Threads (Options::threads, with
 /// OpenMP) go over the states; the result is the same as stepping each state on its own.
-template <class T, class Acc = T>
+/// T and Acc as for RecurrentState (Acc defaults to T, or to float for Eigen::half and
+/// Eigen::bfloat16).
+template <class T, class Acc = detail::default_accumulator_t<T>>
 class RecurrentStateBatch {
  public:
   /// The type of each state.

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <linattn/config.hpp>
+#include <linattn/detail/convert.hpp>
 #include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
 #include <string>
@@ -47,6 +48,38 @@ template <class Derived>
 inline constexpr bool is_row_memory =
     bool(Derived::Flags& Eigen::DirectAccessBit) &&
     bool(Derived::IsRowMajor) && Derived::InnerStrideAtCompileTime == 1;
+
+/// dst.topRows(src.rows()) = src converted to Acc. 16-bit rows in row-major memory go through
+/// convert(), many at a time (Eigen's cast expression converts one element at a time, through
+/// a routine that costs more than the kernel); everything else through Eigen's cast.
+template <class Acc, class Derived>
+void load_rows(const Eigen::MatrixBase<Derived>& src, Matrix<Acc>& dst) {
+  const Eigen::Index rows = src.rows();
+  if constexpr (is_half_scalar<typename Derived::Scalar> && is_row_memory<Derived>) {
+    const Derived& memory = src.derived();
+    for (Eigen::Index r = 0; r < rows; ++r) {
+      convert(memory.data() + r * memory.outerStride(), dst.data() + r * dst.cols(), src.cols());
+    }
+  } else {
+    dst.topRows(rows) = src.template cast<Acc>();
+  }
+}
+
+/// dst = the vector expression x converted to Acc (dst already has x.size() entries); as
+/// load_rows, through convert() for 16-bit entries adjacent in memory.
+template <class Acc, class Derived>
+void load_vector(const Eigen::MatrixBase<Derived>& x, Vector<Acc>& dst) {
+  if constexpr (is_half_scalar<typename Derived::Scalar> &&
+                bool(Derived::Flags & Eigen::DirectAccessBit) &&
+                Derived::InnerStrideAtCompileTime == 1) {
+    // Adjacent unless the entries lie across the outer dimension (a column stored row-major).
+    if (x.innerSize() == x.size() || x.derived().outerStride() == 1) {
+      convert(x.derived().data(), dst.data(), x.size());
+      return;
+    }
+  }
+  dst = x.reshaped().template cast<Acc>();
+}
 
 /// Per-call workspace, sized by the chunk length, never by N.
 template <class T>
@@ -146,12 +179,12 @@ class FeaturizedSource {
 
   template <class Acc>
   void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
-    buf.q.topRows(len) = phi_q_.middleRows(begin, len).template cast<Acc>();
+    load_rows(phi_q_.middleRows(begin, len), buf.q);
   }
   template <class Acc>
   void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
-    buf.k.topRows(len) = phi_k_.middleRows(begin, len).template cast<Acc>();
-    buf.v.topRows(len) = v_.middleRows(begin, len).template cast<Acc>();
+    load_rows(phi_k_.middleRows(begin, len), buf.k);
+    load_rows(v_.middleRows(begin, len), buf.v);
   }
 
  private:
@@ -188,8 +221,9 @@ class MappedSource {
 
   template <class Acc>
   void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
-    // Featurized in the accumulation type: a double accumulator also gets double features.
-    const Matrix<Acc> x = q_.middleRows(begin, len).template cast<Acc>();
+    // Featurized in the accumulation type: a double accumulator also gets double features,
+    // 16-bit inputs float (or double) ones.
+    const Matrix<Acc> x = converted<Acc>(q_.middleRows(begin, len));
     if constexpr (log_scaled) {
       store(map_.scaled_features(x, log_scratch_), buf.q, len, "queries");
       buf.log_q.head(len) = log_scratch_;
@@ -199,17 +233,29 @@ class MappedSource {
   }
   template <class Acc>
   void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
-    const Matrix<Acc> x = k_.middleRows(begin, len).template cast<Acc>();
+    const Matrix<Acc> x = converted<Acc>(k_.middleRows(begin, len));
     if constexpr (log_scaled) {
       store(map_.scaled_features(x, log_scratch_), buf.k, len, "keys");
       buf.log_k.head(len) = log_scratch_;
     } else {
       store(map_.keys(x), buf.k, len, "keys");
     }
-    buf.v.topRows(len) = v_.middleRows(begin, len).template cast<Acc>();
+    load_rows(v_.middleRows(begin, len), buf.v);
   }
 
  private:
+  /// The chunk `rows` in Acc, for the feature map.
+  template <class Acc, class Rows>
+  static Matrix<Acc> converted(const Eigen::MatrixBase<Rows>& rows) {
+    if constexpr (is_half_scalar<typename Rows::Scalar>) {
+      Matrix<Acc> x(rows.rows(), rows.cols());
+      load_rows(rows, x);
+      return x;
+    } else {
+      return rows.template cast<Acc>();
+    }
+  }
+
   template <class Acc>
   void store(const Matrix<Acc>& phi, Matrix<Acc>& dst, Eigen::Index len, const char* what) const {
     if (phi.rows() != len || phi.cols() != feature_dim_) {
@@ -548,17 +594,27 @@ class ChunkedKernel {
   }
 
   template <class OutRef>
-  void write_unscaled_output(Eigen::Index len, OutRef out) const {
-    for (Eigen::Index r = 0; r < len; ++r) {
-      write_output_row(buf_.num.row(r), buf_.den(r), 0.0, options_, out.row(r));
-    }
+  void write_unscaled_output(Eigen::Index len, OutRef out) {
+    for (Eigen::Index r = 0; r < len; ++r) write_row(r, 0.0, out);
   }
 
   /// Rows whose num and den miss the factor exp(output_log).
   template <class OutRef>
-  void write_scaled_output(Eigen::Index len, OutRef out) const {
-    for (Eigen::Index r = 0; r < len; ++r) {
-      write_output_row(buf_.num.row(r), buf_.den(r), buf_.output_log(r), options_, out.row(r));
+  void write_scaled_output(Eigen::Index len, OutRef out) {
+    for (Eigen::Index r = 0; r < len; ++r) write_row(r, buf_.output_log(r), out);
+  }
+
+  /// Output row r of the chunk. A 16-bit row in memory is finished in T, then rounded by
+  /// convert(), many at a time: the same values as Eigen's cast, element by element.
+  template <class OutRef>
+  void write_row(Eigen::Index r, double log_factor, OutRef& out) {
+    using Out = typename OutRef::Scalar;
+    if constexpr (is_half_scalar<Out> && is_row_memory<OutRef>) {
+      out_row_.resize(buf_.num.cols());
+      write_output_row(buf_.num.row(r), buf_.den(r), log_factor, options_, out_row_);
+      convert(out_row_.data(), &out.coeffRef(r, 0), out_row_.size());
+    } else {
+      write_output_row(buf_.num.row(r), buf_.den(r), log_factor, options_, out.row(r));
     }
   }
 
@@ -566,6 +622,7 @@ class ChunkedKernel {
   Options options_;
   double log_decay_;
   ChunkBuffers<T> buf_;
+  Eigen::Matrix<T, 1, Eigen::Dynamic> out_row_;  ///< Dv, for 16-bit outputs only
 };
 
 }  // namespace linattn::detail

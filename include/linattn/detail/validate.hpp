@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <linattn/config.hpp>
+#include <linattn/detail/convert.hpp>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -19,9 +21,52 @@ std::string shape_string(const Eigen::MatrixBase<Derived>& m) {
   return shape_string(m.rows(), m.cols());
 }
 
+/// The accumulation types: every sum and state is float or double.
 template <class Scalar>
 constexpr bool is_supported_scalar =
     std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>;
+
+/// Eigen's 16-bit floats: accepted as inputs and outputs, never accumulated in (their
+/// arithmetic is emulated on most CPUs and a sum of a few thousand terms loses every digit).
+template <class Scalar>
+constexpr bool is_half_scalar =
+    std::is_same_v<Scalar, Eigen::half> || std::is_same_v<Scalar, Eigen::bfloat16>;
+
+/// The input and output types of the linear routines and RecurrentState.
+template <class Scalar>
+constexpr bool is_input_scalar = is_supported_scalar<Scalar> || is_half_scalar<Scalar>;
+
+/// The accumulation type when the caller names none: float for 16-bit inputs, else the input
+/// type itself.
+template <class Scalar>
+using default_accumulator_t = std::conditional_t<is_half_scalar<Scalar>, float, Scalar>;
+
+/// True if any entry of `m` (a 16-bit float type) is NaN or +-Inf: a pass over the bits, since
+/// the arithmetic scan of require_finite would be emulated element by element.
+template <class Derived>
+bool has_nonfinite_half(const Eigen::MatrixBase<Derived>& m) {
+  using Scalar = typename Derived::Scalar;
+  if constexpr (bool(Derived::Flags & Eigen::DirectAccessBit) &&
+                Derived::InnerStrideAtCompileTime == 1) {
+    const Derived& memory = m.derived();
+    for (Eigen::Index o = 0; o < memory.outerSize(); ++o) {
+      if (has_nonfinite_bits(memory.data() + o * memory.outerStride(), memory.innerSize())) {
+        return true;
+      }
+    }
+    return false;
+  } else {
+    constexpr std::uint16_t exponent = kExponentBits<Scalar>;
+    const Eigen::internal::evaluator<Derived> eval(m.derived());
+    for (Eigen::Index c = 0; c < m.cols(); ++c) {
+      for (Eigen::Index r = 0; r < m.rows(); ++r) {
+        const Scalar x = eval.coeff(r, c);
+        if ((Eigen::numext::bit_cast<std::uint16_t>(x) & exponent) == exponent) return true;
+      }
+    }
+    return false;
+  }
+}
 
 /// Throws unless the options are in range; `where` names the calling function.
 inline void validate_options(const Options& options, const char* where) {
@@ -52,17 +97,31 @@ void require_nonempty(const Eigen::MatrixBase<Derived>& m, const char* where, co
   }
 }
 
+/// std::isfinite, extended to the 16-bit float types.
+template <class Scalar>
+bool is_finite_value(Scalar x) {
+  if constexpr (is_half_scalar<Scalar>) {
+    return (Eigen::numext::isfinite)(x);
+  } else {
+    return std::isfinite(x);
+  }
+}
+
 /// Throws naming the first NaN or Inf in `m` by row and column; `first_row` is the index the
 /// caller knows m's row 0 by (m may be one chunk of a longer input).
 template <class Derived>
 void require_finite(const Eigen::MatrixBase<Derived>& m, const char* where, const char* name,
                     Eigen::Index first_row = 0) {
   using Scalar = typename Derived::Scalar;
-  // x * 0 is NaN exactly for NaN and +-Inf: one vectorised pass (allFinite is not).
-  if ((m.array() * Scalar(0)).sum() == Scalar(0)) return;
+  if constexpr (is_half_scalar<Scalar>) {
+    if (!has_nonfinite_half(m)) return;
+  } else {
+    // x * 0 is NaN exactly for NaN and +-Inf: one vectorised pass (allFinite is not).
+    if ((m.array() * Scalar(0)).sum() == Scalar(0)) return;
+  }
   for (Eigen::Index r = 0; r < m.rows(); ++r) {
     for (Eigen::Index c = 0; c < m.cols(); ++c) {
-      if (!std::isfinite(m(r, c))) {
+      if (!is_finite_value<Scalar>(m(r, c))) {
         throw Error(std::string(where) + ": " + name + " has a non-finite value (" +
                     std::to_string(static_cast<double>(m(r, c))) + ") at row " +
                     std::to_string(first_row + r) + ", column " + std::to_string(c));
@@ -146,6 +205,26 @@ void require_output_size(const Out& out, Eigen::Index size, const char* where) {
   if (out.size() != size) {
     throw Error(std::string(where) + ": out has " + std::to_string(out.size()) +
                 " entries, expected " + std::to_string(size));
+  }
+}
+
+/// Throws unless `grad` has x's shape (a gradient of an elementwise map).
+template <class DX, class DG>
+void require_same_shape(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad,
+                        const char* where) {
+  if (grad.rows() != x.rows() || grad.cols() != x.cols()) {
+    throw Error(std::string(where) + ": grad_phi is " + shape_string(grad) + " but x is " +
+                shape_string(x) + "; they must have the same shape");
+  }
+}
+
+/// Throws unless `grad` is x.rows() x `features` (the gradient of a map with C = features).
+template <class DX, class DG>
+void require_backward_shape(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad,
+                            Eigen::Index features, const char* where) {
+  if (grad.rows() != x.rows() || grad.cols() != features) {
+    throw Error(std::string(where) + ": grad_phi is " + shape_string(grad) + " but x is " +
+                shape_string(x) + "; expected " + shape_string(x.rows(), features));
   }
 }
 

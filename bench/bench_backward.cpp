@@ -1,0 +1,158 @@
+// Causal forward + backward: linear attention (elu+1) against the tiled softmax baseline
+// (FlashAttention-2 style), float, d = C = Dv = 64, one thread, with the forward alone beside
+// each so the report can give the backward's cost, and Eigen's GEMM rate in the same binary.
+#include <linattn/feature_maps.hpp>
+#include <linattn/gradients.hpp>
+#include <linattn/linear_attention.hpp>
+#include <linattn/softmax.hpp>
+#include <string>
+#include <vector>
+
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
+#include <linattn/backward.hpp>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using linattn::Matrix;
+using linattn_bench::random_matrix;
+using linattn_bench::set_rates;
+
+constexpr Eigen::Index kDim = 64;  // Dk = Dv = C = d
+
+template <class T>
+struct Inputs {
+  Matrix<T> q, k, v, grad_out, out, grad_q, grad_k, grad_v;
+  explicit Inputs(Eigen::Index n)
+      : q(random_matrix<T>(n, kDim, 21)),
+        k(random_matrix<T>(n, kDim, 22)),
+        v(random_matrix<T>(n, kDim, 23)),
+        grad_out(random_matrix<T>(n, kDim, 24)),
+        out(n, kDim),
+        grad_q(n, kDim),
+        grad_k(n, kDim),
+        grad_v(n, kDim) {}
+};
+
+/// Causal softmax forward FLOPs: N(N+1)/2 query-key pairs, 2d for q.k and 2d for p v each.
+/// The backward's useful work is 5 such products against the forward's 2 (S, dP, dV, dQ, dK;
+/// FlashAttention-2's count), so forward + backward is 3.5 forwards. Recomputing the softmax
+/// statistics (the backward does not take them from the forward) is not counted as useful.
+inline double causal_softmax_flops(Eigen::Index n) {
+  return 2.0 * double(n) * double(n + 1) * double(kDim);
+}
+
+template <class T>
+void BM_SoftmaxForward(benchmark::State& state) {
+  const Eigen::Index n = state.range(0);
+  Inputs<T> in(n);
+  linattn_bench::measure(state, [&] {
+    linattn::softmax_attention_into(in.q, in.k, in.v, true, in.out);
+    benchmark::DoNotOptimize(in.out.data());
+  });
+  set_rates(state, causal_softmax_flops(n), double(n));
+}
+
+template <class T>
+void BM_SoftmaxForwardBackward(benchmark::State& state) {
+  const Eigen::Index n = state.range(0);
+  Inputs<T> in(n);
+  linattn_bench::measure(state, [&] {
+    linattn::softmax_attention_into(in.q, in.k, in.v, true, in.out);
+    benchmark::DoNotOptimize(in.out.data());
+    linattn::softmax_attention_backward_into(in.q, in.k, in.v, in.grad_out, true, in.grad_q,
+                                             in.grad_k, in.grad_v);
+    benchmark::DoNotOptimize(in.grad_q.data());
+    benchmark::DoNotOptimize(in.grad_k.data());
+    benchmark::DoNotOptimize(in.grad_v.data());
+  });
+  set_rates(state, 3.5 * causal_softmax_flops(n), double(n));
+}
+
+/// Linear attention with elu+1 features computed inside the timed region, as in a layer's
+/// forward. Useful FLOPs 4 N C Dv (the recurrent minimum: phi_k v^T and phi_q^T S per token).
+template <class T>
+void BM_LinearForward(benchmark::State& state) {
+  const Eigen::Index n = state.range(0);
+  Inputs<T> in(n);
+  const linattn::EluPlusOne map;
+  linattn_bench::measure(state, [&] {
+    linattn::causal_linear_attention_into(in.q, in.k, in.v, map, in.out);
+    benchmark::DoNotOptimize(in.out.data());
+  });
+  set_rates(state, 4.0 * double(n) * double(kDim) * double(kDim), double(n));
+  state.counters["C"] = double(kDim);
+}
+
+/// The linear forward (as BM_LinearForward), then the backward through the feature map: it
+/// featurizes q and k again, runs the featurized backward and chains elu+1's backward, as a
+/// layer's backward would. Useful FLOPs 12 N C Dv: the backward's four C x Dv products per
+/// token (dphi_q, the reverse state, dphi_k, dv) on top of the forward's two.
+template <class T>
+void BM_LinearForwardBackward(benchmark::State& state) {
+  const Eigen::Index n = state.range(0);
+  Inputs<T> in(n);
+  const linattn::EluPlusOne map;
+  linattn_bench::measure(state, [&] {
+    linattn::causal_linear_attention_into(in.q, in.k, in.v, map, in.out);
+    benchmark::DoNotOptimize(in.out.data());
+    linattn::causal_linear_attention_backward_into(in.q, in.k, in.v, in.grad_out, map, in.grad_q,
+                                                   in.grad_k, in.grad_v);
+    benchmark::DoNotOptimize(in.grad_q.data());
+    benchmark::DoNotOptimize(in.grad_k.data());
+    benchmark::DoNotOptimize(in.grad_v.data());
+  });
+  set_rates(state, 12.0 * double(n) * double(kDim) * double(kDim), double(n));
+  state.counters["C"] = double(kDim);
+}
+
+template <class T>
+void register_scalar(const std::vector<Eigen::Index>& sizes) {
+  const std::string t = linattn_bench::scalar_name(T{});
+  benchmark::RegisterBenchmark(("BM_EigenGemm<" + t + ">").c_str(), linattn_bench::BM_EigenGemm<T>)
+      ->Arg(512)
+      ->MinTime(0.5)  // the reference every rate is read against: measure it well
+      ->Unit(benchmark::kMillisecond);
+  for (const Eigen::Index n : sizes) {
+    benchmark::RegisterBenchmark(("BM_LinearForwardBackward<" + t + ">").c_str(),
+                                 BM_LinearForwardBackward<T>)
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_LinearForward<" + t + ">").c_str(), BM_LinearForward<T>)
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_SoftmaxForwardBackward<" + t + ">").c_str(),
+                                 BM_SoftmaxForwardBackward<T>)
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_SoftmaxForward<" + t + ">").c_str(), BM_SoftmaxForward<T>)
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+#ifdef __GLIBC__
+  // Both backward passes allocate workspace on every call. By default glibc hands freed memory
+  // back to the kernel (trimming the heap top, unmapping blocks over a threshold that moves
+  // with what ran before) and the next call faults it in again: on a virtual machine that
+  // cost more than the arithmetic at small N, and varied tenfold from run to run. Freed memory
+  // stays in the process here, as in a training loop's allocator, so the rows time the kernels.
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest; blocks above it are still unmapped
+#endif
+  const bool quick = linattn_bench::quick();
+  register_scalar<float>(quick ? std::vector<Eigen::Index>{256, 1024, 4096}
+                               : std::vector<Eigen::Index>{256, 1024, 4096, 16384});
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

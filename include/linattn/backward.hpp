@@ -1,0 +1,416 @@
+// SPDX-License-Identifier: MIT
+// Gradients of causal and non-causal linear attention: the backward pass for training.
+#pragma once
+
+#include <cmath>
+#include <linattn/config.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/openmp.hpp>
+#include <linattn/detail/parallel.hpp>
+#include <linattn/detail/validate.hpp>
+#include <linattn/gradients.hpp>
+#include <linattn/linear_attention.hpp>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+/// The backward pass reuses the forward kernel. With V' = [v, 1] and G' the gradient of the
+/// loss with respect to [numerator, denominator] of every row,
+///
+///     d phi_q_i = sum_{j<=i} g^(i-j) (G'_i . V'_j) phi_k_j     a causal pass (G', V', phi_k)
+///     d phi_k_j = sum_{i>=j} g^(i-j) (G'_i . V'_j) phi_q_i     a reversed pass (V', G', phi_q)
+///     d v_j     = sum_{i>=j} g^(i-j) (phi_q_i . phi_k_j) G_i   a reversed pass (phi_k, phi_q, G)
+///
+/// so it runs in O(N C Dv) time on the chunked kernel (four passes in all, with the forward
+/// recomputed) and keeps no per-token state: each pass carries one state across its chunks.
+namespace linattn {
+
+namespace detail {
+
+template <class DQ, class DK, class DV, class DG>
+using enable_if_same_scalar4 =
+    std::enable_if_t<std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
+                     std::is_same_v<typename DQ::Scalar, typename DV::Scalar> &&
+                     std::is_same_v<typename DQ::Scalar, typename DG::Scalar>>;
+
+/// One unnormalized causal pass, out_i = sum_{j<=i} g^(i-j) (q_i . k_j) v_j, or with
+/// `reversed` the anti-causal one, out_j = sum_{i>=j} g^(i-j) (q_i . k_j) v_i. The arguments
+/// are expressions that live for the whole call.
+template <class Acc, class DQ, class DK, class DV, class Out>
+void causal_pass(const DQ& q, const DK& k, const DV& v, Out out, const Options& inner,
+                 bool reversed) {
+  if (!reversed) {
+    run_attention<Acc>(FeaturizedSource<DQ, DK, DV>(q, k, v), out, inner, true);
+    return;
+  }
+  using RQ = Eigen::Reverse<const DQ, Eigen::Vertical>;
+  using RK = Eigen::Reverse<const DK, Eigen::Vertical>;
+  using RV = Eigen::Reverse<const DV, Eigen::Vertical>;
+  const RQ rq(q);
+  const RK rk(k);
+  const RV rv(v);
+  run_attention<Acc>(FeaturizedSource<RQ, RK, RV>(rq, rk, rv), out, inner, true);
+  out.colwise().reverseInPlace();
+}
+
+/// Turns the rows [num, den] of the unnormalized forward over [v, 1] into G' = [d num, d den]
+/// for grad_out, mirroring the forward's denominator guard: where it clamped d, or eps = 0
+/// and d = 0 (a zero output row), d den is 0.
+template <class Acc, class DG>
+void normalization_gradients(Eigen::Ref<Matrix<Acc>> num_den, const Eigen::MatrixBase<DG>& grad_out,
+                             double eps_option) {
+  const Eigen::Index dv = grad_out.cols();
+  const Acc eps = static_cast<Acc>(eps_option);
+  for (Eigen::Index i = 0; i < num_den.rows(); ++i) {
+    const Acc raw = num_den(i, dv) + eps;
+    const Acc d = guard_denominator<Acc>(raw, eps);
+    if (d == Acc(0)) {
+      num_den.row(i).setZero();
+      continue;
+    }
+    // d den = -(grad_out_i . out_i) / d, with out_i = num_i / d.
+    const Acc grad_dot_out = grad_out.row(i).template cast<Acc>().dot(num_den.row(i).head(dv)) / d;
+    num_den.row(i).head(dv) = grad_out.row(i).template cast<Acc>() / d;
+    num_den(i, dv) = (d == raw) ? -grad_dot_out / d : Acc(0);
+  }
+}
+
+/// Shape and finiteness checks of a backward call; nothing is written before they pass.
+template <class DQ, class DK, class DV, class DG>
+void validate_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                       const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
+                       const Options& options, const char* where, const char* q_name,
+                       const char* k_name) {
+  validate_sequence_shapes(q, k, v, options, where, q_name, k_name);
+  if (grad_out.rows() != v.rows() || grad_out.cols() != v.cols()) {
+    throw Error(std::string(where) + ": grad_out is " + shape_string(grad_out) + " but v is " +
+                shape_string(v) + "; the gradient has the output's shape");
+  }
+  scan_inputs(q, k, v, options, where, q_name, k_name);
+  if (options.check_finite) {
+    require_finite_parallel(grad_out, where, "grad_out", resolve_threads(options));
+  }
+}
+
+/// Throws unless `grad` is rows x cols; `name` is the gradient argument.
+template <class Out>
+void require_gradient_shape(const Out& grad, Eigen::Index rows, Eigen::Index cols,
+                            const char* where, const char* name) {
+  if (grad.rows() != rows || grad.cols() != cols) {
+    throw Error(std::string(where) + ": " + name + " is " + shape_string(grad.rows(), grad.cols()) +
+                " but the gradient is " + shape_string(rows, cols));
+  }
+}
+
+/// The causal backward on validated inputs, every pass in Acc.
+template <class Acc, class DQ, class DK, class DV, class DG, class T>
+void causal_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                     const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
+                     Eigen::Ref<Matrix<T>> grad_phi_q, Eigen::Ref<Matrix<T>> grad_phi_k,
+                     Eigen::Ref<Matrix<T>> grad_v, const Options& options) {
+  Options inner = options;
+  inner.normalize = false;
+  inner.check_finite = false;
+  if (!options.normalize) {
+    causal_pass<Acc>(grad_out.template cast<Acc>(), v.template cast<Acc>(),
+                     phi_k.template cast<Acc>(), grad_phi_q, inner, false);
+    causal_pass<Acc>(v.template cast<Acc>(), grad_out.template cast<Acc>(),
+                     phi_q.template cast<Acc>(), grad_phi_k, inner, true);
+    causal_pass<Acc>(phi_k.template cast<Acc>(), phi_q.template cast<Acc>(),
+                     grad_out.template cast<Acc>(), grad_v, inner, true);
+    return;
+  }
+  const Eigen::Index n = v.rows();
+  const Eigen::Index dv = v.cols();
+  // Rows padded to whole cache lines: the kernel streams [v, 1] and G' by rows, and a row
+  // stride of Dv + 1 puts most rows across line boundaries.
+  constexpr Eigen::Index kLine = 64 / sizeof(Acc);
+  const Eigen::Index stride = (dv + 1 + kLine - 1) / kLine * kLine;
+  using Rows = Eigen::Block<Matrix<Acc>, Eigen::Dynamic, Eigen::Dynamic, false>;
+  Matrix<Acc> values_storage(n, stride);
+  Matrix<Acc> grads_storage(n, stride);
+  const Rows values(values_storage, 0, 0, n, dv + 1);
+  const Rows grads(grads_storage, 0, 0, n, dv + 1);
+  values_storage.leftCols(dv) = v.template cast<Acc>();
+  values_storage.col(dv).setOnes();
+  causal_pass<Acc>(phi_q.template cast<Acc>(), phi_k.template cast<Acc>(), values,
+                   Eigen::Ref<Matrix<Acc>>(grads_storage.leftCols(dv + 1)), inner, false);
+  normalization_gradients<Acc>(grads_storage.leftCols(dv + 1), grad_out, options.eps);
+  causal_pass<Acc>(grads, values, phi_k.template cast<Acc>(), grad_phi_q, inner, false);
+  causal_pass<Acc>(values, grads, phi_q.template cast<Acc>(), grad_phi_k, inner, true);
+  const Rows grad_num(grads_storage, 0, 0, n, dv);
+  causal_pass<Acc>(phi_k.template cast<Acc>(), phi_q.template cast<Acc>(), grad_num, grad_v, inner,
+                   true);
+}
+
+/// The non-causal backward on validated inputs: five GEMMs through C x (Dv + 1) sums.
+template <class Acc, class DQ, class DK, class DV, class DG, class T>
+void non_causal_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                         const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
+                         Eigen::Ref<Matrix<T>> grad_phi_q, Eigen::Ref<Matrix<T>> grad_phi_k,
+                         Eigen::Ref<Matrix<T>> grad_v, const Options& options) {
+  const Eigen::Index n = v.rows();
+  const Eigen::Index dv = v.cols();
+  const Eigen::Index width = options.normalize ? dv + 1 : dv;
+  const Matrix<Acc> q = phi_q.template cast<Acc>();
+  const Matrix<Acc> k = phi_k.template cast<Acc>();
+  Matrix<Acc> values(n, width);
+  values.leftCols(dv) = v.template cast<Acc>();
+  if (options.normalize) values.col(dv).setOnes();
+  Matrix<Acc> sums(k.cols(), width);
+  sums.noalias() = k.transpose() * values;
+  Matrix<Acc> grads(n, width);
+  if (options.normalize) {
+    grads.noalias() = q * sums;
+    normalization_gradients<Acc>(grads, grad_out, options.eps);
+  } else {
+    grads = grad_out.template cast<Acc>();
+  }
+  Matrix<Acc> result(n, q.cols());
+  result.noalias() = grads * sums.transpose();
+  grad_phi_q = result.template cast<T>();
+  Matrix<Acc> query_grads(q.cols(), width);
+  query_grads.noalias() = q.transpose() * grads;
+  result.noalias() = values * query_grads.transpose();
+  grad_phi_k = result.template cast<T>();
+  Matrix<Acc> value_grads(n, dv);
+  value_grads.noalias() = k * query_grads.leftCols(dv);
+  grad_v = value_grads.template cast<T>();
+}
+
+/// Validates a featurized backward call and runs it into the three gradients.
+template <class Acc, class DQ, class DK, class DV, class DG>
+void featurized_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                         const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
+                         Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_q,
+                         Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_k,
+                         Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v, const Options& options,
+                         bool causal, const char* where) {
+  using T = typename DQ::Scalar;
+  using A = accumulator_t<Acc, T>;
+  static_assert(is_supported_scalar<T> && is_supported_scalar<A>,
+                "linattn backward takes float or double inputs and accumulators");
+  validate_backward(phi_q, phi_k, v, grad_out, options, where, "phi_q", "phi_k");
+  require_gradient_shape(grad_phi_q, phi_q.rows(), phi_q.cols(), where, "grad_phi_q");
+  require_gradient_shape(grad_phi_k, phi_k.rows(), phi_k.cols(), where, "grad_phi_k");
+  require_gradient_shape(grad_v, v.rows(), v.cols(), where, "grad_v");
+  if (causal) {
+    causal_backward<A, DQ, DK, DV, DG, T>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k, grad_v,
+                                          options);
+  } else {
+    non_causal_backward<A, DQ, DK, DV, DG, T>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k,
+                                              grad_v, options);
+  }
+}
+
+/// Detects a feature map with a `backward(x, grad_phi)` member.
+template <class Map, class Scalar, class = void>
+struct has_map_backward : std::false_type {};
+template <class Map, class Scalar>
+struct has_map_backward<
+    Map, Scalar,
+    std::void_t<decltype(std::declval<const Map&>().backward(
+        std::declval<const Matrix<Scalar>&>(), std::declval<const Matrix<Scalar>&>()))>>
+    : std::true_type {};
+
+/// Featurizes q and k in Acc, runs the featurized backward there and chains the map's backward.
+template <class Acc, class DQ, class DK, class DV, class DG, class Map>
+void mapped_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                     const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
+                     const Map& map, Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q,
+                     Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
+                     Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v, const Options& options,
+                     bool causal, const char* where) {
+  using T = typename DQ::Scalar;
+  using A = accumulator_t<Acc, T>;
+  static_assert(has_map_backward<Map, A>::value,
+                "this feature map has no backward(x, grad_phi) member, so gradients cannot "
+                "reach q and k; featurize yourself and use the featurized backward");
+  validate_backward(q, k, v, grad_out, options, where, "q", "k");
+  require_gradient_shape(grad_q, q.rows(), q.cols(), where, "grad_q");
+  require_gradient_shape(grad_k, k.rows(), k.cols(), where, "grad_k");
+  require_gradient_shape(grad_v, v.rows(), v.cols(), where, "grad_v");
+  const Matrix<A> raw_q = q.template cast<A>();
+  const Matrix<A> raw_k = k.template cast<A>();
+  const Matrix<A> phi_q = map.queries(raw_q);
+  const Matrix<A> phi_k = map.keys(raw_k);
+  // Unscaled exponential features can overflow where the forward's stabiliser does not.
+  for (const Matrix<A>* phi : {&phi_q, &phi_k}) {
+    if (!phi->allFinite()) {
+      throw Error(std::string(where) + ": the feature map overflows " +
+                  (std::is_same_v<A, float> ? "float" : "double") + " on " +
+                  (phi == &phi_q ? "q" : "k") +
+                  "; the backward needs finite features (accumulate in double, "
+                  "causal_linear_attention_backward<double>, or scale the inputs down)");
+    }
+  }
+  Matrix<A> grad_phi_q(phi_q.rows(), phi_q.cols());
+  Matrix<A> grad_phi_k(phi_k.rows(), phi_k.cols());
+  Matrix<A> grad_values(v.rows(), v.cols());
+  if (causal) {
+    causal_backward<A, Matrix<A>, Matrix<A>, DV, DG, A>(phi_q, phi_k, v, grad_out, grad_phi_q,
+                                                        grad_phi_k, grad_values, options);
+  } else {
+    non_causal_backward<A, Matrix<A>, Matrix<A>, DV, DG, A>(phi_q, phi_k, v, grad_out, grad_phi_q,
+                                                            grad_phi_k, grad_values, options);
+  }
+  grad_q = map.backward(raw_q, grad_phi_q).template cast<T>();
+  grad_k = map.backward(raw_k, grad_phi_k).template cast<T>();
+  grad_v = grad_values.template cast<T>();
+}
+
+}  // namespace detail
+
+/// Backward of causal_linear_attention on featurized inputs, into caller-provided gradients.
+/// Time O(N C Dv) (four chunked passes, the forward recomputed), workspace O(N Dv) when
+/// normalizing (none otherwise), no per-token state. Honours eps, decay, normalize, chunk,
+/// check_finite (which also scans grad_out) and threads.
+/// @param phi_q       N x C featurized queries, as given to the forward
+/// @param phi_k       N x C featurized keys
+/// @param v           N x Dv values
+/// @param grad_out    N x Dv gradient of the loss with respect to the forward's output
+/// @param grad_phi_q  N x C result: d loss / d phi_q (may not alias the inputs)
+/// @param grad_phi_k  N x C result: d loss / d phi_k
+/// @param grad_v      N x Dv result: d loss / d v
+/// @param options     the forward's options
+template <class Acc = void, class DQ, class DK, class DV, class DG,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
+void causal_linear_attention_backward_into(const Eigen::MatrixBase<DQ>& phi_q,
+                                           const Eigen::MatrixBase<DK>& phi_k,
+                                           const Eigen::MatrixBase<DV>& v,
+                                           const Eigen::MatrixBase<DG>& grad_out,
+                                           Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_q,
+                                           Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_k,
+                                           Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v,
+                                           const Options& options = {}) {
+  detail::featurized_backward<Acc>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k, grad_v,
+                                   options, true, "causal_linear_attention_backward");
+}
+
+/// Backward of causal_linear_attention on featurized inputs.
+/// @param phi_q     N x C featurized queries
+/// @param phi_k     N x C featurized keys
+/// @param v         N x Dv values
+/// @param grad_out  N x Dv gradient of the loss with respect to the output
+/// @return          gradients with respect to phi_q (N x C), phi_k (N x C) and v (N x Dv)
+template <class Acc = void, class DQ, class DK, class DV, class DG,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
+AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
+    const Options& options = {}) {
+  AttentionGradients<typename DQ::Scalar> grads{
+      {phi_q.rows(), phi_q.cols()}, {phi_k.rows(), phi_k.cols()}, {v.rows(), v.cols()}};
+  causal_linear_attention_backward_into<Acc>(phi_q, phi_k, v, grad_out, grads.q, grads.k, grads.v,
+                                             options);
+  return grads;
+}
+
+/// Backward of causal_linear_attention with a feature map, into caller-provided gradients: the
+/// map's features are recomputed in the accumulation type and its `backward` carries the
+/// gradients to q and k. The features must be finite there (exponential maps on large inputs:
+/// use Acc = double).
+/// @param q       N x Dk queries
+/// @param k       N x Dk keys
+/// @param v       N x Dv values
+/// @param grad_out  N x Dv gradient of the loss with respect to the output
+/// @param map     feature map with a backward member (EluPlusOne, Relu, PositiveRandomFeatures,
+///                RandomFourierFeatures)
+/// @param grad_q  N x Dk result: d loss / d q
+/// @param grad_k  N x Dk result: d loss / d k
+/// @param grad_v  N x Dv result: d loss / d v
+template <class Acc = void, class DQ, class DK, class DV, class DG, class Map,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>,
+          class = detail::enable_if_feature_map<Map>>
+void causal_linear_attention_backward_into(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DG>& grad_out, const Map& map,
+    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q, Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
+    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v, const Options& options = {}) {
+  detail::mapped_backward<Acc>(q, k, v, grad_out, map, grad_q, grad_k, grad_v, options, true,
+                               "causal_linear_attention_backward");
+}
+
+/// Backward of causal_linear_attention with a feature map.
+/// @param q         N x Dk queries
+/// @param k         N x Dk keys
+/// @param v         N x Dv values
+/// @param grad_out  N x Dv gradient of the loss with respect to the output
+/// @param map       feature map with a backward member
+/// @return          gradients with respect to q (N x Dk), k (N x Dk) and v (N x Dv)
+template <class Acc = void, class DQ, class DK, class DV, class DG, class Map,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>,
+          class = detail::enable_if_feature_map<Map>>
+AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DG>& grad_out, const Map& map, const Options& options = {}) {
+  AttentionGradients<typename DQ::Scalar> grads{
+      {q.rows(), q.cols()}, {k.rows(), k.cols()}, {v.rows(), v.cols()}};
+  causal_linear_attention_backward_into<Acc>(q, k, v, grad_out, map, grads.q, grads.k, grads.v,
+                                             options);
+  return grads;
+}
+
+/// Backward of the non-causal linear_attention on featurized inputs, into caller-provided
+/// gradients: five GEMMs through the C x (Dv + 1) sums, workspace O(N (C + Dv)).
+/// @param phi_q       N x C featurized queries
+/// @param phi_k       N x C featurized keys
+/// @param v           N x Dv values
+/// @param grad_out    N x Dv gradient of the loss with respect to the output
+/// @param grad_phi_q  N x C result
+/// @param grad_phi_k  N x C result
+/// @param grad_v      N x Dv result
+template <class Acc = void, class DQ, class DK, class DV, class DG,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
+void linear_attention_backward_into(const Eigen::MatrixBase<DQ>& phi_q,
+                                    const Eigen::MatrixBase<DK>& phi_k,
+                                    const Eigen::MatrixBase<DV>& v,
+                                    const Eigen::MatrixBase<DG>& grad_out,
+                                    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_q,
+                                    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_k,
+                                    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v,
+                                    const Options& options = {}) {
+  detail::featurized_backward<Acc>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k, grad_v,
+                                   options, false, "linear_attention_backward");
+}
+
+/// Backward of the non-causal linear_attention on featurized inputs.
+/// @param phi_q     N x C featurized queries
+/// @param phi_k     N x C featurized keys
+/// @param v         N x Dv values
+/// @param grad_out  N x Dv gradient of the loss with respect to the output
+/// @return          gradients with respect to phi_q, phi_k and v
+template <class Acc = void, class DQ, class DK, class DV, class DG,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
+AttentionGradients<typename DQ::Scalar> linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
+    const Options& options = {}) {
+  AttentionGradients<typename DQ::Scalar> grads{
+      {phi_q.rows(), phi_q.cols()}, {phi_k.rows(), phi_k.cols()}, {v.rows(), v.cols()}};
+  linear_attention_backward_into<Acc>(phi_q, phi_k, v, grad_out, grads.q, grads.k, grads.v,
+                                      options);
+  return grads;
+}
+
+/// Backward of the non-causal linear_attention with a feature map.
+/// @param q         N x Dk queries
+/// @param k         N x Dk keys
+/// @param v         N x Dv values
+/// @param grad_out  N x Dv gradient of the loss with respect to the output
+/// @param map       feature map with a backward member
+/// @return          gradients with respect to q, k and v
+template <class Acc = void, class DQ, class DK, class DV, class DG, class Map,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>,
+          class = detail::enable_if_feature_map<Map>>
+AttentionGradients<typename DQ::Scalar> linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DG>& grad_out, const Map& map, const Options& options = {}) {
+  AttentionGradients<typename DQ::Scalar> grads{
+      {q.rows(), q.cols()}, {k.rows(), k.cols()}, {v.rows(), v.cols()}};
+  detail::mapped_backward<Acc>(q, k, v, grad_out, map, grads.q, grads.k, grads.v, options, false,
+                               "linear_attention_backward");
+  return grads;
+}
+
+}  // namespace linattn

@@ -1,0 +1,724 @@
+// Gated linear attention: the chunked, recurrent and backward forms against naive token-by-token
+// references written here in double, independent of the library's kernels.
+// EIGEN_RUNTIME_NO_MALLOC lets a test forbid heap allocation inside Eigen.
+#define EIGEN_RUNTIME_NO_MALLOC
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <linattn/gated.hpp>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include "support.hpp"
+
+using linattn::Matrix;
+using linattn::Vector;
+using linattn_test::gaussian;
+using linattn_test::relative_error;
+
+namespace {
+
+constexpr Eigen::Index kC = 8;  // C != Dv on purpose
+constexpr Eigen::Index kDv = 6;
+
+/// DESIGN.md's agreement bounds between the chunked and recurrent forms.
+template <class T>
+double tolerance() {
+  return std::is_same_v<T, float> ? 2e-5 : 1e-12;
+}
+
+/// exp(0.5 x) of Gaussian x: positive features, so denominators are well conditioned.
+template <class T>
+Matrix<T> positive_features(Eigen::Index rows, Eigen::Index cols, std::uint64_t seed) {
+  return gaussian<double>(rows, cols, seed, 0.5).array().exp().matrix().template cast<T>();
+}
+
+/// Gates uniform in [lo, hi), with about one in eight exactly 1 when `ones`.
+template <class T>
+Matrix<T> uniform_gates(Eigen::Index rows, Eigen::Index cols, std::uint64_t seed, double lo,
+                        double hi, bool ones = true) {
+  std::mt19937_64 engine(seed);
+  std::uniform_real_distribution<double> uniform(lo, hi);
+  std::uniform_int_distribution<int> pick(0, 7);
+  Matrix<T> m(rows, cols);
+  for (Eigen::Index r = 0; r < rows; ++r) {
+    for (Eigen::Index c = 0; c < cols; ++c) {
+      const bool one = pick(engine) == 0 && ones;
+      m(r, c) = one ? T(1) : static_cast<T>(uniform(engine));
+    }
+  }
+  return m;
+}
+
+/// Each gate drawn from `choices` with equal odds.
+template <class T>
+Matrix<T> mixed_gates(Eigen::Index rows, Eigen::Index cols, std::uint64_t seed,
+                      const std::vector<T>& choices) {
+  std::mt19937_64 engine(seed);
+  std::uniform_int_distribution<std::size_t> pick(0, choices.size() - 1);
+  Matrix<T> m(rows, cols);
+  for (Eigen::Index r = 0; r < rows; ++r) {
+    for (Eigen::Index c = 0; c < cols; ++c) m(r, c) = choices[pick(engine)];
+  }
+  return m;
+}
+
+/// The denominator guard as documented: |d| < eps becomes sign(d) eps.
+double guarded(double raw, double eps) {
+  if (std::abs(raw) >= eps) return raw;
+  return raw < 0 ? -eps : eps;
+}
+
+/// S <- diag(a) S, z <- a o z, for a scalar (1 entry) or per-feature gate row.
+void apply_gate(const Eigen::RowVectorXd& a, Matrix<double>& s, Eigen::VectorXd& z) {
+  if (a.size() == 1) {
+    s *= a(0);
+    z *= a(0);
+    return;
+  }
+  for (Eigen::Index c = 0; c < s.rows(); ++c) {
+    s.row(c) *= a(c);
+    z(c) *= a(c);
+  }
+}
+
+/// Naive reference: the recurrence token by token, in double.
+Matrix<double> naive_gated(const Matrix<double>& q, const Matrix<double>& k,
+                           const Matrix<double>& v, const Matrix<double>& gates, double eps,
+                           bool normalize) {
+  const Eigen::Index n = q.rows();
+  Matrix<double> s = Matrix<double>::Zero(q.cols(), v.cols());
+  Eigen::VectorXd z = Eigen::VectorXd::Zero(q.cols());
+  Matrix<double> out(n, v.cols());
+  for (Eigen::Index t = 0; t < n; ++t) {
+    apply_gate(gates.row(t), s, z);
+    s += k.row(t).transpose() * v.row(t);
+    z += k.row(t).transpose();
+    const Eigen::RowVectorXd num = q.row(t) * s;
+    if (!normalize) {
+      out.row(t) = num;
+      continue;
+    }
+    const double d = guarded(q.row(t).dot(z) + eps, eps);
+    out.row(t) = d == 0.0 ? Eigen::RowVectorXd::Zero(v.cols()) : Eigen::RowVectorXd(num / d);
+  }
+  return out;
+}
+
+struct NaiveGradients {
+  Matrix<double> q, k, v, gates;
+};
+
+/// Naive reverse mode through the recurrence, token by token, in double: keeps every S_t and
+/// z_t (O(N C Dv), fine for a test) and walks back with dS, dz.
+NaiveGradients naive_gated_backward(const Matrix<double>& q, const Matrix<double>& k,
+                                    const Matrix<double>& v, const Matrix<double>& gates,
+                                    const Matrix<double>& grad_out, double eps, bool normalize) {
+  const Eigen::Index n = q.rows();
+  const Eigen::Index c = q.cols();
+  const Eigen::Index dv = v.cols();
+  std::vector<Matrix<double>> states(static_cast<std::size_t>(n));
+  std::vector<Eigen::VectorXd> sums(static_cast<std::size_t>(n));
+  Matrix<double> s = Matrix<double>::Zero(c, dv);
+  Eigen::VectorXd z = Eigen::VectorXd::Zero(c);
+  for (Eigen::Index t = 0; t < n; ++t) {
+    apply_gate(gates.row(t), s, z);
+    s += k.row(t).transpose() * v.row(t);
+    z += k.row(t).transpose();
+    states[static_cast<std::size_t>(t)] = s;
+    sums[static_cast<std::size_t>(t)] = z;
+  }
+  NaiveGradients g{Matrix<double>(n, c), Matrix<double>(n, c), Matrix<double>(n, dv),
+                   Matrix<double>(n, gates.cols())};
+  Matrix<double> ds = Matrix<double>::Zero(c, dv);
+  Eigen::VectorXd dz = Eigen::VectorXd::Zero(c);
+  for (Eigen::Index t = n - 1; t >= 0; --t) {
+    const Matrix<double>& st = states[static_cast<std::size_t>(t)];
+    const Eigen::VectorXd& zt = sums[static_cast<std::size_t>(t)];
+    Eigen::RowVectorXd gnum = grad_out.row(t);
+    double gden = 0.0;
+    if (normalize) {
+      const double raw = q.row(t).dot(zt) + eps;
+      const double d = guarded(raw, eps);
+      if (d == 0.0) {
+        gnum.setZero();
+      } else {
+        const Eigen::RowVectorXd out = (q.row(t) * st) / d;
+        gnum = grad_out.row(t) / d;
+        gden = std::abs(raw) < eps ? 0.0 : -grad_out.row(t).dot(out) / d;
+      }
+    }
+    g.q.row(t) = (st * gnum.transpose() + zt * gden).transpose();
+    ds += q.row(t).transpose() * gnum;
+    dz += q.row(t).transpose() * gden;
+    g.k.row(t) = (ds * v.row(t).transpose() + dz).transpose();
+    g.v.row(t) = k.row(t) * ds;
+    Eigen::VectorXd da = Eigen::VectorXd::Zero(c);
+    if (t > 0) {
+      const Matrix<double>& prev = states[static_cast<std::size_t>(t - 1)];
+      const Eigen::VectorXd& zprev = sums[static_cast<std::size_t>(t - 1)];
+      da = ds.cwiseProduct(prev).rowwise().sum() + dz.cwiseProduct(zprev);
+    }
+    if (gates.cols() == 1) {
+      g.gates(t, 0) = da.sum();
+    } else {
+      g.gates.row(t) = da.transpose();
+    }
+    apply_gate(gates.row(t), ds, dz);
+  }
+  return g;
+}
+
+/// A problem in T and the same (rounded) inputs in double for the reference.
+template <class T>
+struct Problem {
+  Matrix<T> q, k, v, gates;
+  Matrix<double> qd, kd, vd, gd;
+  /// Gates in [lo, hi), about one in eight exactly 1 unless hi < 1.
+  Problem(Eigen::Index n, Eigen::Index gate_cols, std::uint64_t seed, double lo = 0.75,
+          double hi = 1.0, Eigen::Index c = kC, Eigen::Index dv = kDv)
+      : q(positive_features<T>(n, c, seed)),
+        k(positive_features<T>(n, c, seed + 1)),
+        v(gaussian<T>(n, dv, seed + 2)),
+        gates(uniform_gates<T>(n, gate_cols, seed + 3, lo, hi, hi >= 1.0)) {
+    refresh();
+  }
+  void refresh() {
+    qd = q.template cast<double>();
+    kd = k.template cast<double>();
+    vd = v.template cast<double>();
+    gd = gates.template cast<double>();
+  }
+};
+
+const char* gate_kind(Eigen::Index cols) { return cols == 1 ? "scalar" : "per-feature"; }
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("gated: chunked, recurrent and prefill forms match the naive recurrence",
+                   "[gated]", float, double) {
+  using T = TestType;
+  double worst_chunked = 0.0, worst_step = 0.0, worst_pieces = 0.0;
+  for (const Eigen::Index n : {1, 7, 64, 65, 300, 1000}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+      const Problem<T> p(n, gate_cols, 100 + static_cast<std::uint64_t>(n) + gate_cols);
+      for (const bool normalize : {true, false}) {
+        const Matrix<double> expected = naive_gated(p.qd, p.kd, p.vd, p.gd, 1e-6, normalize);
+        REQUIRE(expected.allFinite());
+        INFO("N = " << n << ", " << gate_kind(gate_cols) << " gates, normalize = " << normalize);
+        for (const Eigen::Index chunk : {16, 64, 128}) {
+          INFO("chunk = " << chunk);
+          linattn::Options options;
+          options.normalize = normalize;
+          options.chunk = chunk;
+          const Matrix<T> out =
+              linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, options);
+          const double e = relative_error(out, expected);
+          CHECK(e <= tolerance<T>());
+          worst_chunked = std::max(worst_chunked, e);
+
+          // Prefill in three uneven pieces, from the state each leaves.
+          linattn::GatedRecurrentState<T> pieces(kC, kDv, options);
+          Matrix<T> joined(n, kDv);
+          const Eigen::Index cut1 = n / 3;
+          const Eigen::Index cut2 = std::max(cut1, (2 * n) / 3 + 1);
+          const Eigen::Index ends[] = {cut1, std::min(cut2, n), n};
+          Eigen::Index begin = 0;
+          for (const Eigen::Index end : ends) {
+            if (end > begin) {
+              joined.middleRows(begin, end - begin) = pieces.prefill(
+                  p.q.middleRows(begin, end - begin), p.k.middleRows(begin, end - begin),
+                  p.v.middleRows(begin, end - begin), p.gates.middleRows(begin, end - begin));
+            }
+            begin = end;
+          }
+          CHECK(pieces.tokens() == n);
+          const double ep = std::max(relative_error(joined, out), relative_error(joined, expected));
+          CHECK(ep <= tolerance<T>());
+          worst_pieces = std::max(worst_pieces, ep);
+        }
+        linattn::Options options;
+        options.normalize = normalize;
+        linattn::GatedRecurrentState<T> state(kC, kDv, options);
+        Matrix<T> stepped(n, kDv);
+        for (Eigen::Index t = 0; t < n; ++t) {
+          stepped.row(t) = state.step(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t));
+        }
+        const double es = relative_error(stepped, expected);
+        CHECK(es <= tolerance<T>());
+        worst_step = std::max(worst_step, es);
+      }
+    }
+  }
+  WARN("gated worst relative error: chunked " << worst_chunked << ", step " << worst_step
+                                              << ", prefill in pieces " << worst_pieces);
+}
+
+TEMPLATE_TEST_CASE("gated: prefill then step continues the same sequence", "[gated]", float,
+                   double) {
+  using T = TestType;
+  const Eigen::Index n = 200;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+    const Problem<T> p(n, gate_cols, 77 + gate_cols);
+    const Matrix<double> expected = naive_gated(p.qd, p.kd, p.vd, p.gd, 1e-6, true);
+    linattn::Options options;
+    options.chunk = 32;
+    linattn::GatedRecurrentState<T> state(kC, kDv, options);
+    Matrix<T> out(n, kDv);
+    out.topRows(150) =
+        state.prefill(p.q.topRows(150), p.k.topRows(150), p.v.topRows(150), p.gates.topRows(150));
+    for (Eigen::Index t = 150; t < n; ++t) {
+      out.row(t) = state.step(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t));
+    }
+    const double e = relative_error(out, expected);
+    INFO(gate_kind(gate_cols) << " gates");
+    CHECK(e <= tolerance<T>());
+    WARN("prefill then step, " << gate_kind(gate_cols) << ": " << e);
+    CHECK(state.tokens() == n);
+    state.reset();
+    CHECK(state.tokens() == 0);
+    CHECK(state.s().isZero(0));
+    CHECK(state.z().isZero(0));
+  }
+}
+
+TEMPLATE_TEST_CASE("gated: gates near 0 and near 1 with long chunks stay finite and match",
+                   "[gated]", float, double) {
+  using T = TestType;
+  constexpr bool is_float = std::is_same_v<T, float>;
+  const T tiny = is_float ? T(1e-20) : T(1e-30);
+  const T nearly_one = is_float ? T(1 - 1e-6) : T(1 - 1e-7);
+  struct Case {
+    const char* name;
+    std::vector<T> choices;
+  };
+  // The last case puts nearly-1 gates after strong ones inside a chunk: the log-gate sums
+  // reach 1e4 and the 1e-7 logs that follow must not be lost.
+  const std::vector<Case> cases = {{"near 0", {tiny}},
+                                   {"near 0 mixed with 1", {tiny, T(1), T(0.5), T(0.9)}},
+                                   {"near 1", {nearly_one}},
+                                   {"1", {T(1)}},
+                                   {"near 0 mixed with near 1", {tiny, nearly_one, nearly_one}}};
+  const Eigen::Index n = 1000;
+  double worst = 0.0;
+  for (const Case& c : cases) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+      Problem<T> p(n, gate_cols, 500 + gate_cols);
+      p.gates = mixed_gates<T>(n, gate_cols, 900 + gate_cols, c.choices);
+      p.refresh();
+      for (const bool normalize : {true, false}) {
+        INFO(c.name << ", " << gate_kind(gate_cols) << " gates, normalize = " << normalize);
+        linattn::Options options;
+        options.chunk = 256;
+        options.normalize = normalize;
+        const Matrix<double> expected = naive_gated(p.qd, p.kd, p.vd, p.gd, 1e-6, normalize);
+        const Matrix<T> out =
+            linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, options);
+        linattn::GatedRecurrentState<T> state(kC, kDv, options);
+        Matrix<T> stepped(n, kDv);
+        for (Eigen::Index t = 0; t < n; ++t) {
+          stepped.row(t) = state.step(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t));
+        }
+        REQUIRE(out.allFinite());
+        REQUIRE(stepped.allFinite());
+        const double e = std::max(relative_error(out, expected), relative_error(stepped, expected));
+        CHECK(e <= tolerance<T>());
+        worst = std::max(worst, e);
+      }
+    }
+  }
+  WARN("extreme gates worst relative error " << worst);
+}
+
+TEST_CASE("gated: float inputs accumulated in double", "[gated]") {
+  const Eigen::Index n = 1000;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+    const Problem<float> p(n, gate_cols, 31 + gate_cols);
+    const Matrix<double> expected = naive_gated(p.qd, p.kd, p.vd, p.gd, 1e-6, true);
+    const Matrix<float> out =
+        linattn::causal_gated_linear_attention<double>(p.q, p.k, p.v, p.gates);
+    linattn::GatedRecurrentState<float, double> state(kC, kDv);
+    const Matrix<float> pre = state.prefill(p.q, p.k, p.v, p.gates);
+    // Only the final rounding to float remains: a few float ulps of the largest entry.
+    const double e = std::max(relative_error(out, expected), relative_error(pre, expected));
+    INFO(gate_kind(gate_cols) << " gates");
+    CHECK(e <= 3e-7);
+    WARN("float in, double accumulator, " << gate_kind(gate_cols) << ": " << e);
+  }
+}
+
+TEST_CASE("gated: any Eigen expression as input gives the same result", "[gated]") {
+  const Eigen::Index n = 130;
+  const Problem<double> p(n, kC, 8);
+  linattn::Options options;
+  options.chunk = 40;
+  const Matrix<double> reference =
+      linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, options);
+  using ColMajor = Eigen::MatrixXd;
+  const ColMajor q = p.q, k = p.k, v = p.v, gates = p.gates;
+  const Matrix<double> wide = Matrix<double>::Ones(n, kC + 3);
+  Matrix<double> padded = wide;
+  padded.leftCols(kC) = p.q;
+  Matrix<double> out = Matrix<double>::Zero(n + 4, kDv);
+  linattn::causal_gated_linear_attention_into(padded.leftCols(kC), k, v.array().matrix(),
+                                              gates * 1.0, out.middleRows(2, n), options);
+  CHECK(relative_error(out.middleRows(2, n), reference) <= 1e-14);
+  CHECK(out.topRows(2).isZero(0));
+  CHECK(out.bottomRows(2).isZero(0));
+  const Matrix<double> from_col_major =
+      linattn::causal_gated_linear_attention(q, k, v, gates, options);
+  CHECK(relative_error(from_col_major, reference) <= 1e-14);
+}
+
+namespace {
+
+/// L = sum(R o out), the scalar loss the finite differences differentiate.
+double loss(const Matrix<double>& q, const Matrix<double>& k, const Matrix<double>& v,
+            const Matrix<double>& gates, const Matrix<double>& r, const linattn::Options& options) {
+  return linattn::causal_gated_linear_attention(q, k, v, gates, options).cwiseProduct(r).sum();
+}
+
+/// Central differences of `loss` in every entry of inputs[which]; h relative to the entry.
+Matrix<double> finite_differences(std::vector<Matrix<double>> inputs, std::size_t which,
+                                  const Matrix<double>& r, const linattn::Options& options) {
+  Matrix<double>& x = inputs[which];
+  Matrix<double> grad(x.rows(), x.cols());
+  for (Eigen::Index i = 0; i < x.rows(); ++i) {
+    for (Eigen::Index j = 0; j < x.cols(); ++j) {
+      const double saved = x(i, j);
+      const double h = 1e-6 * std::max(1.0, std::abs(saved));
+      x(i, j) = saved + h;
+      const double up = loss(inputs[0], inputs[1], inputs[2], inputs[3], r, options);
+      x(i, j) = saved - h;
+      const double down = loss(inputs[0], inputs[1], inputs[2], inputs[3], r, options);
+      x(i, j) = saved;
+      grad(i, j) = (up - down) / (2 * h);
+    }
+  }
+  return grad;
+}
+
+}  // namespace
+
+TEST_CASE("gated backward: matches central finite differences", "[gated][backward]") {
+  const Eigen::Index c = 4;
+  const Eigen::Index dv = 3;
+  double worst = 0.0, worst_naive = 0.0;
+  // N = 9 with chunk 4 crosses chunks; N = 40 with chunk 64 crosses secondary blocks.
+  for (const auto& [n, chunk] : {std::pair<Eigen::Index, Eigen::Index>{9, 4}, {40, 64}}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{1}, c}) {
+      // Gates in (0.3, 0.95): a +- h stays inside (0, 1].
+      const Problem<double> p(n, gate_cols, 60 + n + gate_cols, 0.3, 0.95, c, dv);
+      const Matrix<double> r = gaussian<double>(n, dv, 61 + n);
+      for (const bool normalize : {true, false}) {
+        INFO("N = " << n << ", " << gate_kind(gate_cols) << " gates, normalize = " << normalize);
+        linattn::Options options;
+        options.normalize = normalize;
+        options.chunk = chunk;
+        const linattn::GatedAttentionGradients<double> g =
+            linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, r, options);
+        const NaiveGradients naive =
+            naive_gated_backward(p.qd, p.kd, p.vd, p.gd, r, options.eps, normalize);
+        const std::vector<Matrix<double>> inputs = {p.q, p.k, p.v, p.gates};
+        const Matrix<double>* analytic[] = {&g.q, &g.k, &g.v, &g.gates};
+        const Matrix<double>* reference[] = {&naive.q, &naive.k, &naive.v, &naive.gates};
+        const char* names[] = {"phi_q", "phi_k", "v", "gates"};
+        for (std::size_t i = 0; i < 4; ++i) {
+          const Matrix<double> fd = finite_differences(inputs, i, r, options);
+          REQUIRE(analytic[i]->rows() == fd.rows());
+          REQUIRE(analytic[i]->cols() == fd.cols());
+          const double e = relative_error(*analytic[i], fd);
+          const double en = relative_error(*reference[i], fd);
+          INFO("d " << names[i] << ": library " << e << ", naive reference " << en);
+          CHECK(e <= 1e-6);
+          CHECK(en <= 1e-6);
+          worst = std::max(worst, e);
+          worst_naive = std::max(worst_naive, en);
+        }
+      }
+    }
+  }
+  WARN("backward vs finite differences: library " << worst << ", naive reference " << worst_naive);
+}
+
+TEMPLATE_TEST_CASE("gated backward: chunked matches the naive reverse mode", "[gated][backward]",
+                   float, double) {
+  // Float: each gradient is a sum over up to ~1/(1 - a) decayed terms computed in float, and the
+  // gate gradient a reverse cumulative sum of differences phi_q o dphi_q - phi_k o dphi_k whose
+  // terms are larger than the result; 1e-4 leaves room over the measured error. Double: the
+  // same sums at 1e-16 per operation, with the gate sum over N = 4096 terms: 1e-10.
+  using T = TestType;
+  const double bound = std::is_same_v<T, float> ? 1e-4 : 1e-10;
+  double worst[4] = {0, 0, 0, 0};
+  const char* names[] = {"phi_q", "phi_k", "v", "gates"};
+  for (const Eigen::Index n : {1, 2, 33, 300, 4096}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+      const Problem<T> p(n, gate_cols, 700 + static_cast<std::uint64_t>(n) + gate_cols);
+      const Matrix<T> grad_out = gaussian<T>(n, kDv, 701 + static_cast<std::uint64_t>(n));
+      const Matrix<double> god = grad_out.template cast<double>();
+      for (const bool normalize : {true, false}) {
+        // One normalized token is ill-conditioned in phi_q, phi_k: out = v (q.k) / (q.k + eps)
+        // barely depends on them, so their gradients are O(eps) differences of O(1) terms.
+        if (n == 1 && normalize) continue;
+        const NaiveGradients naive =
+            naive_gated_backward(p.qd, p.kd, p.vd, p.gd, god, 1e-6, normalize);
+        for (const Eigen::Index chunk : {16, 100}) {
+          INFO("N = " << n << ", " << gate_kind(gate_cols) << " gates, normalize = " << normalize
+                      << ", chunk = " << chunk);
+          linattn::Options options;
+          options.normalize = normalize;
+          options.chunk = chunk;
+          linattn::GatedAttentionGradients<T> g;
+          linattn::causal_gated_linear_attention_backward_into(p.q, p.k, p.v, p.gates, grad_out, g,
+                                                               options);
+          const Matrix<T>* got[] = {&g.q, &g.k, &g.v, &g.gates};
+          const Matrix<double>* want[] = {&naive.q, &naive.k, &naive.v, &naive.gates};
+          for (int i = 0; i < 4; ++i) {
+            REQUIRE(got[i]->rows() == want[i]->rows());
+            REQUIRE(got[i]->cols() == want[i]->cols());
+            const double e = relative_error(*got[i], *want[i]);
+            INFO("d " << names[i] << " " << e);
+            CHECK(e <= bound);
+            worst[i] = std::max(worst[i], e);
+          }
+        }
+      }
+    }
+  }
+  WARN("backward vs naive reverse mode, worst relative error: phi_q "
+       << worst[0] << ", phi_k " << worst[1] << ", v " << worst[2] << ", gates " << worst[3]);
+}
+
+TEMPLATE_TEST_CASE("gated backward: gates near 0 stay finite and match", "[gated][backward]", float,
+                   double) {
+  using T = TestType;
+  const T tiny = std::is_same_v<T, float> ? T(1e-20) : T(1e-30);
+  const double bound = std::is_same_v<T, float> ? 1e-4 : 1e-10;
+  const Eigen::Index n = 600;
+  double worst = 0.0;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+    Problem<T> p(n, gate_cols, 40 + gate_cols);
+    p.gates = mixed_gates<T>(n, gate_cols, 41 + gate_cols, {tiny, T(1), T(0.9)});
+    p.refresh();
+    const Matrix<T> grad_out = gaussian<T>(n, kDv, 42);
+    linattn::Options options;
+    options.chunk = 256;
+    const linattn::GatedAttentionGradients<T> g =
+        linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out, options);
+    const NaiveGradients naive =
+        naive_gated_backward(p.qd, p.kd, p.vd, p.gd, grad_out.template cast<double>(), 1e-6, true);
+    REQUIRE(g.q.allFinite());
+    REQUIRE(g.k.allFinite());
+    REQUIRE(g.v.allFinite());
+    REQUIRE(g.gates.allFinite());
+    // d a_t = d log a_t / a_t is huge for a tiny gate, so compare d log a_t = a_t d a_t.
+    const Matrix<double> dlog = g.gates.template cast<double>().cwiseProduct(p.gd);
+    const Matrix<double> dlog_naive = naive.gates.cwiseProduct(p.gd);
+    const double e = std::max({relative_error(g.q, naive.q), relative_error(g.k, naive.k),
+                               relative_error(g.v, naive.v), relative_error(dlog, dlog_naive)});
+    INFO(gate_kind(gate_cols) << " gates");
+    CHECK(e <= bound);
+    worst = std::max(worst, e);
+  }
+  WARN("backward with gates near 0, worst relative error " << worst);
+}
+
+TEMPLATE_TEST_CASE("gated: bad input throws linattn::Error and writes nothing", "[gated]", float,
+                   double) {
+  using T = TestType;
+  const Eigen::Index n = 10;
+  const Problem<T> p(n, 1, 3);
+  const Matrix<T> per_feature = uniform_gates<T>(n, kC, 4, 0.5, 1.0);
+  Matrix<T> out = Matrix<T>::Constant(n, kDv, T(7));
+  const auto run = [&](const Matrix<T>& gates, const linattn::Options& options = {}) {
+    linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, gates, out, options);
+  };
+  const auto message = [&](const Matrix<T>& gates, const linattn::Options& options = {}) {
+    try {
+      run(gates, options);
+    } catch (const linattn::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no throw");
+  };
+
+  CHECK_THROWS_AS(run(Matrix<T>::Constant(n, 2, T(0.5))), linattn::Error);
+  CHECK_THROWS_AS(run(Matrix<T>::Constant(n - 1, 1, T(0.5))), linattn::Error);
+  CHECK_THAT(message(Matrix<T>::Constant(n, 3, T(0.5))), Catch::Contains("gates is 10 x 3") &&
+                                                             Catch::Contains("10 x 1") &&
+                                                             Catch::Contains("10 x 8"));
+
+  Matrix<T> bad = per_feature;
+  bad(3, 5) = T(0);
+  CHECK_THAT(message(bad), Catch::Contains("(0, 1]") && Catch::Contains("row 3, column 5"));
+  bad(3, 5) = T(1.0001);
+  CHECK_THAT(message(bad), Catch::Contains("row 3, column 5"));
+  bad(3, 5) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THAT(message(bad), Catch::Contains("row 3, column 5"));
+  bad(3, 5) = T(-0.5);
+  CHECK_THROWS_AS(run(bad), linattn::Error);
+  // A NaN gate throws even with check_finite off: it is out of range, not merely non-finite.
+  linattn::Options unchecked;
+  unchecked.check_finite = false;
+  bad(3, 5) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_AS(run(bad, unchecked), linattn::Error);
+
+  linattn::Options decayed;
+  decayed.decay = 0.9;
+  CHECK_THAT(message(per_feature, decayed), Catch::Contains("decay"));
+  linattn::Options no_chunk;
+  no_chunk.chunk = 0;
+  CHECK_THROWS_AS(run(per_feature, no_chunk), linattn::Error);
+
+  Matrix<T> q_nan = p.q;
+  q_nan(2, 1) = std::numeric_limits<T>::infinity();
+  CHECK_THROWS_AS(
+      linattn::causal_gated_linear_attention_into(q_nan, p.k, p.v, per_feature, out, {}),
+      linattn::Error);
+  Matrix<T> wrong_out(n, kDv + 1);
+  CHECK_THROWS_AS(
+      linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, per_feature, wrong_out, {}),
+      linattn::Error);
+  CHECK((out.array() == T(7)).all());
+
+  // Backward: the same checks, plus grad_out.
+  Matrix<T> grad_out = gaussian<T>(n, kDv, 5);
+  CHECK_NOTHROW(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out));
+  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, bad, grad_out),
+                  linattn::Error);
+  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates,
+                                                                  grad_out.leftCols(kDv - 1)),
+                  linattn::Error);
+  CHECK_THROWS_AS(
+      linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out, decayed),
+      linattn::Error);
+  grad_out(4, 0) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out),
+                  linattn::Error);
+
+  CHECK_THROWS_AS(linattn::GatedRecurrentState<T>(kC, kDv, decayed), linattn::Error);
+  CHECK_THROWS_AS(linattn::GatedRecurrentState<T>(0, kDv), linattn::Error);
+}
+
+TEMPLATE_TEST_CASE("gated state: a throwing call leaves the state unchanged", "[gated]", float,
+                   double) {
+  using T = TestType;
+  const Eigen::Index n = 20;
+  const Problem<T> p(n, kC, 12);
+  linattn::GatedRecurrentState<T> state(kC, kDv);
+  state.prefill(p.q.topRows(10), p.k.topRows(10), p.v.topRows(10), p.gates.topRows(10));
+  const Matrix<T> s = state.s();
+  const Vector<T> z = state.z();
+  const Vector<T> q = p.q.row(10).transpose();
+  const Vector<T> k = p.k.row(10).transpose();
+  const Vector<T> v = p.v.row(10).transpose();
+  Vector<T> gate = p.gates.row(10).transpose();
+  Vector<T> out = Vector<T>::Constant(kDv, T(3));
+
+  const auto unchanged = [&] {
+    CHECK(state.s() == s);
+    CHECK(state.z() == z);
+    CHECK(state.tokens() == 10);
+    CHECK((out.array() == T(3)).all());
+  };
+  gate(2) = T(0);
+  CHECK_THROWS_AS(state.step_into(q, k, v, gate, out), linattn::Error);
+  unchanged();
+  gate(2) = T(1.5);
+  CHECK_THROWS_AS(state.step_into(q, k, v, gate, out), linattn::Error);
+  unchanged();
+  gate(2) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_AS(state.step_into(q, k, v, gate, out), linattn::Error);
+  unchanged();
+  CHECK_THROWS_AS(state.step_into(q, k, v, Vector<T>::Constant(3, T(0.5)), out), linattn::Error);
+  unchanged();
+  CHECK_THROWS_AS(state.step_into(q, k, v, T(0), out), linattn::Error);
+  unchanged();
+  CHECK_THROWS_AS(state.step_into(q, k, v, T(2), out), linattn::Error);
+  unchanged();
+  Vector<T> q_nan = q;
+  q_nan(0) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_AS(state.step_into(q_nan, k, v, T(0.5), out), linattn::Error);
+  unchanged();
+  CHECK_THROWS_AS(state.step_into(q, k, v.head(kDv - 1), T(0.5), out), linattn::Error);
+  unchanged();
+
+  Matrix<T> bad_gates = p.gates.bottomRows(10);
+  bad_gates(9, 7) = T(0);
+  Matrix<T> rows_out = Matrix<T>::Constant(10, kDv, T(3));
+  CHECK_THROWS_AS(state.prefill_into(p.q.bottomRows(10), p.k.bottomRows(10), p.v.bottomRows(10),
+                                     bad_gates, rows_out),
+                  linattn::Error);
+  CHECK((rows_out.array() == T(3)).all());
+  CHECK_THROWS_AS(state.prefill(p.q.bottomRows(10), p.k.bottomRows(10), p.v.bottomRows(10),
+                                p.gates.bottomRows(10).leftCols(2)),
+                  linattn::Error);
+  CHECK_THROWS_AS(
+      state.prefill(p.q.bottomRows(10).leftCols(kC - 1), p.k.bottomRows(10).leftCols(kC - 1),
+                    p.v.bottomRows(10), p.gates.bottomRows(10).leftCols(kC - 1)),
+      linattn::Error);
+  unchanged();
+}
+
+TEMPLATE_TEST_CASE("gated state: step_into allocates nothing; scalar gate overloads agree",
+                   "[gated]", float, double) {
+  using T = TestType;
+  const Eigen::Index n = 12;
+  const Problem<T> p(n, 1, 21);
+  const Matrix<T> per_feature = uniform_gates<T>(n, kC, 22, 0.5, 1.0);
+  linattn::GatedRecurrentState<T> by_scalar(kC, kDv);
+  linattn::GatedRecurrentState<T> by_vector(kC, kDv);
+  linattn::GatedRecurrentState<T> by_features(kC, kDv);
+  linattn::GatedRecurrentState<T> by_broadcast(kC, kDv);
+  Vector<T> a(kDv), b(kDv), c(kDv), d(kDv);
+  for (Eigen::Index t = 0; t < n; ++t) {
+    const Vector<T> broadcast = Vector<T>::Constant(kC, p.gates(t, 0));
+    Eigen::internal::set_is_malloc_allowed(false);
+    by_scalar.step_into(p.q.row(t), p.k.row(t), p.v.row(t), p.gates(t, 0), a);
+    by_vector.step_into(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t), b);
+    by_features.step_into(p.q.row(t), p.k.row(t), p.v.row(t), per_feature.row(t), c);
+    by_broadcast.step_into(p.q.row(t), p.k.row(t), p.v.row(t), broadcast, d);
+    Eigen::internal::set_is_malloc_allowed(true);
+    CHECK(a == b);
+    CHECK(relative_error(d, a) <= tolerance<T>());
+    CHECK(c.allFinite());
+  }
+  CHECK(by_scalar.tokens() == n);
+  const Matrix<double> expected =
+      naive_gated(p.qd, p.kd, p.vd, per_feature.template cast<double>(), 1e-6, true);
+  linattn::GatedRecurrentState<T> fresh(kC, kDv);
+  Matrix<T> stepped(n, kDv);
+  for (Eigen::Index t = 0; t < n; ++t) {
+    fresh.step_into(p.q.row(t), p.k.row(t), p.v.row(t), per_feature.row(t), c);
+    stepped.row(t) = c.transpose();
+  }
+  CHECK(relative_error(stepped, expected) <= tolerance<T>());
+}
+
+TEST_CASE("gated: zero denominators give zero rows and zero gradients", "[gated][backward]") {
+  // eps = 0 and an all-zero key before the first real one: den = 0 exactly, the guard keeps 0
+  // and the row is zero, in the forward and in the gradient.
+  const Eigen::Index n = 5;
+  Problem<double> p(n, 1, 90, 0.5, 0.9, 3, 2);
+  p.k.row(0).setZero();
+  p.refresh();
+  linattn::Options options;
+  options.eps = 0.0;
+  const Matrix<double> out =
+      linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, options);
+  CHECK(out.row(0).isZero(0));
+  const Matrix<double> expected = naive_gated(p.qd, p.kd, p.vd, p.gd, 0.0, true);
+  CHECK(relative_error(out, expected) <= 1e-14);
+  const Matrix<double> r = gaussian<double>(n, 2, 91);
+  const linattn::GatedAttentionGradients<double> g =
+      linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, r, options);
+  const NaiveGradients naive = naive_gated_backward(p.qd, p.kd, p.vd, p.gd, r, 0.0, true);
+  CHECK(g.q.row(0).isZero(0));
+  CHECK(relative_error(g.q, naive.q) <= 1e-12);
+  CHECK(relative_error(g.k, naive.k) <= 1e-12);
+  CHECK(relative_error(g.v, naive.v) <= 1e-12);
+  CHECK(relative_error(g.gates, naive.gates) <= 1e-12);
+}
