@@ -27,12 +27,6 @@ namespace linattn {
 
 namespace detail {
 
-template <class DQ, class DK, class DV, class DG>
-using enable_if_same_scalar4 =
-    std::enable_if_t<std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
-                     std::is_same_v<typename DQ::Scalar, typename DV::Scalar> &&
-                     std::is_same_v<typename DQ::Scalar, typename DG::Scalar>>;
-
 /// One unnormalized causal pass, out_i = sum_{j<=i} g^(i-j) (q_i . k_j) v_j, or with
 /// `reversed` the anti-causal one, out_j = sum_{i>=j} g^(i-j) (q_i . k_j) v_i. The arguments
 /// are expressions that live for the whole call.

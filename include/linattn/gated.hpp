@@ -12,6 +12,7 @@
 #include <linattn/detail/openmp.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/linear_attention.hpp>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -26,17 +27,6 @@
 namespace linattn {
 
 namespace detail {
-
-/// The accumulation type: Acc, or the input scalar when Acc is void.
-template <class Acc, class Scalar>
-using gated_accumulator_t = std::conditional_t<std::is_void_v<Acc>, Scalar, Acc>;
-
-/// Every input of a gated routine has the same scalar type.
-template <class DQ, class DK, class DV, class DG>
-using enable_if_gated_scalars =
-    std::enable_if_t<std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
-                     std::is_same_v<typename DQ::Scalar, typename DV::Scalar> &&
-                     std::is_same_v<typename DQ::Scalar, typename DG::Scalar>>;
 
 /// Which index of the state the gates scale.
 enum class GateSide {
@@ -387,7 +377,7 @@ void gated_forward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<D
                    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
                    Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
                    const char* where) {
-  using A = gated_accumulator_t<Acc, typename DQ::Scalar>;
+  using A = accumulator_t<Acc, typename DQ::Scalar>;
   static_assert(is_supported_scalar<typename DQ::Scalar> && is_supported_scalar<A>,
                 "gated linear attention takes float or double inputs and accumulators");
   validate_gated_sequence(phi_q, phi_k, v, gates, options, where);
@@ -418,7 +408,7 @@ void gated_forward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<D
 /// @param out      N x Dv result (may not alias the inputs)
 /// @param options  eps, normalize, chunk, check_finite; decay must be 1
 template <class Acc = void, class DQ, class DK, class DV, class DG,
-          class = detail::enable_if_gated_scalars<DQ, DK, DV, DG>>
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
 void causal_gated_linear_attention_into(const Eigen::MatrixBase<DQ>& phi_q,
                                         const Eigen::MatrixBase<DK>& phi_k,
                                         const Eigen::MatrixBase<DV>& v,
@@ -436,7 +426,7 @@ void causal_gated_linear_attention_into(const Eigen::MatrixBase<DQ>& phi_q,
 /// @param gates    N x 1 or N x C gates a_t in (0, 1]
 /// @param options  eps, normalize, chunk, check_finite; decay must be 1
 template <class Acc = void, class DQ, class DK, class DV, class DG,
-          class = detail::enable_if_gated_scalars<DQ, DK, DV, DG>>
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
 Matrix<typename DQ::Scalar> causal_gated_linear_attention(const Eigen::MatrixBase<DQ>& phi_q,
                                                           const Eigen::MatrixBase<DK>& phi_k,
                                                           const Eigen::MatrixBase<DV>& v,
@@ -472,7 +462,7 @@ void gated_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<
                     GatedAttentionGradients<typename DQ::Scalar>& grads, const Options& options,
                     const char* where) {
   using T = typename DQ::Scalar;
-  using A = gated_accumulator_t<Acc, T>;
+  using A = accumulator_t<Acc, T>;
   static_assert(is_supported_scalar<T> && is_supported_scalar<A>,
                 "gated linear attention takes float or double inputs and accumulators");
   static_assert(std::is_same_v<typename DO::Scalar, T>, "grad_out must have the inputs' scalar");
@@ -595,7 +585,7 @@ void gated_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<
 /// @param grads     receives q, k (N x C), v (N x Dv), gates (the gates' shape); resized
 /// @param options   as given to the forward call; decay must be 1
 template <class Acc = void, class DQ, class DK, class DV, class DG, class DO,
-          class = detail::enable_if_gated_scalars<DQ, DK, DV, DG>>
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
 void causal_gated_linear_attention_backward_into(
     const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
     const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
@@ -614,7 +604,7 @@ void causal_gated_linear_attention_backward_into(
 /// @param grad_out  N x Dv gradient of the loss with respect to the output
 /// @param options   as given to the forward call; decay must be 1
 template <class Acc = void, class DQ, class DK, class DV, class DG, class DO,
-          class = detail::enable_if_gated_scalars<DQ, DK, DV, DG>>
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
 GatedAttentionGradients<typename DQ::Scalar> causal_gated_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
     const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,

@@ -30,6 +30,13 @@ using enable_if_same_scalar =
     std::enable_if_t<std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
                      std::is_same_v<typename DQ::Scalar, typename DV::Scalar>>;
 
+/// The same for the four inputs of a backward call (grad_out, or gates, fourth).
+template <class DQ, class DK, class DV, class DG>
+using enable_if_same_scalar4 =
+    std::enable_if_t<std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
+                     std::is_same_v<typename DQ::Scalar, typename DV::Scalar> &&
+                     std::is_same_v<typename DQ::Scalar, typename DG::Scalar>>;
+
 template <class Map>
 using enable_if_feature_map = std::enable_if_t<is_feature_map<Map>::value>;
 
