@@ -7,6 +7,7 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/random.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
 #include <string>
 #include <type_traits>
 

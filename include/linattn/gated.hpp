@@ -12,6 +12,7 @@
 #include <linattn/detail/openmp.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
 #include <linattn/linear_attention.hpp>
 #include <string>
 #include <type_traits>

@@ -4,6 +4,7 @@
 
 #include <linattn/config.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/multi_head.hpp>
 #include <linattn/state_batch.hpp>

@@ -4,7 +4,9 @@
 
 #include <linattn/backward.hpp>
 #include <linattn/config.hpp>
+#include <linattn/feature_map.hpp>
 #include <linattn/feature_maps.hpp>
+#include <linattn/gated.hpp>
 #include <linattn/gradients.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/layer.hpp>

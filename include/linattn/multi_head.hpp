@@ -8,6 +8,7 @@
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/softmax.hpp>

@@ -15,6 +15,7 @@
 #include <linattn/detail/serialize.hpp>
 #include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
 #include <ostream>
 #include <string>
 #include <type_traits>

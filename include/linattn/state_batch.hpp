@@ -5,6 +5,7 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/multi_head.hpp>
 #include <linattn/recurrent_state.hpp>

@@ -228,17 +228,4 @@ void require_backward_shape(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixB
   }
 }
 
-/// Detects the feature-map concept of DESIGN.md (a `feature_dim(Index)` member).
-template <class Map, class = void>
-struct is_feature_map : std::false_type {};
-template <class Map>
-struct is_feature_map<Map, std::void_t<decltype(std::declval<const Map&>().feature_dim(
-                               std::declval<Eigen::Index>()))>> : std::true_type {};
-
-/// Detects maps that return rows scaled to max 1 plus a per-row log scale (exponential maps).
-template <class Map, class = void>
-struct is_log_scaled : std::false_type {};
-template <class Map>
-struct is_log_scaled<Map, std::enable_if_t<Map::log_scaled>> : std::true_type {};
-
 }  // namespace linattn::detail
