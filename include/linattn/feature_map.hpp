@@ -32,6 +32,20 @@ struct Identity {
     return x;
   }
 
+  /// As queries(x), into a caller's N x Dk `out`; allocates nothing.
+  template <class Derived>
+  void queries_into(const Eigen::MatrixBase<Derived>& x,
+                    Eigen::Ref<Matrix<typename Derived::Scalar>> out) const {
+    out = x;
+  }
+
+  /// As keys(x), into a caller's N x Dk `out`; allocates nothing.
+  template <class Derived>
+  void keys_into(const Eigen::MatrixBase<Derived>& x,
+                 Eigen::Ref<Matrix<typename Derived::Scalar>> out) const {
+    out = x;
+  }
+
   /// The gradient passes through unchanged.
   /// @param x         N x Dk inputs
   /// @param grad_phi  N x Dk gradient with respect to phi(x)
@@ -58,6 +72,121 @@ template <class Map, class = void>
 struct is_log_scaled : std::false_type {};
 template <class Map>
 struct is_log_scaled<Map, std::enable_if_t<Map::log_scaled>> : std::true_type {};
+
+/// The default of every `map` parameter: a call that names no map gets a static_assert
+/// telling it to pass one, instead of treating raw q, k as features.
+struct MissingFeatureMap {};
+
+template <class Map, class = void>
+struct has_feature_dim : std::false_type {};
+template <class Map>
+struct has_feature_dim<Map,
+                       std::void_t<decltype(Eigen::Index{std::declval<const Map&>().feature_dim(
+                           std::declval<Eigen::Index>())})>> : std::true_type {};
+
+template <class Map, class Scalar, class = void>
+struct has_queries : std::false_type {};
+template <class Map, class Scalar>
+struct has_queries<Map, Scalar,
+                   std::void_t<decltype(Matrix<Scalar>(std::declval<const Map&>().queries(
+                       std::declval<const Matrix<Scalar>&>())))>> : std::true_type {};
+
+template <class Map, class Scalar, class = void>
+struct has_keys : std::false_type {};
+template <class Map, class Scalar>
+struct has_keys<Map, Scalar,
+                std::void_t<decltype(Matrix<Scalar>(std::declval<const Map&>().keys(
+                    std::declval<const Matrix<Scalar>&>())))>> : std::true_type {};
+
+template <class Map, class Scalar, class = void>
+struct has_queries_into : std::false_type {};
+template <class Map, class Scalar>
+struct has_queries_into<
+    Map, Scalar,
+    std::void_t<decltype(std::declval<const Map&>().queries_into(
+        std::declval<const Matrix<Scalar>&>(), std::declval<Eigen::Ref<Matrix<Scalar>>>()))>>
+    : std::true_type {};
+
+template <class Map, class Scalar, class = void>
+struct has_keys_into : std::false_type {};
+template <class Map, class Scalar>
+struct has_keys_into<
+    Map, Scalar,
+    std::void_t<decltype(std::declval<const Map&>().keys_into(
+        std::declval<const Matrix<Scalar>&>(), std::declval<Eigen::Ref<Matrix<Scalar>>>()))>>
+    : std::true_type {};
+
+template <class Map, class Scalar, class = void>
+struct has_scaled_features_into : std::false_type {};
+template <class Map, class Scalar>
+struct has_scaled_features_into<
+    Map, Scalar,
+    std::void_t<decltype(std::declval<const Map&>().scaled_features_into(
+        std::declval<const Matrix<Scalar>&>(), std::declval<Eigen::Ref<Matrix<Scalar>>>(),
+        std::declval<Eigen::Ref<Vector<double>>>()))>> : std::true_type {};
+
+/// True when Map satisfies the whole concept for inputs of type Scalar.
+template <class Map, class Scalar>
+constexpr bool is_usable_feature_map =
+    has_feature_dim<Map>::value&& has_queries<Map, Scalar>::value&& has_keys<Map, Scalar>::value;
+
+/// The concept check of every entry point that takes a map: each failure names what to do.
+/// Returns whether Map is usable, so callers can skip the body (and its follow-on errors).
+template <class Map, class Scalar>
+constexpr bool check_feature_map() {
+  static_assert(!std::is_same_v<Map, MissingFeatureMap>,
+                "linattn: this call needs a feature map argument after v: pass "
+                "linattn::Identity{} when q and k are already features, or a map such as "
+                "linattn::EluPlusOne{}");
+  static_assert(std::is_same_v<Map, MissingFeatureMap> || !std::is_same_v<Map, Options>,
+                "linattn: the feature map comes before the Options: write f(q, k, v, "
+                "linattn::Identity{}, options) for precomputed features");
+  static_assert(std::is_same_v<Map, MissingFeatureMap> || std::is_same_v<Map, Options> ||
+                    has_feature_dim<Map>::value,
+                "linattn: a feature map needs a member `Eigen::Index feature_dim(Eigen::Index "
+                "input_dim) const` (see linattn/feature_map.hpp)");
+  static_assert(!has_feature_dim<Map>::value || has_queries<Map, Scalar>::value,
+                "linattn: a feature map needs a const member `queries(x)` taking an N x Dk "
+                "linattn::Matrix and returning its N x C features (see linattn/feature_map.hpp)");
+  static_assert(!has_feature_dim<Map>::value || has_keys<Map, Scalar>::value,
+                "linattn: a feature map needs a const member `keys(x)` taking an N x Dk "
+                "linattn::Matrix and returning its N x C features (see linattn/feature_map.hpp)");
+  return is_usable_feature_map<Map, Scalar>;
+}
+
+/// out = map.queries(x), through map.queries_into when the map has it (no allocation).
+template <class Map, class Scalar>
+void map_queries_into(const Map& map, const Matrix<Scalar>& x, Eigen::Ref<Matrix<Scalar>> out) {
+  if constexpr (has_queries_into<Map, Scalar>::value) {
+    map.queries_into(x, out);
+  } else {
+    out = map.queries(x);
+  }
+}
+
+/// out = map.keys(x), through map.keys_into when the map has it (no allocation).
+template <class Map, class Scalar>
+void map_keys_into(const Map& map, const Matrix<Scalar>& x, Eigen::Ref<Matrix<Scalar>> out) {
+  if constexpr (has_keys_into<Map, Scalar>::value) {
+    map.keys_into(x, out);
+  } else {
+    out = map.keys(x);
+  }
+}
+
+/// out, log_scale = map.scaled_features(x), through scaled_features_into when the map has it.
+template <class Map, class Scalar>
+void map_scaled_features_into(const Map& map, const Matrix<Scalar>& x,
+                              Eigen::Ref<Matrix<Scalar>> out,
+                              Eigen::Ref<Vector<double>> log_scale) {
+  if constexpr (has_scaled_features_into<Map, Scalar>::value) {
+    map.scaled_features_into(x, out, log_scale);
+  } else {
+    Vector<double> log;
+    out = map.scaled_features(x, log);
+    log_scale = log;
+  }
+}
 
 /// True for Identity: the kernels then read the inputs as features, in place.
 template <class Map>
