@@ -198,16 +198,6 @@ void featurized_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matrix
   }
 }
 
-/// Detects a feature map with a `backward(x, grad_phi)` member.
-template <class Map, class Scalar, class = void>
-struct has_map_backward : std::false_type {};
-template <class Map, class Scalar>
-struct has_map_backward<
-    Map, Scalar,
-    std::void_t<decltype(std::declval<const Map&>().backward(
-        std::declval<const Matrix<Scalar>&>(), std::declval<const Matrix<Scalar>&>()))>>
-    : std::true_type {};
-
 /// Featurizes q and k in Acc, runs the featurized backward there and chains the map's backward.
 template <class Acc, class DQ, class DK, class DV, class DG, class Map>
 void mapped_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -254,157 +244,113 @@ void mapped_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   grad_v = grad_values.template cast<T>();
 }
 
+/// The one dispatch of the backward entry points: Identity runs the featurized backward on
+/// the inputs in place, any other map recomputes its features and chains its backward.
+template <class Acc, class DQ, class DK, class DV, class DG, class Map>
+void backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+              const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out, const Map& map,
+              Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q,
+              Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
+              Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v, const Options& options, bool causal,
+              const char* where) {
+  if constexpr (check_feature_map<Map, accumulator_t<Acc, typename DQ::Scalar>>()) {
+    if constexpr (is_identity_map<Map>) {
+      featurized_backward<Acc>(q, k, v, grad_out, grad_q, grad_k, grad_v, options, causal, where);
+    } else {
+      mapped_backward<Acc>(q, k, v, grad_out, map, grad_q, grad_k, grad_v, options, causal, where);
+    }
+  }
+}
+
 }  // namespace detail
 
-/// Backward of causal_linear_attention on featurized inputs, into caller-provided gradients.
-/// Time O(N C Dv) (four chunked passes, the forward recomputed), workspace O(N Dv) when
-/// normalizing (none otherwise), no per-token state. Honours eps, decay, normalize, chunk,
-/// check_finite (which also scans grad_out) and threads.
-/// @param phi_q       N x C featurized queries, as given to the forward
-/// @param phi_k       N x C featurized keys
-/// @param v           N x Dv values
-/// @param grad_out    N x Dv gradient of the loss with respect to the forward's output
-/// @param grad_phi_q  N x C result: d loss / d phi_q (may not alias the inputs)
-/// @param grad_phi_k  N x C result: d loss / d phi_k
-/// @param grad_v      N x Dv result: d loss / d v
-/// @param options     the forward's options
-template <class Acc = void, class DQ, class DK, class DV, class DG,
-          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
-void causal_linear_attention_backward_into(const Eigen::MatrixBase<DQ>& phi_q,
-                                           const Eigen::MatrixBase<DK>& phi_k,
-                                           const Eigen::MatrixBase<DV>& v,
-                                           const Eigen::MatrixBase<DG>& grad_out,
-                                           Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_q,
-                                           Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_k,
-                                           Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v,
-                                           const Options& options = {}) {
-  detail::featurized_backward<Acc>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k, grad_v,
-                                   options, true, "causal_linear_attention_backward");
-}
-
-/// Backward of causal_linear_attention on featurized inputs.
-/// @param phi_q     N x C featurized queries
-/// @param phi_k     N x C featurized keys
+/// Backward of causal_linear_attention, into caller-provided gradients. Time O(N C Dv) (four
+/// chunked passes, the forward recomputed), workspace O(N Dv) when normalizing (none
+/// otherwise), no per-token state. Honours eps, decay, normalize, chunk, check_finite (which
+/// also scans grad_out) and threads. With a map other than Identity the map's features are
+/// recomputed in the accumulation type and its `backward` carries the gradients to q and k;
+/// the features must be finite there (exponential maps on large inputs: use Acc = double).
+/// @param q         N x Dk queries, as given to the forward (features, with Identity)
+/// @param k         N x Dk keys
 /// @param v         N x Dv values
-/// @param grad_out  N x Dv gradient of the loss with respect to the output
-/// @return          gradients with respect to phi_q (N x C), phi_k (N x C) and v (N x Dv)
-template <class Acc = void, class DQ, class DK, class DV, class DG,
-          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
-AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
-    const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
-    const Options& options = {}) {
-  AttentionGradients<typename DQ::Scalar> grads{
-      {phi_q.rows(), phi_q.cols()}, {phi_k.rows(), phi_k.cols()}, {v.rows(), v.cols()}};
-  causal_linear_attention_backward_into<Acc>(phi_q, phi_k, v, grad_out, grads.q, grads.k, grads.v,
-                                             options);
-  return grads;
-}
-
-/// Backward of causal_linear_attention with a feature map, into caller-provided gradients: the
-/// map's features are recomputed in the accumulation type and its `backward` carries the
-/// gradients to q and k. The features must be finite there (exponential maps on large inputs:
-/// use Acc = double).
-/// @param q       N x Dk queries
-/// @param k       N x Dk keys
-/// @param v       N x Dv values
-/// @param grad_out  N x Dv gradient of the loss with respect to the output
-/// @param map     feature map with a backward member (EluPlusOne, Relu, PositiveRandomFeatures,
-///                RandomFourierFeatures)
-/// @param grad_q  N x Dk result: d loss / d q
-/// @param grad_k  N x Dk result: d loss / d k
-/// @param grad_v  N x Dv result: d loss / d v
+/// @param grad_out  N x Dv gradient of the loss with respect to the forward's output
+/// @param map       the forward's feature map; needs a backward member unless Identity
+/// @param grad_q    N x Dk result: d loss / d q (may not alias the inputs)
+/// @param grad_k    N x Dk result: d loss / d k
+/// @param grad_v    N x Dv result: d loss / d v
+/// @param options   the forward's options
 template <class Acc = void, class DQ, class DK, class DV, class DG, class Map,
-          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>,
-          class = detail::enable_if_feature_map<Map>>
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
 void causal_linear_attention_backward_into(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
     const Eigen::MatrixBase<DG>& grad_out, const Map& map,
     Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q, Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
     Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v, const Options& options = {}) {
-  detail::mapped_backward<Acc>(q, k, v, grad_out, map, grad_q, grad_k, grad_v, options, true,
-                               "causal_linear_attention_backward");
+  detail::backward<Acc>(q, k, v, grad_out, map, grad_q, grad_k, grad_v, options, true,
+                        "causal_linear_attention_backward");
 }
 
-/// Backward of causal_linear_attention with a feature map.
+/// Backward of causal_linear_attention. See causal_linear_attention_backward_into.
 /// @param q         N x Dk queries
 /// @param k         N x Dk keys
 /// @param v         N x Dv values
 /// @param grad_out  N x Dv gradient of the loss with respect to the output
-/// @param map       feature map with a backward member
+/// @param map       the forward's feature map (Identity{} for precomputed features); a call
+///                  without one does not compile
 /// @return          gradients with respect to q (N x Dk), k (N x Dk) and v (N x Dv)
-template <class Acc = void, class DQ, class DK, class DV, class DG, class Map,
-          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>,
-          class = detail::enable_if_feature_map<Map>>
+template <class Acc = void, class DQ, class DK, class DV, class DG,
+          class Map = detail::MissingFeatureMap,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
 AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-    const Eigen::MatrixBase<DG>& grad_out, const Map& map, const Options& options = {}) {
+    const Eigen::MatrixBase<DG>& grad_out, const Map& map = {}, const Options& options = {}) {
   AttentionGradients<typename DQ::Scalar> grads{
       {q.rows(), q.cols()}, {k.rows(), k.cols()}, {v.rows(), v.cols()}};
-  causal_linear_attention_backward_into<Acc>(q, k, v, grad_out, map, grads.q, grads.k, grads.v,
-                                             options);
+  detail::backward<Acc>(q, k, v, grad_out, map, grads.q, grads.k, grads.v, options, true,
+                        "causal_linear_attention_backward");
   return grads;
 }
 
-/// Backward of the non-causal linear_attention on featurized inputs, into caller-provided
-/// gradients: five GEMMs through the C x (Dv + 1) sums, workspace O(N (C + Dv)).
-/// @param phi_q       N x C featurized queries
-/// @param phi_k       N x C featurized keys
-/// @param v           N x Dv values
-/// @param grad_out    N x Dv gradient of the loss with respect to the output
-/// @param grad_phi_q  N x C result
-/// @param grad_phi_k  N x C result
-/// @param grad_v      N x Dv result
-template <class Acc = void, class DQ, class DK, class DV, class DG,
-          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
-void linear_attention_backward_into(const Eigen::MatrixBase<DQ>& phi_q,
-                                    const Eigen::MatrixBase<DK>& phi_k,
-                                    const Eigen::MatrixBase<DV>& v,
-                                    const Eigen::MatrixBase<DG>& grad_out,
-                                    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_q,
-                                    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_k,
-                                    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v,
-                                    const Options& options = {}) {
-  detail::featurized_backward<Acc>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k, grad_v,
-                                   options, false, "linear_attention_backward");
-}
-
-/// Backward of the non-causal linear_attention on featurized inputs.
-/// @param phi_q     N x C featurized queries
-/// @param phi_k     N x C featurized keys
+/// Backward of the non-causal linear_attention, into caller-provided gradients: five GEMMs
+/// through the C x (Dv + 1) sums, workspace O(N (C + Dv)).
+/// @param q         N x Dk queries (features, with Identity)
+/// @param k         N x Dk keys
 /// @param v         N x Dv values
 /// @param grad_out  N x Dv gradient of the loss with respect to the output
-/// @return          gradients with respect to phi_q, phi_k and v
-template <class Acc = void, class DQ, class DK, class DV, class DG,
+/// @param map       the forward's feature map; needs a backward member unless Identity
+/// @param grad_q    N x Dk result
+/// @param grad_k    N x Dk result
+/// @param grad_v    N x Dv result
+template <class Acc = void, class DQ, class DK, class DV, class DG, class Map,
           class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
-AttentionGradients<typename DQ::Scalar> linear_attention_backward(
-    const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
-    const Options& options = {}) {
-  AttentionGradients<typename DQ::Scalar> grads{
-      {phi_q.rows(), phi_q.cols()}, {phi_k.rows(), phi_k.cols()}, {v.rows(), v.cols()}};
-  linear_attention_backward_into<Acc>(phi_q, phi_k, v, grad_out, grads.q, grads.k, grads.v,
-                                      options);
-  return grads;
+void linear_attention_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                    const Eigen::MatrixBase<DV>& v,
+                                    const Eigen::MatrixBase<DG>& grad_out, const Map& map,
+                                    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q,
+                                    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
+                                    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v,
+                                    const Options& options = {}) {
+  detail::backward<Acc>(q, k, v, grad_out, map, grad_q, grad_k, grad_v, options, false,
+                        "linear_attention_backward");
 }
 
-/// Backward of the non-causal linear_attention with a feature map.
+/// Backward of the non-causal linear_attention.
 /// @param q         N x Dk queries
 /// @param k         N x Dk keys
 /// @param v         N x Dv values
 /// @param grad_out  N x Dv gradient of the loss with respect to the output
-/// @param map       feature map with a backward member
+/// @param map       the forward's feature map (Identity{} for precomputed features)
 /// @return          gradients with respect to q, k and v
-template <class Acc = void, class DQ, class DK, class DV, class DG, class Map,
-          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>,
-          class = detail::enable_if_feature_map<Map>>
+template <class Acc = void, class DQ, class DK, class DV, class DG,
+          class Map = detail::MissingFeatureMap,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
 AttentionGradients<typename DQ::Scalar> linear_attention_backward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-    const Eigen::MatrixBase<DG>& grad_out, const Map& map, const Options& options = {}) {
+    const Eigen::MatrixBase<DG>& grad_out, const Map& map = {}, const Options& options = {}) {
   AttentionGradients<typename DQ::Scalar> grads{
       {q.rows(), q.cols()}, {k.rows(), k.cols()}, {v.rows(), v.cols()}};
-  detail::mapped_backward<Acc>(q, k, v, grad_out, map, grads.q, grads.k, grads.v, options, false,
-                               "linear_attention_backward");
+  detail::backward<Acc>(q, k, v, grad_out, map, grads.q, grads.k, grads.v, options, false,
+                        "linear_attention_backward");
   return grads;
 }
 

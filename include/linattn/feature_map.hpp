@@ -125,6 +125,16 @@ struct has_scaled_features_into<
         std::declval<const Matrix<Scalar>&>(), std::declval<Eigen::Ref<Matrix<Scalar>>>(),
         std::declval<Eigen::Ref<Vector<double>>>()))>> : std::true_type {};
 
+/// Detects a feature map with a `backward(x, grad_phi)` member.
+template <class Map, class Scalar, class = void>
+struct has_map_backward : std::false_type {};
+template <class Map, class Scalar>
+struct has_map_backward<
+    Map, Scalar,
+    std::void_t<decltype(std::declval<const Map&>().backward(
+        std::declval<const Matrix<Scalar>&>(), std::declval<const Matrix<Scalar>&>()))>>
+    : std::true_type {};
+
 /// True when Map satisfies the whole concept for inputs of type Scalar.
 template <class Map, class Scalar>
 constexpr bool is_usable_feature_map =
@@ -155,9 +165,10 @@ constexpr bool check_feature_map() {
 }
 
 /// out = map.queries(x), through map.queries_into when the map has it (no allocation).
-template <class Map, class Scalar>
-void map_queries_into(const Map& map, const Matrix<Scalar>& x, Eigen::Ref<Matrix<Scalar>> out) {
-  if constexpr (has_queries_into<Map, Scalar>::value) {
+template <class Map, class DX>
+void map_queries_into(const Map& map, const Eigen::MatrixBase<DX>& x,
+                      Eigen::Ref<Matrix<typename DX::Scalar>> out) {
+  if constexpr (has_queries_into<Map, typename DX::Scalar>::value) {
     map.queries_into(x, out);
   } else {
     out = map.queries(x);
@@ -165,9 +176,10 @@ void map_queries_into(const Map& map, const Matrix<Scalar>& x, Eigen::Ref<Matrix
 }
 
 /// out = map.keys(x), through map.keys_into when the map has it (no allocation).
-template <class Map, class Scalar>
-void map_keys_into(const Map& map, const Matrix<Scalar>& x, Eigen::Ref<Matrix<Scalar>> out) {
-  if constexpr (has_keys_into<Map, Scalar>::value) {
+template <class Map, class DX>
+void map_keys_into(const Map& map, const Eigen::MatrixBase<DX>& x,
+                   Eigen::Ref<Matrix<typename DX::Scalar>> out) {
+  if constexpr (has_keys_into<Map, typename DX::Scalar>::value) {
     map.keys_into(x, out);
   } else {
     out = map.keys(x);
@@ -175,11 +187,11 @@ void map_keys_into(const Map& map, const Matrix<Scalar>& x, Eigen::Ref<Matrix<Sc
 }
 
 /// out, log_scale = map.scaled_features(x), through scaled_features_into when the map has it.
-template <class Map, class Scalar>
-void map_scaled_features_into(const Map& map, const Matrix<Scalar>& x,
-                              Eigen::Ref<Matrix<Scalar>> out,
+template <class Map, class DX>
+void map_scaled_features_into(const Map& map, const Eigen::MatrixBase<DX>& x,
+                              Eigen::Ref<Matrix<typename DX::Scalar>> out,
                               Eigen::Ref<Vector<double>> log_scale) {
-  if constexpr (has_scaled_features_into<Map, Scalar>::value) {
+  if constexpr (has_scaled_features_into<Map, typename DX::Scalar>::value) {
     map.scaled_features_into(x, out, log_scale);
   } else {
     Vector<double> log;

@@ -399,42 +399,92 @@ void gated_forward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<D
 
 }  // namespace detail
 
-/// Gated causal linear attention on featurized inputs, chunked (parallel) form, into `out`.
-/// O(N) time; allocates O(chunk * (C + Dv) + chunk^2 + C * Dv), nothing proportional to N.
-/// Gates near 0 (1e-30) and long chunks stay finite: every weight is exp of a non-positive sum.
-/// @param phi_q    N x C featurized queries, one row per token
-/// @param phi_k    N x C featurized keys
-/// @param v        N x Dv values
-/// @param gates    N x 1 or N x C gates a_t in (0, 1] (not logs), scalar or per feature
-/// @param out      N x Dv result (may not alias the inputs)
-/// @param options  eps, normalize, chunk, check_finite; decay must be 1
-template <class Acc = void, class DQ, class DK, class DV, class DG,
-          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
-void causal_gated_linear_attention_into(const Eigen::MatrixBase<DQ>& phi_q,
-                                        const Eigen::MatrixBase<DK>& phi_k,
-                                        const Eigen::MatrixBase<DV>& v,
-                                        const Eigen::MatrixBase<DG>& gates,
-                                        Eigen::Ref<Matrix<typename DQ::Scalar>> out,
-                                        const Options& options = {}) {
-  detail::gated_forward<Acc>(phi_q, phi_k, v, gates, out, options, "causal_gated_linear_attention");
+namespace detail {
+
+/// The features the gated kernels read, in the input type: Identity inputs as they are, any
+/// other map applied to all rows in the accumulation type (checked finite: the gated kernels
+/// have no log-scale stabiliser, so unscaled exponential features must not overflow).
+template <class Acc, class Map, class DX>
+Matrix<typename DX::Scalar> gated_features(const Map& map, const Eigen::MatrixBase<DX>& x,
+                                           bool keys, const Options& options, const char* where,
+                                           const char* name) {
+  using T = typename DX::Scalar;
+  using A = accumulator_t<Acc, T>;
+  if (options.check_finite) require_finite(x, where, name);
+  const Matrix<A> raw = x.template cast<A>();
+  const Matrix<A> phi = keys ? map.keys(raw) : map.queries(raw);
+  if (!phi.allFinite()) {
+    throw Error(std::string(where) + ": the feature map gives non-finite features for " + name +
+                " (the gated kernels need finite features: accumulate in double or scale the "
+                "inputs down)");
+  }
+  return phi.template cast<T>();
 }
 
-/// Gated causal linear attention on featurized inputs; returns N x Dv.
-/// See causal_gated_linear_attention_into.
-/// @param phi_q    N x C featurized queries
-/// @param phi_k    N x C featurized keys
+/// Runs `body(phi_q, phi_k)` on the features of q and k: in place for Identity, else the
+/// map's features of every row.
+template <class Acc, class Map, class DQ, class DK, class Body>
+void with_gated_features(const Map& map, const Eigen::MatrixBase<DQ>& q,
+                         const Eigen::MatrixBase<DK>& k, const Options& options, const char* where,
+                         const Body& body) {
+  if constexpr (check_feature_map<Map, accumulator_t<Acc, typename DQ::Scalar>>()) {
+    if constexpr (is_identity_map<Map>) {
+      body(q.derived(), k.derived());
+    } else {
+      if (q.cols() != k.cols()) {
+        throw Error(std::string(where) + ": q is " + shape_string(q) + " and k is " +
+                    shape_string(k) + "; they must have the same width");
+      }
+      body(gated_features<Acc>(map, q, false, options, where, "q"),
+           gated_features<Acc>(map, k, true, options, where, "k"));
+    }
+  }
+}
+
+}  // namespace detail
+
+/// Gated causal linear attention, chunked (parallel) form, into `out`. O(N) time; allocates
+/// O(chunk * (C + Dv) + chunk^2 + C * Dv) for Identity, plus the N x C features of any other
+/// map. Gates near 0 (1e-30) and long chunks stay finite: every weight is exp of a
+/// non-positive sum.
+/// @param q        N x Dk queries, one row per token (features, with Identity)
+/// @param k        N x Dk keys
+/// @param v        N x Dv values
+/// @param gates    N x 1 or N x C gates a_t in (0, 1] (not logs), scalar or per feature
+/// @param map      feature map (Identity{} for precomputed features)
+/// @param out      N x Dv result, row-major (may not alias the inputs)
+/// @param options  eps, normalize, chunk, check_finite; decay must be 1
+template <class Acc = void, class DQ, class DK, class DV, class DG, class Map,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
+void causal_gated_linear_attention_into(const Eigen::MatrixBase<DQ>& q,
+                                        const Eigen::MatrixBase<DK>& k,
+                                        const Eigen::MatrixBase<DV>& v,
+                                        const Eigen::MatrixBase<DG>& gates, const Map& map,
+                                        Eigen::Ref<Matrix<typename DQ::Scalar>> out,
+                                        const Options& options = {}) {
+  constexpr const char* where = "causal_gated_linear_attention";
+  detail::with_gated_features<Acc>(
+      map, q, k, options, where, [&](const auto& phi_q, const auto& phi_k) {
+        detail::gated_forward<Acc>(phi_q, phi_k, v, gates, out, options, where);
+      });
+}
+
+/// Gated causal linear attention; returns N x Dv. See causal_gated_linear_attention_into.
+/// @param q        N x Dk queries
+/// @param k        N x Dk keys
 /// @param v        N x Dv values
 /// @param gates    N x 1 or N x C gates a_t in (0, 1]
+/// @param map      feature map (Identity{} for precomputed features); a call without one does
+///                 not compile
 /// @param options  eps, normalize, chunk, check_finite; decay must be 1
 template <class Acc = void, class DQ, class DK, class DV, class DG,
+          class Map = detail::MissingFeatureMap,
           class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
-Matrix<typename DQ::Scalar> causal_gated_linear_attention(const Eigen::MatrixBase<DQ>& phi_q,
-                                                          const Eigen::MatrixBase<DK>& phi_k,
-                                                          const Eigen::MatrixBase<DV>& v,
-                                                          const Eigen::MatrixBase<DG>& gates,
-                                                          const Options& options = {}) {
-  Matrix<typename DQ::Scalar> out(phi_q.rows(), v.cols());
-  causal_gated_linear_attention_into<Acc>(phi_q, phi_k, v, gates, out, options);
+Matrix<typename DQ::Scalar> causal_gated_linear_attention(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DG>& gates, const Map& map = {}, const Options& options = {}) {
+  Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  causal_gated_linear_attention_into<Acc>(q, k, v, gates, map, out, options);
   return out;
 }
 
@@ -575,44 +625,63 @@ void gated_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<
 }  // namespace detail
 
 /// Backward pass of causal_gated_linear_attention: the gradients of a loss L with respect to
-/// phi_q, phi_k, v and the gates, given grad_out = dL/d out. O(N) time and O(N (C + Dv)) memory:
+/// q, k, v and the gates, given grad_out = dL/d out. O(N) time and O(N (C + Dv)) memory:
 /// chunk states are recomputed, never stored per token. Where the denominator guard clamped a
-/// row, no gradient flows through its denominator; a zero row passes none at all.
-/// @param phi_q     N x C featurized queries
-/// @param phi_k     N x C featurized keys
+/// row, no gradient flows through its denominator; a zero row passes none at all. With a map
+/// other than Identity the features are recomputed and the map's backward carries the
+/// gradients to q and k.
+/// @param q         N x Dk queries (features, with Identity)
+/// @param k         N x Dk keys
 /// @param v         N x Dv values
 /// @param gates     N x 1 or N x C gates a_t in (0, 1]
 /// @param grad_out  N x Dv gradient of the loss with respect to the output
-/// @param grads     receives q, k (N x C), v (N x Dv), gates (the gates' shape); resized
+/// @param map       the forward's feature map; needs a backward member unless Identity
+/// @param grads     receives q, k (N x Dk), v (N x Dv), gates (the gates' shape); resized
 /// @param options   as given to the forward call; decay must be 1
-template <class Acc = void, class DQ, class DK, class DV, class DG, class DO,
+template <class Acc = void, class DQ, class DK, class DV, class DG, class DO, class Map,
           class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
 void causal_gated_linear_attention_backward_into(
-    const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
-    const Eigen::MatrixBase<DO>& grad_out, GatedAttentionGradients<typename DQ::Scalar>& grads,
-    const Options& options = {}) {
-  detail::gated_backward<Acc>(phi_q, phi_k, v, gates, grad_out, grads, options,
-                              "causal_gated_linear_attention_backward");
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DG>& gates, const Eigen::MatrixBase<DO>& grad_out, const Map& map,
+    GatedAttentionGradients<typename DQ::Scalar>& grads, const Options& options = {}) {
+  constexpr const char* where = "causal_gated_linear_attention_backward";
+  detail::with_gated_features<Acc>(
+      map, q, k, options, where, [&](const auto& phi_q, const auto& phi_k) {
+        if constexpr (detail::is_identity_map<Map>) {
+          detail::gated_backward<Acc>(phi_q, phi_k, v, gates, grad_out, grads, options, where);
+        } else {
+          static_assert(detail::has_map_backward<Map, typename DQ::Scalar>::value,
+                        "this feature map has no backward(x, grad_phi) member, so gradients "
+                        "cannot reach q and k; featurize yourself and pass linattn::Identity{}");
+          // Computed into a copy so a throw leaves the caller's grads as they were.
+          GatedAttentionGradients<typename DQ::Scalar> feature_grads;
+          detail::gated_backward<Acc>(phi_q, phi_k, v, gates, grad_out, feature_grads, options,
+                                      where);
+          feature_grads.q = map.backward(q.derived(), feature_grads.q);
+          feature_grads.k = map.backward(k.derived(), feature_grads.k);
+          grads = std::move(feature_grads);
+        }
+      });
 }
 
 /// Backward pass of causal_gated_linear_attention; returns the four gradients.
 /// See causal_gated_linear_attention_backward_into.
-/// @param phi_q     N x C featurized queries
-/// @param phi_k     N x C featurized keys
+/// @param q         N x Dk queries
+/// @param k         N x Dk keys
 /// @param v         N x Dv values
 /// @param gates     N x 1 or N x C gates a_t in (0, 1]
 /// @param grad_out  N x Dv gradient of the loss with respect to the output
+/// @param map       the forward's feature map (Identity{} for precomputed features)
 /// @param options   as given to the forward call; decay must be 1
 template <class Acc = void, class DQ, class DK, class DV, class DG, class DO,
+          class Map = detail::MissingFeatureMap,
           class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
 GatedAttentionGradients<typename DQ::Scalar> causal_gated_linear_attention_backward(
-    const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
-    const Eigen::MatrixBase<DO>& grad_out, const Options& options = {}) {
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DG>& gates, const Eigen::MatrixBase<DO>& grad_out, const Map& map = {},
+    const Options& options = {}) {
   GatedAttentionGradients<typename DQ::Scalar> grads;
-  causal_gated_linear_attention_backward_into<Acc>(phi_q, phi_k, v, gates, grad_out, grads,
-                                                   options);
+  causal_gated_linear_attention_backward_into<Acc>(q, k, v, gates, grad_out, map, grads, options);
   return grads;
 }
 
@@ -645,34 +714,101 @@ class GatedRecurrentState {
     detail::require_unit_decay(options, "GatedRecurrentState");
   }
 
-  /// Adds one token and returns its output. Allocates only the returned vector.
-  /// @param phi_q  C featurized query (any row or column vector expression)
-  /// @param phi_k  C featurized key
-  /// @param v      Dv value
-  /// @param gate   C gates (per feature) or 1 gate, each in (0, 1]
-  /// @return       Dv output
-  template <class DQ, class DK, class DV, class DG>
-  Vector<T> step(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gate) {
+  /// Adds one token through a feature map and returns its output.
+  /// @param q     Dk query (any row or column vector expression; features, with Identity)
+  /// @param k     Dk key
+  /// @param v     Dv value
+  /// @param gate  C gates (per feature) or 1 gate, each in (0, 1]
+  /// @param map   feature map with map.feature_dim(Dk) == C (Identity{} for precomputed
+  ///              features); a call without one does not compile
+  /// @return      Dv output
+  template <class DQ, class DK, class DV, class DG, class Map = detail::MissingFeatureMap>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gate,
+                 const Map& map = {}) {
     Vector<T> out(value_dim());
-    step_into(phi_q, phi_k, v, gate, out);
+    step_into(q, k, v, gate, map, out);
     return out;
   }
 
-  /// Adds one token with a scalar gate and returns its output.
-  /// @param phi_q  C featurized query
-  /// @param phi_k  C featurized key
-  /// @param v      Dv value
-  /// @param gate   the gate a in (0, 1]
-  /// @return       Dv output
-  template <class DQ, class DK, class DV>
-  Vector<T> step(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                 const Eigen::MatrixBase<DV>& v, T gate) {
+  /// Adds one token with a scalar gate a in (0, 1] through a feature map.
+  template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, T gate, const Map& map = {}) {
     Vector<T> out(value_dim());
-    step_into(phi_q, phi_k, v, gate, out);
+    step_into(q, k, v, gate, map, out);
     return out;
   }
 
+  /// As step, writing the output into `out` (Dv); with Identity it allocates nothing.
+  template <class DQ, class DK, class DV, class DG, class Map>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gate, const Map& map,
+                 Eigen::Ref<Vector<T>> out) {
+    with_token_features(map, q, k, [&](const auto& phi_q, const auto& phi_k) {
+      step_features_into(phi_q, phi_k, v, gate, out);
+    });
+  }
+
+  /// As step with a scalar gate, writing the output into `out` (Dv).
+  template <class DQ, class DK, class DV, class Map>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, T gate, const Map& map,
+                 Eigen::Ref<Vector<T>> out) {
+    with_token_features(map, q, k, [&](const auto& phi_q, const auto& phi_k) {
+      step_features_into(phi_q, phi_k, v, gate, out);
+    });
+  }
+
+  /// Adds many tokens through the chunked form from the current state; returns their outputs,
+  /// the same (within rounding) as calling step for each row.
+  /// @param q      N x Dk queries (features, with Identity)
+  /// @param k      N x Dk keys
+  /// @param v      N x Dv values
+  /// @param gates  N x 1 or N x C gates a_t in (0, 1]
+  /// @param map    feature map (Identity{} for precomputed features)
+  /// @return       N x Dv outputs
+  template <class DQ, class DK, class DV, class DG, class Map = detail::MissingFeatureMap>
+  Matrix<T> prefill(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
+                    const Map& map = {}) {
+    Matrix<T> out(q.rows(), value_dim());
+    prefill_into(q, k, v, gates, map, out);
+    return out;
+  }
+
+  /// As prefill, writing into `out` (N x Dv, row-major).
+  template <class DQ, class DK, class DV, class DG, class Map>
+  void prefill_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
+                    const Map& map, Eigen::Ref<Matrix<T>> out) {
+    detail::with_gated_features<Acc>(map, q, k, options_, "GatedRecurrentState::prefill",
+                                     [&](const auto& phi_q, const auto& phi_k) {
+                                       prefill_features_into(phi_q, phi_k, v, gates, out);
+                                     });
+  }
+
+  /// S, C x Dv.
+  const Matrix<Acc>& s() const { return s_; }
+  /// z, C.
+  const Vector<Acc>& z() const { return z_; }
+  /// Tokens added since construction or reset.
+  std::int64_t tokens() const { return tokens_; }
+  /// C, rows of S.
+  Eigen::Index feature_dim() const { return s_.rows(); }
+  /// Dv, columns of S.
+  Eigen::Index value_dim() const { return s_.cols(); }
+  /// The options given at construction.
+  const Options& options() const { return options_; }
+
+  /// Forgets every token; keeps the dimensions and options.
+  void reset() {
+    s_.setZero();
+    z_.setZero();
+    tokens_ = 0;
+  }
+
+ private:
   /// Adds one token and writes its output; allocates nothing.
   /// @param phi_q  C featurized query
   /// @param phi_k  C featurized key
@@ -680,9 +816,9 @@ class GatedRecurrentState {
   /// @param gate   C gates (per feature) or 1 gate, each in (0, 1]
   /// @param out    Dv output
   template <class DQ, class DK, class DV, class DG>
-  void step_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gate,
-                 Eigen::Ref<Vector<T>> out) {
+  void step_features_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                          const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gate,
+                          Eigen::Ref<Vector<T>> out) {
     constexpr const char* where = "GatedRecurrentState::step";
     check_scalars<DQ, DK, DV>();
     static_assert(std::is_same_v<typename DG::Scalar, T>, "gate must have the state's scalar");
@@ -710,8 +846,8 @@ class GatedRecurrentState {
   /// @param gate   the gate a in (0, 1]
   /// @param out    Dv output
   template <class DQ, class DK, class DV>
-  void step_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                 const Eigen::MatrixBase<DV>& v, T gate, Eigen::Ref<Vector<T>> out) {
+  void step_features_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                          const Eigen::MatrixBase<DV>& v, T gate, Eigen::Ref<Vector<T>> out) {
     constexpr const char* where = "GatedRecurrentState::step";
     check_scalars<DQ, DK, DV>();
     validate_token(phi_q, phi_k, v, out, where);
@@ -723,21 +859,6 @@ class GatedRecurrentState {
     advance(false, static_cast<Acc>(gate), out);
   }
 
-  /// Adds many tokens through the chunked form from the current state; returns their outputs,
-  /// the same (within rounding) as calling step for each row.
-  /// @param phi_q  N x C featurized queries
-  /// @param phi_k  N x C featurized keys
-  /// @param v      N x Dv values
-  /// @param gates  N x 1 or N x C gates a_t in (0, 1]
-  /// @return       N x Dv outputs
-  template <class DQ, class DK, class DV, class DG>
-  Matrix<T> prefill(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates) {
-    Matrix<T> out(phi_q.rows(), value_dim());
-    prefill_into(phi_q, phi_k, v, gates, out);
-    return out;
-  }
-
   /// As prefill, writing into `out`.
   /// @param phi_q  N x C featurized queries
   /// @param phi_k  N x C featurized keys
@@ -745,9 +866,9 @@ class GatedRecurrentState {
   /// @param gates  N x 1 or N x C gates a_t in (0, 1]
   /// @param out    N x Dv outputs
   template <class DQ, class DK, class DV, class DG>
-  void prefill_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
-                    Eigen::Ref<Matrix<T>> out) {
+  void prefill_features_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
+                             Eigen::Ref<Matrix<T>> out) {
     constexpr const char* where = "GatedRecurrentState::prefill";
     check_scalars<DQ, DK, DV>();
     static_assert(std::is_same_v<typename DG::Scalar, T>, "gates must have the state's scalar");
@@ -777,27 +898,33 @@ class GatedRecurrentState {
     tokens_ += phi_q.rows();
   }
 
-  /// S, C x Dv.
-  const Matrix<Acc>& s() const { return s_; }
-  /// z, C.
-  const Vector<Acc>& z() const { return z_; }
-  /// Tokens added since construction or reset.
-  std::int64_t tokens() const { return tokens_; }
-  /// C, rows of S.
-  Eigen::Index feature_dim() const { return s_.rows(); }
-  /// Dv, columns of S.
-  Eigen::Index value_dim() const { return s_.cols(); }
-  /// The options given at construction.
-  const Options& options() const { return options_; }
-
-  /// Forgets every token; keeps the dimensions and options.
-  void reset() {
-    s_.setZero();
-    z_.setZero();
-    tokens_ = 0;
+  /// Runs `body(phi_q, phi_k)` on one token's features: in place for Identity, else the
+  /// map's features of q and k (checked: one token each, the state's feature count).
+  template <class Map, class DQ, class DK, class Body>
+  void with_token_features(const Map& map, const Eigen::MatrixBase<DQ>& q,
+                           const Eigen::MatrixBase<DK>& k, const Body& body) {
+    constexpr const char* where = "GatedRecurrentState::step";
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      if constexpr (detail::is_identity_map<Map>) {
+        body(q.derived(), k.derived());
+      } else {
+        detail::require_vector(q, q.size(), where, "q");
+        detail::require_vector(k, q.size(), where, "k");
+        const Eigen::Index dim = map.feature_dim(q.size());
+        if (dim != feature_dim()) {
+          throw Error(std::string(where) + ": the feature map gives " + std::to_string(dim) +
+                      " features for q of size " + std::to_string(q.size()) +
+                      " but the state holds " + std::to_string(feature_dim()));
+        }
+        const Matrix<T> phi_q =
+            detail::gated_features<Acc>(map, q.reshaped().transpose(), false, options_, where, "q");
+        const Matrix<T> phi_k =
+            detail::gated_features<Acc>(map, k.reshaped().transpose(), true, options_, where, "k");
+        body(phi_q, phi_k);
+      }
+    }
   }
 
- private:
   template <class DQ, class DK, class DV>
   static void check_scalars() {
     static_assert(std::is_same_v<typename DQ::Scalar, T> &&

@@ -16,6 +16,15 @@ struct HeadStrides {
   Eigen::Index dim = 1;    ///< between features d and d + 1 (columns of one head)
 };
 
+/// The logical sizes of a HeadsView, in the one order every factory takes whatever the memory
+/// layout: HeadShape{B, H, N, D}.
+struct HeadShape {
+  Eigen::Index batch;   ///< B, sequences
+  Eigen::Index heads;   ///< H, heads per sequence
+  Eigen::Index tokens;  ///< N, tokens per sequence
+  Eigen::Index dim;     ///< D, features per token
+};
+
 /// A non-owning view of B x H x N x D elements of caller memory: B sequences (batch), H heads,
 /// N tokens, D features, laid out with any strides. head(b, h) is an N x D Eigen::Map, rows
 /// are tokens, as every other linattn routine takes. No copy is made; the memory must outlive
@@ -54,20 +63,21 @@ class HeadsView {
   }
 
   /// A contiguous [B, H, N, D] tensor (PyTorch's usual layout for attention).
-  /// @param data  B * H * N * D elements
-  static HeadsView bhnd(T* data, Eigen::Index batch, Eigen::Index heads, Eigen::Index tokens,
-                        Eigen::Index dim) {
-    return HeadsView(data, batch, heads, tokens, dim,
-                     HeadStrides{heads * tokens * dim, tokens * dim, dim, 1});
+  /// @param data   B * H * N * D elements
+  /// @param shape  the logical sizes {B, H, N, D}, in that order for every layout
+  static HeadsView bhnd(T* data, const HeadShape& shape) {
+    const auto [b, h, n, d] = shape;
+    return HeadsView(data, b, h, n, d, HeadStrides{h * n * d, n * d, d, 1});
   }
 
-  /// A contiguous [B, N, H, D] tensor (the layout of fast-transformers and of a fused QKV
-  /// projection's output). Note the argument order: tokens before heads, as in memory.
-  /// @param data  B * N * H * D elements
-  static HeadsView bnhd(T* data, Eigen::Index batch, Eigen::Index tokens, Eigen::Index heads,
-                        Eigen::Index dim) {
-    return HeadsView(data, batch, heads, tokens, dim,
-                     HeadStrides{tokens * heads * dim, dim, heads * dim, 1});
+  /// A contiguous [B, N, H, D] tensor (the layout of fast-transformers, FLA and ggml, and of a
+  /// fused QKV projection's output). The layout is in the name only: the sizes are the same
+  /// logical {B, H, N, D} as for bhnd.
+  /// @param data   B * N * H * D elements
+  /// @param shape  the logical sizes {B, H, N, D}
+  static HeadsView bnhd(T* data, const HeadShape& shape) {
+    const auto [b, h, n, d] = shape;
+    return HeadsView(data, b, h, n, d, HeadStrides{n * h * d, d, h * d, 1});
   }
 
   /// A read-only view of a writable one, implicitly (like T* to const T*).

@@ -25,7 +25,7 @@ namespace linattn {
 ///              for the 16-bit types)
 template <class T, class Map, class Acc = detail::default_accumulator_t<T>>
 class LinearAttentionLayer {
-  static_assert(detail::is_feature_map<Map>::value, "LinearAttentionLayer needs a feature map");
+  static_assert(detail::check_feature_map<Map, Acc>(), "LinearAttentionLayer needs a feature map");
 
  public:
   /// The states make_states returns, one per (sequence, head).

@@ -7,6 +7,7 @@
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
 #include <type_traits>
 
 /// Every entry point takes an optional first template argument, the accumulation type of the
@@ -36,9 +37,6 @@ using enable_if_same_scalar4 =
     std::enable_if_t<std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
                      std::is_same_v<typename DQ::Scalar, typename DV::Scalar> &&
                      std::is_same_v<typename DQ::Scalar, typename DG::Scalar>>;
-
-template <class Map>
-using enable_if_feature_map = std::enable_if_t<is_feature_map<Map>::value>;
 
 /// The accumulation type: Acc, or when Acc is void the input scalar (float for 16-bit inputs).
 template <class Acc, class Scalar>
@@ -88,136 +86,114 @@ void mapped_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK
                      Eigen::Ref<Matrix<typename DQ::Scalar>>(out), options, causal);
 }
 
+/// The one dispatch of the matrix entry points: checks the map concept, then reads Identity
+/// inputs in place as features and featurizes any other map chunk by chunk.
+template <class Acc, class DQ, class DK, class DV, class Map>
+void attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+               const Eigen::MatrixBase<DV>& v, const Map& map,
+               Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options, bool causal,
+               const char* where) {
+  if constexpr (check_feature_map<Map, accumulator_t<Acc, typename DQ::Scalar>>()) {
+    if constexpr (is_identity_map<Map>) {
+      featurized_attention<Acc>(q, k, v, out, options, causal, where);
+    } else {
+      mapped_attention<Acc>(q, k, v, map, out, options, causal, where);
+    }
+  }
+}
+
 }  // namespace detail
 
-/// Causal linear attention on featurized inputs, chunked (parallel) form, into `out`.
-/// out_i = phi_q_i^T S_i / (phi_q_i . z_i + eps), S_i = sum_{j<=i} g^(i-j) phi_k_j v_j^T.
-/// Allocates O(chunk * (C + Dv) + chunk^2 + C * Dv), nothing proportional to N.
-/// @param phi_q  N x C featurized queries, one row per token
-/// @param phi_k  N x C featurized keys
-/// @param v      N x Dv values
-/// @param out    N x Dv result (may not alias the inputs)
-/// @param options  eps, decay, normalize, chunk, check_finite
-template <class Acc = void, class DQ, class DK, class DV,
-          class = detail::enable_if_same_scalar<DQ, DK, DV>>
-void causal_linear_attention_into(const Eigen::MatrixBase<DQ>& phi_q,
-                                  const Eigen::MatrixBase<DK>& phi_k,
-                                  const Eigen::MatrixBase<DV>& v,
-                                  Eigen::Ref<Matrix<typename DQ::Scalar>> out,
-                                  const Options& options = {}) {
-  detail::featurized_attention<Acc>(phi_q, phi_k, v, out, options, true, "causal_linear_attention");
-}
-
-/// Causal linear attention on featurized inputs; returns N x Dv. See causal_linear_attention_into.
-/// @param phi_q  N x C featurized queries
-/// @param phi_k  N x C featurized keys
-/// @param v      N x Dv values
-template <class Acc = void, class DQ, class DK, class DV,
-          class = detail::enable_if_same_scalar<DQ, DK, DV>>
-Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>& phi_q,
-                                                    const Eigen::MatrixBase<DK>& phi_k,
-                                                    const Eigen::MatrixBase<DV>& v,
-                                                    const Options& options = {}) {
-  Matrix<typename DQ::Scalar> out(phi_q.rows(), v.cols());
-  causal_linear_attention_into<Acc>(phi_q, phi_k, v, out, options);
-  return out;
-}
-
-/// Causal linear attention with a feature map applied chunk by chunk, into `out`. Exponential
-/// maps (PositiveRandomFeatures) go through the log-scale stabiliser: no overflow, same result.
-/// @param q    N x Dk queries
-/// @param k    N x Dk keys
-/// @param v    N x Dv values
-/// @param map  feature map (EluPlusOne, Relu, PositiveRandomFeatures, RandomFourierFeatures, ...)
-/// @param out  N x Dv result
+/// Causal linear attention, chunked (parallel) form, into `out`:
+/// out_i = phi(q_i)^T S_i / (phi(q_i) . z_i + eps), S_i = sum_{j<=i} g^(i-j) phi(k_j) v_j^T.
+/// The map is applied chunk by chunk (Identity{} reads precomputed features in place);
+/// exponential maps (PositiveRandomFeatures) go through the log-scale stabiliser: no
+/// overflow, same result. Allocates O(chunk * (C + Dv) + C * Dv), nothing proportional to N.
+/// @param q        N x Dk queries, one row per token (features, with Identity)
+/// @param k        N x Dk keys
+/// @param v        N x Dv values
+/// @param map      feature map: Identity, EluPlusOne, Relu, PositiveRandomFeatures, ...
+/// @param out      N x Dv result, row-major (linattn::Matrix or a row-major block/map of one);
+///                 may not alias the inputs
+/// @param options  eps, decay, normalize, chunk, check_finite, threads
 template <class Acc = void, class DQ, class DK, class DV, class Map,
-          class = detail::enable_if_same_scalar<DQ, DK, DV>,
-          class = detail::enable_if_feature_map<Map>>
+          class = detail::enable_if_same_scalar<DQ, DK, DV>>
 void causal_linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                                   const Eigen::MatrixBase<DV>& v, const Map& map,
                                   Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                                   const Options& options = {}) {
-  detail::mapped_attention<Acc>(q, k, v, map, out, options, true, "causal_linear_attention");
+  detail::attention<Acc>(q, k, v, map, out, options, true, "causal_linear_attention");
 }
 
-/// Causal linear attention with a feature map; returns N x Dv.
+/// Causal linear attention; returns N x Dv. See causal_linear_attention_into.
 /// @param q    N x Dk queries
 /// @param k    N x Dk keys
 /// @param v    N x Dv values
-/// @param map  feature map
-template <class Acc = void, class DQ, class DK, class DV, class Map,
-          class = detail::enable_if_same_scalar<DQ, DK, DV>,
-          class = detail::enable_if_feature_map<Map>>
+/// @param map  feature map (Identity{} for precomputed features); a call without one does
+///             not compile
+template <class Acc = void, class DQ, class DK, class DV, class Map = detail::MissingFeatureMap,
+          class = detail::enable_if_same_scalar<DQ, DK, DV>>
 Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>& q,
                                                     const Eigen::MatrixBase<DK>& k,
-                                                    const Eigen::MatrixBase<DV>& v, const Map& map,
+                                                    const Eigen::MatrixBase<DV>& v,
+                                                    const Map& map = {},
                                                     const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
-  causal_linear_attention_into<Acc>(q, k, v, map, out, options);
+  detail::attention<Acc>(q, k, v, map, out, options, true, "causal_linear_attention");
   return out;
 }
 
-/// Non-causal linear attention on featurized inputs, into `out`: every query attends to all
-/// keys, out_i = phi_q_i^T S / (phi_q_i . z + eps). Options::decay is not used.
-/// @param phi_q  N x C featurized queries
-/// @param phi_k  N x C featurized keys
-/// @param v      N x Dv values
-/// @param out    N x Dv result
-template <class Acc = void, class DQ, class DK, class DV,
-          class = detail::enable_if_same_scalar<DQ, DK, DV>>
-void linear_attention_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                           const Eigen::MatrixBase<DV>& v,
-                           Eigen::Ref<Matrix<typename DQ::Scalar>> out,
-                           const Options& options = {}) {
-  detail::featurized_attention<Acc>(phi_q, phi_k, v, out, options, false, "linear_attention");
-}
-
-/// Non-causal linear attention on featurized inputs; returns N x Dv.
-/// @param phi_q  N x C featurized queries
-/// @param phi_k  N x C featurized keys
-/// @param v      N x Dv values
-template <class Acc = void, class DQ, class DK, class DV,
-          class = detail::enable_if_same_scalar<DQ, DK, DV>>
-Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& phi_q,
-                                             const Eigen::MatrixBase<DK>& phi_k,
-                                             const Eigen::MatrixBase<DV>& v,
-                                             const Options& options = {}) {
-  Matrix<typename DQ::Scalar> out(phi_q.rows(), v.cols());
-  linear_attention_into<Acc>(phi_q, phi_k, v, out, options);
-  return out;
-}
-
-/// Non-causal linear attention with a feature map, into `out`.
+/// Non-causal linear attention into `out`: every query attends to all keys,
+/// out_i = phi(q_i)^T S / (phi(q_i) . z + eps). Options::decay is not used.
 /// @param q    N x Dk queries
 /// @param k    N x Dk keys
 /// @param v    N x Dv values
-/// @param map  feature map
-/// @param out  N x Dv result
+/// @param map  feature map (Identity{} for precomputed features)
+/// @param out  N x Dv result, row-major
 template <class Acc = void, class DQ, class DK, class DV, class Map,
-          class = detail::enable_if_same_scalar<DQ, DK, DV>,
-          class = detail::enable_if_feature_map<Map>>
+          class = detail::enable_if_same_scalar<DQ, DK, DV>>
 void linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                            const Eigen::MatrixBase<DV>& v, const Map& map,
                            Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                            const Options& options = {}) {
-  detail::mapped_attention<Acc>(q, k, v, map, out, options, false, "linear_attention");
+  detail::attention<Acc>(q, k, v, map, out, options, false, "linear_attention");
 }
 
-/// Non-causal linear attention with a feature map; returns N x Dv.
+/// Non-causal linear attention; returns N x Dv.
 /// @param q    N x Dk queries
 /// @param k    N x Dk keys
 /// @param v    N x Dv values
-/// @param map  feature map
-template <class Acc = void, class DQ, class DK, class DV, class Map,
-          class = detail::enable_if_same_scalar<DQ, DK, DV>,
-          class = detail::enable_if_feature_map<Map>>
+/// @param map  feature map (Identity{} for precomputed features); a call without one does
+///             not compile
+template <class Acc = void, class DQ, class DK, class DV, class Map = detail::MissingFeatureMap,
+          class = detail::enable_if_same_scalar<DQ, DK, DV>>
 Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& q,
                                              const Eigen::MatrixBase<DK>& k,
-                                             const Eigen::MatrixBase<DV>& v, const Map& map,
+                                             const Eigen::MatrixBase<DV>& v, const Map& map = {},
                                              const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
-  linear_attention_into<Acc>(q, k, v, map, out, options);
+  detail::attention<Acc>(q, k, v, map, out, options, false, "linear_attention");
   return out;
+}
+
+/// Catches the map-less call of 0.1.0, causal_linear_attention_into(phi_q, phi_k, v, out).
+template <class Acc = void, class DQ, class DK, class DV, class DO>
+void causal_linear_attention_into(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
+                                  const Eigen::MatrixBase<DV>&, Eigen::MatrixBase<DO>&,
+                                  const Options& = {}) {
+  static_assert(detail::always_false<DQ>,
+                "linattn: causal_linear_attention_into needs a feature map before out: pass "
+                "linattn::Identity{} when q and k are already features");
+}
+
+/// Catches the map-less call of 0.1.0, linear_attention_into(phi_q, phi_k, v, out).
+template <class Acc = void, class DQ, class DK, class DV, class DO>
+void linear_attention_into(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
+                           const Eigen::MatrixBase<DV>&, Eigen::MatrixBase<DO>&,
+                           const Options& = {}) {
+  static_assert(detail::always_false<DQ>,
+                "linattn: linear_attention_into needs a feature map before out: pass "
+                "linattn::Identity{} when q and k are already features");
 }
 
 }  // namespace linattn

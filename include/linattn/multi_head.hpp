@@ -232,121 +232,91 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
       });
 }
 
-}  // namespace detail
-
-/// Causal linear attention for every head of every sequence, on featurized inputs held in
-/// caller memory ([B, H, N, D] or [B, N, H, D], any strides), written into `out`. Threads go
-/// over B x H (Options::threads, with OpenMP); with fewer heads than threads each sequence is
-/// split across them instead. Head (b, h) gives exactly causal_linear_attention on
-/// phi_q.head(b, h), ... up to rounding.
-/// @param phi_q  B x H x N x C featurized queries
-/// @param phi_k  B x H x N x C featurized keys
-/// @param v      B x H x N x Dv values
-/// @param out    B x H x N x Dv result; its heads may not overlap each other or the inputs
-template <class Acc = void, class Q, class K, class V, class O,
-          class = detail::enable_if_heads_scalars<Q, K, V, O>>
-void causal_linear_attention_into(const HeadsView<Q>& phi_q, const HeadsView<K>& phi_k,
-                                  const HeadsView<V>& v, const HeadsView<O>& out,
-                                  const Options& options = {}) {
-  detail::heads_linear_attention<Acc>(phi_q, phi_k, v, static_cast<const void*>(nullptr), out,
-                                      nullptr, options, true, "causal_linear_attention");
+/// The one dispatch of the view entry points: checks the map concept, then reads Identity
+/// inputs in place as features and featurizes any other map chunk by chunk.
+template <class Acc, class Q, class K, class V, class O, class Map>
+void heads_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                     const Map& map, const HeadsView<O>& out,
+                     const std::vector<std::int64_t>* offsets, const Options& options, bool causal,
+                     const char* where) {
+  if constexpr (check_feature_map<Map, accumulator_t<Acc, std::remove_const_t<O>>>()) {
+    if constexpr (is_identity_map<Map>) {
+      heads_linear_attention<Acc>(q, k, v, static_cast<const void*>(nullptr), out, offsets, options,
+                                  causal, where);
+    } else {
+      heads_linear_attention<Acc>(q, k, v, &map, out, offsets, options, causal, where);
+    }
+  }
 }
 
-/// Causal linear attention for every head of every sequence, with a feature map (shared by
-/// all heads) applied chunk by chunk.
+}  // namespace detail
+
+/// Causal linear attention for every head of every sequence, on caller memory ([B, H, N, D]
+/// or [B, N, H, D], any strides), written into `out`, with one feature map shared by all
+/// heads (Identity{} for precomputed features). Threads go over B x H (Options::threads, with
+/// OpenMP); with fewer heads than threads each sequence is split across them instead. Head
+/// (b, h) gives exactly causal_linear_attention on q.head(b, h), ... up to rounding.
 /// @param q    B x H x N x Dk queries
 /// @param k    B x H x N x Dk keys
 /// @param v    B x H x N x Dv values
 /// @param map  feature map
-/// @param out  B x H x N x Dv result
+/// @param out  B x H x N x Dv result; its heads may not overlap each other or the inputs
 template <class Acc = void, class Q, class K, class V, class Map, class O,
-          class = detail::enable_if_heads_scalars<Q, K, V, O>,
-          class = detail::enable_if_feature_map<Map>>
+          class = detail::enable_if_heads_scalars<Q, K, V, O>>
 void causal_linear_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k,
                                   const HeadsView<V>& v, const Map& map, const HeadsView<O>& out,
                                   const Options& options = {}) {
-  detail::heads_linear_attention<Acc>(q, k, v, &map, out, nullptr, options, true,
-                                      "causal_linear_attention");
-}
-
-/// Non-causal linear attention for every head of every sequence, on featurized inputs.
-/// @param phi_q  B x H x N x C featurized queries
-/// @param phi_k  B x H x N x C featurized keys
-/// @param v      B x H x N x Dv values
-/// @param out    B x H x N x Dv result
-template <class Acc = void, class Q, class K, class V, class O,
-          class = detail::enable_if_heads_scalars<Q, K, V, O>>
-void linear_attention_into(const HeadsView<Q>& phi_q, const HeadsView<K>& phi_k,
-                           const HeadsView<V>& v, const HeadsView<O>& out,
-                           const Options& options = {}) {
-  detail::heads_linear_attention<Acc>(phi_q, phi_k, v, static_cast<const void*>(nullptr), out,
-                                      nullptr, options, false, "linear_attention");
+  detail::heads_attention<Acc>(q, k, v, map, out, nullptr, options, true,
+                               "causal_linear_attention");
 }
 
 /// Non-causal linear attention for every head of every sequence, with a feature map.
 /// @param q    B x H x N x Dk queries
 /// @param k    B x H x N x Dk keys
 /// @param v    B x H x N x Dv values
-/// @param map  feature map
+/// @param map  feature map (Identity{} for precomputed features)
 /// @param out  B x H x N x Dv result
 template <class Acc = void, class Q, class K, class V, class Map, class O,
-          class = detail::enable_if_heads_scalars<Q, K, V, O>,
-          class = detail::enable_if_feature_map<Map>>
+          class = detail::enable_if_heads_scalars<Q, K, V, O>>
 void linear_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                            const Map& map, const HeadsView<O>& out, const Options& options = {}) {
-  detail::heads_linear_attention<Acc>(q, k, v, &map, out, nullptr, options, false,
-                                      "linear_attention");
+  detail::heads_attention<Acc>(q, k, v, map, out, nullptr, options, false, "linear_attention");
 }
 
 /// Causal linear attention over a packed batch of sequences of different lengths: sequence s
 /// is tokens [offsets[s], offsets[s+1]) of the views (like cu_seqlens), and attends only to
 /// itself. Threads go over sequences x heads.
-/// @param phi_q    1 x H x total x C featurized queries (B = 1: the sequences are packed along N)
-/// @param phi_k    1 x H x total x C featurized keys
-/// @param v        1 x H x total x Dv values
-/// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
-/// @param out      1 x H x total x Dv result
-template <class Acc = void, class Q, class K, class V, class O,
-          class = detail::enable_if_heads_scalars<Q, K, V, O>>
-void causal_linear_attention_varlen_into(const HeadsView<Q>& phi_q, const HeadsView<K>& phi_k,
-                                         const HeadsView<V>& v,
-                                         const std::vector<std::int64_t>& offsets,
-                                         const HeadsView<O>& out, const Options& options = {}) {
-  detail::heads_linear_attention<Acc>(phi_q, phi_k, v, static_cast<const void*>(nullptr), out,
-                                      &offsets, options, true, "causal_linear_attention_varlen");
-}
-
-/// As causal_linear_attention_varlen_into, with a feature map.
-/// @param q        1 x H x total x Dk queries
+/// @param q        1 x H x total x Dk queries (B = 1: the sequences are packed along N)
 /// @param k        1 x H x total x Dk keys
 /// @param v        1 x H x total x Dv values
-/// @param map      feature map
-/// @param offsets  S + 1 token offsets
+/// @param map      feature map (Identity{} for precomputed features)
+/// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
 /// @param out      1 x H x total x Dv result
 template <class Acc = void, class Q, class K, class V, class Map, class O,
-          class = detail::enable_if_heads_scalars<Q, K, V, O>,
-          class = detail::enable_if_feature_map<Map>>
+          class = detail::enable_if_heads_scalars<Q, K, V, O>>
 void causal_linear_attention_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k,
                                          const HeadsView<V>& v, const Map& map,
                                          const std::vector<std::int64_t>& offsets,
                                          const HeadsView<O>& out, const Options& options = {}) {
-  detail::heads_linear_attention<Acc>(q, k, v, &map, out, &offsets, options, true,
-                                      "causal_linear_attention_varlen");
+  detail::heads_attention<Acc>(q, k, v, map, out, &offsets, options, true,
+                               "causal_linear_attention_varlen");
 }
 
 /// Non-causal linear attention over a packed batch: each sequence attends to all of itself.
-/// @param phi_q    1 x H x total x C featurized queries
-/// @param phi_k    1 x H x total x C featurized keys
+/// @param q        1 x H x total x Dk queries
+/// @param k        1 x H x total x Dk keys
 /// @param v        1 x H x total x Dv values
+/// @param map      feature map (Identity{} for precomputed features)
 /// @param offsets  S + 1 token offsets
 /// @param out      1 x H x total x Dv result
-template <class Acc = void, class Q, class K, class V, class O,
+template <class Acc = void, class Q, class K, class V, class Map, class O,
           class = detail::enable_if_heads_scalars<Q, K, V, O>>
-void linear_attention_varlen_into(const HeadsView<Q>& phi_q, const HeadsView<K>& phi_k,
-                                  const HeadsView<V>& v, const std::vector<std::int64_t>& offsets,
-                                  const HeadsView<O>& out, const Options& options = {}) {
-  detail::heads_linear_attention<Acc>(phi_q, phi_k, v, static_cast<const void*>(nullptr), out,
-                                      &offsets, options, false, "linear_attention_varlen");
+void linear_attention_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                  const HeadsView<V>& v, const Map& map,
+                                  const std::vector<std::int64_t>& offsets, const HeadsView<O>& out,
+                                  const Options& options = {}) {
+  detail::heads_attention<Acc>(q, k, v, map, out, &offsets, options, false,
+                               "linear_attention_varlen");
 }
 
 /// Softmax attention (the tiled baseline) for every head of every sequence, threads over
@@ -354,13 +324,13 @@ void linear_attention_varlen_into(const HeadsView<Q>& phi_q, const HeadsView<K>&
 /// @param q        B x H x N x Dk queries
 /// @param k        B x H x N x Dk keys
 /// @param v        B x H x N x Dv values
-/// @param causal   query i sees keys j <= i
+/// @param mask     Mask::causal (query i sees keys j <= i) or Mask::none
 /// @param out      B x H x N x Dv result
 /// @param scale    multiplies q . k; negative means 1/sqrt(Dk)
 /// @param threads  as Options::threads (0: OpenMP's default)
 template <class Q, class K, class V, class O, class = detail::enable_if_heads_scalars<Q, K, V, O>>
 void softmax_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                            bool causal, const HeadsView<O>& out, double scale = -1,
+                            Mask mask, const HeadsView<O>& out, double scale = -1,
                             int threads = 0) {
   static_assert(detail::is_supported_scalar<O>, "linattn kernels take float or double inputs");
   constexpr const char* where = "softmax_attention";
@@ -374,7 +344,9 @@ void softmax_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const 
   detail::for_each_sequence_head(
       q, k, v, out, sequences, options,
       [&](Eigen::Index, Eigen::Index, const auto& qs, const auto& ks, const auto& vs, auto os,
-          int) { detail::TiledSoftmax<O>(q.dim(), v.dim()).run(qs, ks, vs, s, causal, 0, os); });
+          int) {
+        detail::TiledSoftmax<O>(q.dim(), v.dim()).run(qs, ks, vs, s, mask == Mask::causal, 0, os);
+      });
 }
 
 }  // namespace linattn

@@ -71,140 +71,98 @@ class RecurrentState {
     detail::validate_options(options, "RecurrentState");
   }
 
-  /// Adds one token and returns its output. Allocates only the returned vector.
-  /// @param phi_q  C featurized query (any row or column vector expression)
-  /// @param phi_k  C featurized key
-  /// @param v      Dv value
-  /// @return       Dv output
-  template <class DQ, class DK, class DV>
-  Vector<T> step(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                 const Eigen::MatrixBase<DV>& v) {
-    Vector<T> out(value_dim());
-    step_into(phi_q, phi_k, v, out);
-    return out;
-  }
-
-  /// Adds one token and writes its output; allocates nothing. On a throw the state is unchanged.
-  /// @param phi_q  C featurized query
-  /// @param phi_k  C featurized key
-  /// @param v      Dv value
-  /// @param out    Dv output
-  template <class DQ, class DK, class DV>
-  void step_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                 const Eigen::MatrixBase<DV>& v, Eigen::Ref<Vector<T>> out) {
-    constexpr const char* where = "RecurrentState::step";
-    check_scalars<DQ, DK, DV>();
-    load_token(phi_q, phi_k, v, out, where, "phi_q", "phi_k");
-    advance(0.0, 0.0, !state_.unscaled(), out);
-  }
-
-  /// Adds one raw token through a feature map and returns its output. Exponential maps go
-  /// through the log-scale stabiliser.
-  /// @param q    Dk query
+  /// Adds one token through a feature map and returns its output. Exponential maps go
+  /// through the log-scale stabiliser. Allocates only the returned vector.
+  /// @param q    Dk query (any row or column vector expression; features, with Identity)
   /// @param k    Dk key
   /// @param v    Dv value
-  /// @param map  feature map with map.feature_dim(Dk) == C
+  /// @param map  feature map with map.feature_dim(Dk) == C (Identity{} for precomputed
+  ///             features); a call without one does not compile
   /// @return     Dv output
-  template <class DQ, class DK, class DV, class Map,
-            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap>
   Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                 const Eigen::MatrixBase<DV>& v, const Map& map) {
+                 const Eigen::MatrixBase<DV>& v, const Map& map = {}) {
     Vector<T> out(value_dim());
     step_into(q, k, v, map, out);
     return out;
   }
 
-  /// As step(q, k, v, map), writing the output into `out` (Dv).
-  template <class DQ, class DK, class DV, class Map,
-            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  /// As step(q, k, v, map), writing the output into `out` (Dv). Allocates nothing once the
+  /// first token has sized the workspace (for maps with queries_into / keys_into, which every
+  /// linattn map has). On a throw the state is unchanged.
+  template <class DQ, class DK, class DV, class Map>
   void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                  const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Vector<T>> out) {
     constexpr const char* where = "RecurrentState::step";
-    detail::require_vector(q, q.size(), where, "q");
-    detail::require_vector(k, q.size(), where, "k");
     check_scalars<DQ, DK, DV>();
-    // Featurized in the accumulation type, as prefill does.
-    const Matrix<Acc> raw_q = q.reshaped().transpose().template cast<Acc>();
-    const Matrix<Acc> raw_k = k.reshaped().transpose().template cast<Acc>();
-    if (options_.check_finite) {
-      detail::require_finite(raw_q, where, "q");
-      detail::require_finite(raw_k, where, "k");
-    }
-    const Eigen::Index dim = map.feature_dim(raw_q.cols());
-    if (dim != feature_dim()) {
-      throw Error(std::string(where) + ": the feature map gives " + std::to_string(dim) +
-                  " features for q of size " + std::to_string(raw_q.cols()) +
-                  " but the state holds " + std::to_string(feature_dim()));
-    }
-    if constexpr (detail::is_log_scaled<Map>::value) {
-      Vector<double> log_q, log_k;
-      const Matrix<Acc> phi_q = map.scaled_features(raw_q, log_q);
-      const Matrix<Acc> phi_k = map.scaled_features(raw_k, log_k);
-      load_token(phi_q, phi_k, v, out, where, "phi(q)", "phi(k)");
-      advance(log_q(0), log_k(0), true, out);
-    } else {
-      load_token(map.queries(raw_q), map.keys(raw_k), v, out, where, "phi(q)", "phi(k)");
-      advance(0.0, 0.0, !state_.unscaled(), out);
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      if constexpr (detail::is_identity_map<Map>) {
+        load_token(q, k, v, out, where, "q", "k");
+        advance(0.0, 0.0, !state_.unscaled(), out);
+      } else {
+        step_mapped(q, k, v, map, out, where);
+      }
     }
   }
 
-  /// Adds many tokens through the chunked form; returns their outputs, the same (within
-  /// rounding) as calling step for each row. On a throw the state is unchanged.
-  /// @param phi_q  N x C featurized queries
-  /// @param phi_k  N x C featurized keys
-  /// @param v      N x Dv values
-  /// @return       N x Dv outputs
-  template <class DQ, class DK, class DV>
-  Matrix<T> prefill(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                    const Eigen::MatrixBase<DV>& v) {
-    Matrix<T> out(phi_q.rows(), value_dim());
-    prefill_into(phi_q, phi_k, v, out);
-    return out;
+  /// Catches the map-less call of 0.1.0, step_into(phi_q, phi_k, v, out).
+  template <class DQ, class DK, class DV, class DO>
+  void step_into(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
+                 const Eigen::MatrixBase<DV>&, Eigen::MatrixBase<DO>&) {
+    static_assert(detail::always_false<DQ>,
+                  "linattn: RecurrentState::step_into needs a feature map before out: pass "
+                  "linattn::Identity{} when q and k are already features");
   }
 
-  /// As prefill(phi_q, phi_k, v), writing into `out` (N x Dv).
-  template <class DQ, class DK, class DV>
-  void prefill_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                    const Eigen::MatrixBase<DV>& v, Eigen::Ref<Matrix<T>> out) {
-    constexpr const char* where = "RecurrentState::prefill";
-    check_scalars<DQ, DK, DV>();
-    detail::validate_sequence_shapes(phi_q, phi_k, v, options_, where, "phi_q", "phi_k");
-    check_dims(phi_q.cols(), v.cols(), where, "phi_q");
-    detail::require_output_shape(out, phi_q.rows(), value_dim(), where);
-    detail::scan_inputs(phi_q, phi_k, v, options_, where, "phi_q", "phi_k");
-    run_chunked(detail::FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()),
-                out);
-  }
-
-  /// Adds many raw tokens through a feature map, chunk by chunk.
-  /// @param q    N x Dk queries
+  /// Adds many tokens through the chunked form, the map applied chunk by chunk; returns their
+  /// outputs, the same (within rounding) as calling step for each row. On a throw the state
+  /// is unchanged.
+  /// @param q    N x Dk queries (features, with Identity)
   /// @param k    N x Dk keys
   /// @param v    N x Dv values
-  /// @param map  feature map with map.feature_dim(Dk) == C
+  /// @param map  feature map with map.feature_dim(Dk) == C (Identity{} for precomputed
+  ///             features); a call without one does not compile
   /// @return     N x Dv outputs
-  template <class DQ, class DK, class DV, class Map,
-            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap>
   Matrix<T> prefill(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                    const Eigen::MatrixBase<DV>& v, const Map& map) {
+                    const Eigen::MatrixBase<DV>& v, const Map& map = {}) {
     Matrix<T> out(q.rows(), value_dim());
     prefill_into(q, k, v, map, out);
     return out;
   }
 
-  /// As prefill(q, k, v, map), writing into `out` (N x Dv).
-  template <class DQ, class DK, class DV, class Map,
-            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  /// As prefill(q, k, v, map), writing into `out` (N x Dv, row-major).
+  template <class DQ, class DK, class DV, class Map>
   void prefill_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                     const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Matrix<T>> out) {
     constexpr const char* where = "RecurrentState::prefill";
     check_scalars<DQ, DK, DV>();
-    detail::validate_sequence_shapes(q, k, v, options_, where, "q", "k");
-    const detail::MappedSource<DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(), map,
-                                                       options_.check_finite, where);
-    check_dims(source.feature_dim(), v.cols(), where, "phi(q)");
-    detail::require_output_shape(out, q.rows(), value_dim(), where);
-    detail::scan_inputs(q, k, v, options_, where, "q", "k");
-    run_chunked(source, out);
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      detail::validate_sequence_shapes(q, k, v, options_, where, "q", "k");
+      if constexpr (detail::is_identity_map<Map>) {
+        check_dims(q.cols(), v.cols(), where, "q");
+        detail::require_output_shape(out, q.rows(), value_dim(), where);
+        detail::scan_inputs(q, k, v, options_, where, "q", "k");
+        run_chunked(detail::FeaturizedSource<DQ, DK, DV>(q.derived(), k.derived(), v.derived()),
+                    out);
+      } else {
+        const detail::MappedSource<DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(),
+                                                           map, options_.check_finite, where);
+        check_dims(source.feature_dim(), v.cols(), where, "phi(q)");
+        detail::require_output_shape(out, q.rows(), value_dim(), where);
+        detail::scan_inputs(q, k, v, options_, where, "q", "k");
+        run_chunked(source, out);
+      }
+    }
+  }
+
+  /// Catches the map-less call of 0.1.0, prefill_into(phi_q, phi_k, v, out).
+  template <class DQ, class DK, class DV, class DO>
+  void prefill_into(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
+                    const Eigen::MatrixBase<DV>&, Eigen::MatrixBase<DO>&) {
+    static_assert(detail::always_false<DQ>,
+                  "linattn: RecurrentState::prefill_into needs a feature map before out: pass "
+                  "linattn::Identity{} when q and k are already features");
   }
 
   /// S scaled by exp(-log_scale()), C x Dv.
@@ -357,6 +315,80 @@ class RecurrentState {
     }
   }
 
+  /// Throws unless `x` is one token: a row or column vector (of `size` entries when size > 0).
+  template <class Derived>
+  static void require_token(const Eigen::MatrixBase<Derived>& x, Eigen::Index size,
+                            const char* where, const char* name) {
+    if ((x.rows() != 1 && x.cols() != 1) || x.size() == 0) {
+      throw Error(std::string(where) + ": " + name + " is " + detail::shape_string(x) +
+                  "; step takes one token, a row or column vector (use prefill for several)");
+    }
+    if (size > 0 && x.size() != size) {
+      throw Error(std::string(where) + ": " + name + " has " + std::to_string(x.size()) +
+                  " entries, expected " + std::to_string(size));
+    }
+  }
+
+  /// One raw token through `map`: featurized into the step workspace (no allocation once
+  /// sized), validated, then advanced.
+  template <class DQ, class DK, class DV, class Map>
+  void step_mapped(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                   const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Vector<T>> out,
+                   const char* where) {
+    require_token_room(1, where);
+    require_token(q, 0, where, "q");
+    require_token(k, q.size(), where, "k");
+    require_token(v, value_dim(), where, "v");
+    detail::require_output_size(out, value_dim(), where);
+    const Eigen::Index dim = map.feature_dim(q.size());
+    if (dim != feature_dim()) {
+      throw Error(std::string(where) + ": the feature map gives " + std::to_string(dim) +
+                  " features for q of size " + std::to_string(q.size()) + " but the state holds " +
+                  std::to_string(feature_dim()));
+    }
+    if (raw_q_.size() != q.size()) {
+      raw_q_.resize(q.size());
+      raw_k_.resize(q.size());
+    }
+    // Featurized in the accumulation type, as prefill does.
+    detail::load_vector(q, raw_q_);
+    detail::load_vector(k, raw_k_);
+    if (options_.check_finite) {
+      detail::require_finite(raw_q_, where, "q");
+      detail::require_finite(raw_k_, where, "k");
+      detail::require_finite(v, where, "v");
+    }
+    Eigen::Map<Matrix<Acc>> phi_q(query_.data(), 1, feature_dim());
+    Eigen::Map<Matrix<Acc>> phi_k(key_.data(), 1, feature_dim());
+    double log_q = 0.0, log_k = 0.0;
+    if constexpr (detail::is_log_scaled<Map>::value) {
+      Eigen::Map<Vector<double>> log_q_ref(&log_q, 1), log_k_ref(&log_k, 1);
+      detail::map_scaled_features_into(map, raw_q_.transpose(), phi_q, log_q_ref);
+      detail::map_scaled_features_into(map, raw_k_.transpose(), phi_k, log_k_ref);
+    } else {
+      detail::map_queries_into(map, raw_q_.transpose(), phi_q);
+      detail::map_keys_into(map, raw_k_.transpose(), phi_k);
+    }
+    if (options_.check_finite) {
+      detail::require_finite(query_, where, "phi(q)");
+      detail::require_finite(key_, where, "phi(k)");
+    }
+    detail::load_vector(v, value_);
+    advance(log_q, log_k, detail::is_log_scaled<Map>::value || !state_.unscaled(), out);
+  }
+
+  /// Advances by one token already featurized in Acc (the second phase of a batch step,
+  /// whose inputs were all checked before any state moved).
+  template <class DP, class DV>
+  void step_features(const Eigen::MatrixBase<DP>& phi_q, const Eigen::MatrixBase<DP>& phi_k,
+                     const Eigen::MatrixBase<DV>& v, double log_q, double log_k, bool log_scaled,
+                     Eigen::Ref<Vector<T>> out) {
+    query_ = phi_q.transpose();
+    key_ = phi_k.transpose();
+    detail::load_vector(v, value_);
+    advance(log_q, log_k, log_scaled || !state_.unscaled(), out);
+  }
+
   /// Validates one token and copies it into the step workspace (no allocation).
   template <class DQ, class DK, class DV>
   void load_token(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
@@ -451,7 +483,8 @@ class RecurrentState {
   Options options_;
   std::int64_t tokens_ = 0;
   Vector<Acc> query_, key_, value_;
-  Vector<Acc> output_;  ///< Dv; used when Acc differs from T
+  Vector<Acc> raw_q_, raw_k_;  ///< Dk: a mapped step's token in Acc, sized by the first one
+  Vector<Acc> output_;         ///< Dv; used when Acc differs from T
 };
 
 }  // namespace linattn

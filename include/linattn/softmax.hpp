@@ -17,6 +17,13 @@
 
 namespace linattn {
 
+/// Which keys a softmax query sees: all of them, or j <= i (causal). An enum, not a bool, so
+/// that a scale cannot be passed where the mask goes.
+enum class Mask {
+  none,   ///< every query sees every key
+  causal  ///< query i sees keys j <= i
+};
+
 namespace detail {
 
 /// 1/sqrt(Dk) for a negative scale; throws for NaN or infinity.
@@ -240,12 +247,12 @@ class TiledSoftmaxBackward {
 /// @param q       N x Dk queries
 /// @param k       N x Dk keys
 /// @param v       N x Dv values
-/// @param causal  query i sees keys j <= i
+/// @param mask    Mask::causal (query i sees keys j <= i) or Mask::none
 /// @param out     N x Dv result
 /// @param scale   multiplies q . k; negative means 1/sqrt(Dk)
 template <class DQ, class DK, class DV>
 void softmax_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                            const Eigen::MatrixBase<DV>& v, bool causal,
+                            const Eigen::MatrixBase<DV>& v, Mask mask,
                             Eigen::Ref<Matrix<typename DQ::Scalar>> out, double scale = -1) {
   using T = typename DQ::Scalar;
   static_assert(detail::is_supported_scalar<T>, "linattn kernels take float or double inputs");
@@ -254,7 +261,7 @@ void softmax_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixB
   detail::require_output_shape(out, q.rows(), v.cols(), where);
   const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
   const detail::SerialEigenScope serial_eigen;  // a single-thread baseline, also under OpenMP
-  detail::TiledSoftmax<T>(q.cols(), v.cols()).run(q, k, v, s, causal, 0, out);
+  detail::TiledSoftmax<T>(q.cols(), v.cols()).run(q, k, v, s, mask == Mask::causal, 0, out);
 }
 
 /// Softmax attention (tiled); returns N x Dv. See softmax_attention_into.
@@ -262,10 +269,10 @@ void softmax_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixB
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& q,
                                               const Eigen::MatrixBase<DK>& k,
-                                              const Eigen::MatrixBase<DV>& v, bool causal,
+                                              const Eigen::MatrixBase<DV>& v, Mask mask,
                                               double scale = -1) {
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
-  softmax_attention_into(q, k, v, causal, out, scale);
+  softmax_attention_into(q, k, v, mask, out, scale);
   return out;
 }
 
@@ -277,7 +284,7 @@ Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& q,
 /// @param k         N x Dk keys
 /// @param v         N x Dv values
 /// @param grad_out  N x Dv gradient of the loss with respect to the attention output
-/// @param causal    query i sees keys j <= i (as in the forward)
+/// @param mask      Mask::causal or Mask::none (as in the forward)
 /// @param grad_q    N x Dk result, d loss / d q (may not alias the inputs)
 /// @param grad_k    N x Dk result, d loss / d k
 /// @param grad_v    N x Dv result, d loss / d v
@@ -285,7 +292,7 @@ Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& q,
 template <class DQ, class DK, class DV, class DO>
 void softmax_attention_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                                      const Eigen::MatrixBase<DV>& v,
-                                     const Eigen::MatrixBase<DO>& grad_out, bool causal,
+                                     const Eigen::MatrixBase<DO>& grad_out, Mask mask,
                                      Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q,
                                      Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
                                      Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v,
@@ -313,7 +320,7 @@ void softmax_attention_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen
   const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
   const detail::SerialEigenScope serial_eigen;  // a single-thread baseline, also under OpenMP
   detail::TiledSoftmaxBackward<T>(q.rows(), q.cols(), v.cols())
-      .run(q, k, v, grad_out, s, causal, grad_q, grad_k, grad_v);
+      .run(q, k, v, grad_out, s, mask == Mask::causal, grad_q, grad_k, grad_v);
 }
 
 /// Gradients of softmax_attention; returns {d q (N x Dk), d k (N x Dk), d v (N x Dv)}. See
@@ -322,16 +329,16 @@ void softmax_attention_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen
 /// @param k         N x Dk keys
 /// @param v         N x Dv values
 /// @param grad_out  N x Dv gradient of the loss with respect to the attention output
-/// @param causal    query i sees keys j <= i
+/// @param mask      Mask::causal or Mask::none
 /// @param scale     multiplies q . k; negative means 1/sqrt(Dk)
 template <class DQ, class DK, class DV, class DO>
 AttentionGradients<typename DQ::Scalar> softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-    const Eigen::MatrixBase<DO>& grad_out, bool causal, double scale = -1) {
+    const Eigen::MatrixBase<DO>& grad_out, Mask mask, double scale = -1) {
   using T = typename DQ::Scalar;
   AttentionGradients<T> grads{Matrix<T>(q.rows(), q.cols()), Matrix<T>(k.rows(), k.cols()),
                               Matrix<T>(v.rows(), v.cols())};
-  softmax_attention_backward_into(q, k, v, grad_out, causal, grads.q, grads.k, grads.v, scale);
+  softmax_attention_backward_into(q, k, v, grad_out, mask, grads.q, grads.k, grads.v, scale);
   return grads;
 }
 
@@ -374,13 +381,13 @@ Matrix<typename DQ::Scalar> sliding_window_attention(const Eigen::MatrixBase<DQ>
 /// Softmax attention as most people write it: the full N x N score matrix, a row softmax,
 /// one product. O(N^2) memory; kept as a second baseline and for tests.
 /// @param q       N x Dk queries; k N x Dk keys; v N x Dv values
-/// @param causal  query i sees keys j <= i
+/// @param mask    Mask::causal (query i sees keys j <= i) or Mask::none
 /// @param scale   negative means 1/sqrt(Dk)
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> materialized_softmax_attention(const Eigen::MatrixBase<DQ>& q,
                                                            const Eigen::MatrixBase<DK>& k,
                                                            const Eigen::MatrixBase<DV>& v,
-                                                           bool causal, double scale = -1) {
+                                                           Mask mask, double scale = -1) {
   using T = typename DQ::Scalar;
   static_assert(detail::is_supported_scalar<T>, "linattn kernels take float or double inputs");
   constexpr const char* where = "materialized_softmax_attention";
@@ -388,7 +395,7 @@ Matrix<typename DQ::Scalar> materialized_softmax_attention(const Eigen::MatrixBa
   const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
   Matrix<T> scores(q.rows(), k.rows());
   scores.noalias() = (q * s) * k.transpose();
-  if (causal) {
+  if (mask == Mask::causal) {
     scores.template triangularView<Eigen::StrictlyUpper>().setConstant(
         -std::numeric_limits<T>::infinity());
   }

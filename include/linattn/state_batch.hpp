@@ -56,52 +56,40 @@ class RecurrentStateBatch {
     for (State& state : states_) state.reset();
   }
 
-  /// One token for every state; inputs are checked before any state moves.
-  /// @param phi_q  size() x C featurized queries, row i for state i
-  /// @param phi_k  size() x C featurized keys
-  /// @param v      size() x Dv values
-  /// @param out    size() x Dv outputs
-  template <class DQ, class DK, class DV>
-  void step_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                 const Eigen::MatrixBase<DV>& v, Eigen::Ref<Matrix<T>> out) {
-    constexpr const char* where = "RecurrentStateBatch::step";
-    check_rows(phi_q, phi_k, v, out, feature_dim(), where, "phi_q", "phi_k");
-    for_each_state([&](Eigen::Index i) {
-      states_[i].step_into(phi_q.row(i), phi_k.row(i), v.row(i), out.row(i).transpose());
-    });
-  }
-
-  /// As step_into, returning size() x Dv.
-  template <class DQ, class DK, class DV>
-  Matrix<T> step(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                 const Eigen::MatrixBase<DV>& v) {
-    Matrix<T> out(size(), value_dim());
-    step_into(phi_q, phi_k, v, out);
-    return out;
-  }
-
-  /// One raw token for every state through a feature map.
-  /// @param q    size() x Dk queries
+  /// One token for every state through a feature map (Identity{} for precomputed features).
+  /// Every state and every input is checked, and the map applied to all rows at once, before
+  /// any state moves: a throwing call changes nothing.
+  /// @param q    size() x Dk queries, row i for state i
   /// @param k    size() x Dk keys
   /// @param v    size() x Dv values
   /// @param map  feature map with map.feature_dim(Dk) == C
-  /// @param out  size() x Dv outputs
-  template <class DQ, class DK, class DV, class Map,
-            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  /// @param out  size() x Dv outputs, row-major
+  template <class DQ, class DK, class DV, class Map>
   void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                  const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Matrix<T>> out) {
     constexpr const char* where = "RecurrentStateBatch::step";
-    check_rows(q, k, v, out, q.cols(), where, "q", "k");
-    for_each_state([&](Eigen::Index i) {
-      states_[i].step_into(q.row(i), k.row(i), v.row(i), map, out.row(i).transpose());
-    });
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      check_rows(q, k, v, out, detail::is_identity_map<Map> ? feature_dim() : q.cols(), where, "q",
+                 "k");
+      if constexpr (detail::is_identity_map<Map>) {
+        for_each_state([&](Eigen::Index i) {
+          states_[i].step_into(q.row(i), k.row(i), v.row(i), map, out.row(i).transpose());
+        });
+      } else {
+        featurize(q, k, map, where);
+        constexpr bool log_scaled = detail::is_log_scaled<Map>::value;
+        for_each_state([&](Eigen::Index i) {
+          states_[i].step_features(features_q_.row(i), features_k_.row(i), v.row(i), log_q_(i),
+                                   log_k_(i), log_scaled, out.row(i).transpose());
+        });
+      }
+    }
   }
 
-  /// As step_into with a map, returning size() x Dv.
-  template <class DQ, class DK, class DV, class Map,
-            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+  /// As step_into, returning size() x Dv.
+  template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap>
   Matrix<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                 const Eigen::MatrixBase<DV>& v, const Map& map) {
+                 const Eigen::MatrixBase<DV>& v, const Map& map = {}) {
     Matrix<T> out(size(), value_dim());
     step_into(q, k, v, map, out);
     return out;
@@ -110,23 +98,22 @@ class RecurrentStateBatch {
   /// A prompt for every state from multi-head views through the chunked form: state
   /// b * H + h takes head h of sequence b and ends where stepping each token would leave it.
   /// This is the parallel routine with initial states in and final states out.
-  /// @param phi_q  B x H x N x C featurized queries, B * H == size()
-  /// @param phi_k  B x H x N x C featurized keys
-  /// @param v      B x H x N x Dv values
-  /// @param out    B x H x N x Dv outputs
-  template <class Q, class K, class V, class O, class = detail::enable_if_heads_scalars<Q, K, V, O>>
-  void prefill_into(const HeadsView<Q>& phi_q, const HeadsView<K>& phi_k, const HeadsView<V>& v,
-                    const HeadsView<O>& out) {
-    prefill_heads(phi_q, phi_k, v, static_cast<const void*>(nullptr), out, "phi_q", "phi_k");
-  }
-
-  /// As prefill_into, with raw q, k (B x H x N x Dk) and a feature map.
+  /// @param q    B x H x N x Dk queries, B * H == size() (features, with Identity)
+  /// @param k    B x H x N x Dk keys
+  /// @param v    B x H x N x Dv values
+  /// @param map  feature map (Identity{} for precomputed features)
+  /// @param out  B x H x N x Dv outputs
   template <class Q, class K, class V, class Map, class O,
-            class = detail::enable_if_heads_scalars<Q, K, V, O>,
-            class = std::enable_if_t<detail::is_feature_map<Map>::value>>
+            class = detail::enable_if_heads_scalars<Q, K, V, O>>
   void prefill_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const Map& map, const HeadsView<O>& out) {
-    prefill_heads(q, k, v, &map, out, "q", "k");
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      if constexpr (detail::is_identity_map<Map>) {
+        prefill_heads(q, k, v, static_cast<const void*>(nullptr), out, "q", "k");
+      } else {
+        prefill_heads(q, k, v, &map, out, "q", "k");
+      }
+    }
   }
 
  private:
@@ -156,7 +143,58 @@ class RecurrentStateBatch {
       detail::require_finite(k, where, k_name);
       detail::require_finite(v, where, "v");
     }
+    require_uniform_states(where);
     for (const State& state : states_) state.require_token_room(1, where);
+  }
+
+  /// Throws unless every state has the batch's dimensions (a state assigned through
+  /// operator[] may not), so that no state moves before another one throws.
+  void require_uniform_states(const char* where) const {
+    for (std::size_t i = 0; i < states_.size(); ++i) {
+      const State& state = states_[i];
+      if (state.feature_dim() != feature_dim() || state.value_dim() != value_dim()) {
+        throw Error(std::string(where) + ": state " + std::to_string(i) + " is " +
+                    detail::shape_string(state.feature_dim(), state.value_dim()) +
+                    " (C x Dv) but state 0 is " + detail::shape_string(feature_dim(), value_dim()) +
+                    "; every state of a batch must have the same dimensions");
+      }
+    }
+  }
+
+  /// Applies `map` to every row of q and k into the batch's feature workspace (sized on the
+  /// first call), and checks the features, before any state moves.
+  template <class DQ, class DK, class Map>
+  void featurize(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Map& map,
+                 const char* where) {
+    const Eigen::Index dim = map.feature_dim(q.cols());
+    if (dim != feature_dim()) {
+      throw Error(std::string(where) + ": the feature map gives " + std::to_string(dim) +
+                  " features for q of width " + std::to_string(q.cols()) + " but the states hold " +
+                  std::to_string(feature_dim()));
+    }
+    if (raw_q_.rows() != q.rows() || raw_q_.cols() != q.cols()) {
+      raw_q_.resize(q.rows(), q.cols());
+      raw_k_.resize(q.rows(), q.cols());
+    }
+    if (features_q_.rows() != size()) {
+      features_q_.resize(size(), feature_dim());
+      features_k_.resize(size(), feature_dim());
+      log_q_.setZero(size());
+      log_k_.setZero(size());
+    }
+    detail::load_rows(q, raw_q_);
+    detail::load_rows(k, raw_k_);
+    if constexpr (detail::is_log_scaled<Map>::value) {
+      detail::map_scaled_features_into(map, raw_q_, features_q_, log_q_);
+      detail::map_scaled_features_into(map, raw_k_, features_k_, log_k_);
+    } else {
+      detail::map_queries_into(map, raw_q_, features_q_);
+      detail::map_keys_into(map, raw_k_, features_k_);
+    }
+    if (options().check_finite) {
+      detail::require_finite(features_q_, where, "phi(q)");
+      detail::require_finite(features_k_, where, "phi(k)");
+    }
   }
 
   /// body(i) for every state, the states split in equal blocks across the threads.
@@ -216,6 +254,9 @@ class RecurrentStateBatch {
   }
 
   std::vector<State> states_;
+  Matrix<Acc> raw_q_, raw_k_;            ///< size() x Dk: a mapped step's rows in Acc
+  Matrix<Acc> features_q_, features_k_;  ///< size() x C: their features
+  Vector<double> log_q_, log_k_;         ///< size(): their log scales (exponential maps)
 };
 
 }  // namespace linattn

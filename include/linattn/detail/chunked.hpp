@@ -8,8 +8,8 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/convert.hpp>
 #include <linattn/detail/stream.hpp>
-#include <linattn/feature_map.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
 #include <string>
 #include <type_traits>
 
