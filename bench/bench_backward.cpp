@@ -51,7 +51,7 @@ void BM_SoftmaxForward(benchmark::State& state) {
   const Eigen::Index n = state.range(0);
   Inputs<T> in(n);
   linattn_bench::measure(state, [&] {
-    linattn::softmax_attention_into(in.q, in.k, in.v, true, in.out);
+    linattn::softmax_attention_into(in.q, in.k, in.v, linattn::Mask::causal, in.out);
     benchmark::DoNotOptimize(in.out.data());
   });
   set_rates(state, causal_softmax_flops(n), double(n));
@@ -62,9 +62,9 @@ void BM_SoftmaxForwardBackward(benchmark::State& state) {
   const Eigen::Index n = state.range(0);
   Inputs<T> in(n);
   linattn_bench::measure(state, [&] {
-    linattn::softmax_attention_into(in.q, in.k, in.v, true, in.out);
+    linattn::softmax_attention_into(in.q, in.k, in.v, linattn::Mask::causal, in.out);
     benchmark::DoNotOptimize(in.out.data());
-    linattn::softmax_attention_backward_into(in.q, in.k, in.v, in.grad_out, true, in.grad_q,
+    linattn::softmax_attention_backward_into(in.q, in.k, in.v, in.grad_out, linattn::Mask::causal, in.grad_q,
                                              in.grad_k, in.grad_v);
     benchmark::DoNotOptimize(in.grad_q.data());
     benchmark::DoNotOptimize(in.grad_k.data());

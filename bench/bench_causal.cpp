@@ -62,7 +62,7 @@ void BM_CausalKernel(benchmark::State& state, Eigen::Index feature_dim) {
   const Matrix<T> v = random_matrix<T>(n, kDim, 16);
   Matrix<T> out(n, kDim);
   linattn_bench::measure(state, [&] {
-    linattn::causal_linear_attention_into(phi_q, phi_k, v, out);
+    linattn::causal_linear_attention_into(phi_q, phi_k, v, linattn::Identity{}, out);
     benchmark::DoNotOptimize(out.data());
   });
   set_rates(state, 4.0 * double(n) * double(feature_dim) * double(kDim), double(n));
@@ -79,7 +79,7 @@ void BM_SoftmaxTiled(benchmark::State& state) {
   const Eigen::Index n = state.range(0);
   Inputs<T> in(n);
   linattn_bench::measure(state, [&] {
-    linattn::softmax_attention_into(in.q, in.k, in.v, true, in.out);
+    linattn::softmax_attention_into(in.q, in.k, in.v, linattn::Mask::causal, in.out);
     benchmark::DoNotOptimize(in.out.data());
   });
   set_rates(state, causal_softmax_flops(n), double(n));
@@ -90,7 +90,7 @@ void BM_SoftmaxMaterialized(benchmark::State& state) {
   const Eigen::Index n = state.range(0);
   Inputs<T> in(n);
   linattn_bench::measure(state, [&] {
-    in.out = linattn::materialized_softmax_attention(in.q, in.k, in.v, true);
+    in.out = linattn::materialized_softmax_attention(in.q, in.k, in.v, linattn::Mask::causal);
     benchmark::DoNotOptimize(in.out.data());
   });
   set_rates(state, causal_softmax_flops(n), double(n));  // useful FLOPs, not the 2x it does

@@ -23,13 +23,13 @@ void BM_RecurrentStep(benchmark::State& state) {
   const Eigen::Index t = state.range(0);
   linattn::RecurrentState<T> rnn(kDim, kDim);
   const Matrix<T> context = random_matrix<T>(t, kDim, 21).array().exp().matrix();  // positive
-  rnn.prefill(context, context, random_matrix<T>(t, kDim, 22));
+  rnn.prefill(context, context, random_matrix<T>(t, kDim, 22), linattn::Identity{});
   const Matrix<T> token = random_matrix<T>(3, kDim, 23);
   const Vector<T> phi_q = token.row(0).array().exp(), phi_k = token.row(1).array().exp();
   const Vector<T> v = token.row(2).transpose();
   Vector<T> out(kDim);
   linattn_bench::measure(state, [&] {
-    rnn.step_into(phi_q, phi_k, v, out);
+    rnn.step_into(phi_q, phi_k, v, linattn::Identity{}, out);
     benchmark::DoNotOptimize(out.data());
   });
   set_rates(state, 4.0 * kDim * kDim, 1.0);

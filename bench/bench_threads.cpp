@@ -37,14 +37,14 @@ void BM_HeadsKernel(benchmark::State& state, Eigen::Index heads) {
   const Eigen::Index n = state.range(0);
   HeadInputs<T> in(heads, n);
   const Eigen::Index batch = heads / 4;
-  const auto q = HeadsView<const T>::bhnd(in.phi_q.data(), batch, 4, n, kDim);
-  const auto k = HeadsView<const T>::bhnd(in.phi_k.data(), batch, 4, n, kDim);
-  const auto v = HeadsView<const T>::bhnd(in.v.data(), batch, 4, n, kDim);
-  const auto out = HeadsView<T>::bhnd(in.out.data(), batch, 4, n, kDim);
+  const auto q = HeadsView<const T>::bhnd(in.phi_q.data(), {batch, 4, n, kDim});
+  const auto k = HeadsView<const T>::bhnd(in.phi_k.data(), {batch, 4, n, kDim});
+  const auto v = HeadsView<const T>::bhnd(in.v.data(), {batch, 4, n, kDim});
+  const auto out = HeadsView<T>::bhnd(in.out.data(), {batch, 4, n, kDim});
   linattn::Options options;
   options.threads = static_cast<int>(state.range(1));
   linattn_bench::measure(state, [&] {
-    linattn::causal_linear_attention_into(q, k, v, out, options);
+    linattn::causal_linear_attention_into(q, k, v, linattn::Identity{}, out, options);
     benchmark::DoNotOptimize(in.out.data());
   });
   set_rates(state, 4.0 * double(heads) * double(n) * kDim * kDim, double(heads * n));
@@ -59,7 +59,7 @@ void BM_SequenceKernel(benchmark::State& state) {
   linattn::Options options;
   options.threads = static_cast<int>(state.range(1));
   linattn_bench::measure(state, [&] {
-    linattn::causal_linear_attention_into(in.phi_q, in.phi_k, in.v, in.out, options);
+    linattn::causal_linear_attention_into(in.phi_q, in.phi_k, in.v, linattn::Identity{}, in.out, options);
     benchmark::DoNotOptimize(in.out.data());
   });
   set_rates(state, 4.0 * double(n) * kDim * kDim, double(n));

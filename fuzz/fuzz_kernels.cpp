@@ -301,7 +301,7 @@ std::optional<Matrix<T>> run_steps(const Input& in, const Eigen::MatrixBase<DQ>&
     Vector<T> y, y_loaded;
     if constexpr (std::is_same_v<Map, std::nullptr_t>) {
       ok = attempt(what, regime.must_succeed,
-                   [&] { y = state->step(q.row(i), k.row(i), v.row(i)); });
+                   [&] { y = state->step(q.row(i), k.row(i), v.row(i), linattn::Identity{}); });
       if (ok && loaded) y_loaded = loaded->step(q.row(i), k.row(i), v.row(i));
     } else {
       ok = attempt(what, regime.must_succeed,
@@ -396,7 +396,7 @@ void run_linear(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const M
   bool fpar_ok = false;
   if (phi_ok) {
     fpar_ok = attempt("causal_linear_attention(phi)", regime.must_succeed,
-                      [&] { fpar = linattn::causal_linear_attention(phi_q, phi_k, v, opt); });
+                      [&] { fpar = linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, opt); });
     attempt("linear_attention(phi)", regime.must_succeed,
             [&] { fnon_causal = linattn::linear_attention(phi_q, phi_k, v, opt); });
     fsteps = run_steps<T, T, std::nullptr_t>(in, phi_q, phi_k, v, nullptr, c, regime,
@@ -472,12 +472,12 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
 
   Matrix<T> tiled, tiled_causal, materialized, window;
   const bool tiled_ok = attempt("softmax_attention", ok_scale, [&] {
-    tiled = linattn::softmax_attention(q, k, v, causal, in.scale);
+    tiled = linattn::softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, in.scale);
   });
   attempt("softmax_attention(causal)", ok_scale,
-          [&] { tiled_causal = linattn::softmax_attention(q, k, v, true, in.scale); });
+          [&] { tiled_causal = linattn::softmax_attention(q, k, v, linattn::Mask::causal, in.scale); });
   attempt("materialized_softmax_attention", ok_scale, [&] {
-    materialized = linattn::materialized_softmax_attention(q, k, v, causal, in.scale);
+    materialized = linattn::materialized_softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, in.scale);
   });
   attempt("sliding_window_attention", ok_window,
           [&] { window = linattn::sliding_window_attention(q, k, v, in.window, in.scale); });

@@ -43,7 +43,7 @@ void exercise(linattn::RecurrentState<T, Acc>& state, std::size_t size) {
   // "On a throw the state is unchanged": compare what it saves before and after.
   std::string before = save_bytes(state);
   try {
-    (void)state.step(phi, phi, v);
+    (void)state.step(phi, phi, v, linattn::Identity{});
   } catch (const linattn::Error&) {
     if (save_bytes(state) != before) fail("a step that threw changed the state", size);
   }

@@ -137,8 +137,8 @@ TEST_CASE("featurized backward matches central finite differences", "[backward]"
         options.chunk = 4;  // several chunks, so carried states are differentiated too
         const auto forward = [&](const Matrix<double>& a, const Matrix<double>& b,
                                  const Matrix<double>& values) {
-          return causal ? linattn::causal_linear_attention(a, b, values, options)
-                        : linattn::linear_attention(a, b, values, options);
+          return causal ? linattn::causal_linear_attention(a, b, values, linattn::Identity{}, options)
+                        : linattn::linear_attention(a, b, values, linattn::Identity{}, options);
         };
         const AttentionGradients<double> got =
             causal ? linattn::causal_linear_attention_backward(q, k, v, grad_out, options)
@@ -244,7 +244,7 @@ TEMPLATE_TEST_CASE("chunked backward matches a naive reverse-mode reference", "[
           for (const Eigen::Index chunk : {16, 64}) {
             options.chunk = chunk;
             const AttentionGradients<T> got =
-                causal ? linattn::causal_linear_attention_backward(q, k, v, grad_out, options)
+                causal ? linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{}, options)
                        : linattn::linear_attention_backward(q, k, v, grad_out, options);
             // Relative to the largest gradient; at N = 1 relative to the cancelling terms.
             const double error =
@@ -270,11 +270,11 @@ TEMPLATE_TEST_CASE("backward writes through Maps and column-major inputs, and _i
   const Matrix<T> k = positive_features(n, c, 42).template cast<T>();
   const Matrix<T> v = gaussian<T>(n, dv, 43);
   const Matrix<T> grad_out = gaussian<T>(n, dv, 44);
-  const AttentionGradients<T> plain = linattn::causal_linear_attention_backward(q, k, v, grad_out);
+  const AttentionGradients<T> plain = linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{});
   const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> k_col = k;
   const Eigen::Map<const Matrix<T>> v_map(v.data(), n, dv);
   Matrix<T> gq(n, c), gk(n, c), gv(n, dv);
-  linattn::causal_linear_attention_backward_into(q, k_col, v_map, grad_out, gq, gk, gv);
+  linattn::causal_linear_attention_backward_into(q, k_col, v_map, grad_out, linattn::Identity{}, gq, gk, gv);
   CHECK(gq == plain.q);
   CHECK(gk == plain.k);
   CHECK(gv == plain.v);
@@ -284,7 +284,7 @@ TEMPLATE_TEST_CASE("backward writes through Maps and column-major inputs, and _i
         q.template cast<double>(), k.template cast<double>(), v.template cast<double>(),
         grad_out.template cast<double>(), true, 1.0, 1e-6, true);
     const AttentionGradients<float> wide =
-        linattn::causal_linear_attention_backward<double>(q, k, v, grad_out);
+        linattn::causal_linear_attention_backward<double>(q, k, v, grad_out, linattn::Identity{});
     CHECK(worst_error(wide, want) <= 2e-7);  // float rounding of the result alone
     CHECK(worst_error(wide, want) <= worst_error(plain, want) + 1e-9);
   }
@@ -333,13 +333,13 @@ TEMPLATE_TEST_CASE("backward rejects bad input and writes nothing", "[backward][
       linattn::causal_linear_attention_backward(q, k, v, grad_out.topRows(n - 1).eval()),
       Contains("grad_out is 19 x 3"));
   CHECK_THROWS_WITH(
-      linattn::causal_linear_attention_backward_into(q, k, v, grad_out, gq.leftCols(c - 1), gk, gv),
+      linattn::causal_linear_attention_backward_into(q, k, v, grad_out, linattn::Identity{}, gq.leftCols(c - 1), gk, gv),
       Contains("grad_phi_q is 20 x 3"));
   CHECK_THROWS_WITH(
-      linattn::linear_attention_backward_into(q, k, v, grad_out, gq, gk, gv.topRows(n - 2)),
+      linattn::linear_attention_backward_into(q, k, v, grad_out, linattn::Identity{}, gq, gk, gv.topRows(n - 2)),
       Contains("grad_v is 18 x 3"));
   grad_out(n - 1, 2) = std::numeric_limits<T>::quiet_NaN();
-  CHECK_THROWS_WITH(linattn::causal_linear_attention_backward_into(q, k, v, grad_out, gq, gk, gv),
+  CHECK_THROWS_WITH(linattn::causal_linear_attention_backward_into(q, k, v, grad_out, linattn::Identity{}, gq, gk, gv),
                     Contains("grad_out has a non-finite value") && Contains("row 19, column 2"));
   CHECK(untouched());
   const Matrix<T> raw = gaussian<T>(n, 5, 65);

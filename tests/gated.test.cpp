@@ -215,7 +215,7 @@ TEMPLATE_TEST_CASE("gated: chunked, recurrent and prefill forms match the naive 
           options.normalize = normalize;
           options.chunk = chunk;
           const Matrix<T> out =
-              linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, options);
+              linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, linattn::Identity{}, options);
           const double e = relative_error(out, expected);
           CHECK(e <= tolerance<T>());
           worst_chunked = std::max(worst_chunked, e);
@@ -231,7 +231,7 @@ TEMPLATE_TEST_CASE("gated: chunked, recurrent and prefill forms match the naive 
             if (end > begin) {
               joined.middleRows(begin, end - begin) = pieces.prefill(
                   p.q.middleRows(begin, end - begin), p.k.middleRows(begin, end - begin),
-                  p.v.middleRows(begin, end - begin), p.gates.middleRows(begin, end - begin));
+                  p.v.middleRows(begin, end - begin), p.gates.middleRows(begin, end - begin), linattn::Identity{});
             }
             begin = end;
           }
@@ -339,9 +339,9 @@ TEST_CASE("gated: float inputs accumulated in double", "[gated]") {
     const Problem<float> p(n, gate_cols, 31 + gate_cols);
     const Matrix<double> expected = naive_gated(p.qd, p.kd, p.vd, p.gd, 1e-6, true);
     const Matrix<float> out =
-        linattn::causal_gated_linear_attention<double>(p.q, p.k, p.v, p.gates);
+        linattn::causal_gated_linear_attention<double>(p.q, p.k, p.v, p.gates, linattn::Identity{});
     linattn::GatedRecurrentState<float, double> state(kC, kDv);
-    const Matrix<float> pre = state.prefill(p.q, p.k, p.v, p.gates);
+    const Matrix<float> pre = state.prefill(p.q, p.k, p.v, p.gates, linattn::Identity{});
     // Only the final rounding to float remains: a few float ulps of the largest entry.
     const double e = std::max(relative_error(out, expected), relative_error(pre, expected));
     INFO(gate_kind(gate_cols) << " gates");
@@ -356,7 +356,7 @@ TEST_CASE("gated: any Eigen expression as input gives the same result", "[gated]
   linattn::Options options;
   options.chunk = 40;
   const Matrix<double> reference =
-      linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, options);
+      linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, linattn::Identity{}, options);
   using ColMajor = Eigen::MatrixXd;
   const ColMajor q = p.q, k = p.k, v = p.v, gates = p.gates;
   const Matrix<double> wide = Matrix<double>::Ones(n, kC + 3);
@@ -364,12 +364,12 @@ TEST_CASE("gated: any Eigen expression as input gives the same result", "[gated]
   padded.leftCols(kC) = p.q;
   Matrix<double> out = Matrix<double>::Zero(n + 4, kDv);
   linattn::causal_gated_linear_attention_into(padded.leftCols(kC), k, v.array().matrix(),
-                                              gates * 1.0, out.middleRows(2, n), options);
+                                              gates * 1.0, linattn::Identity{}, out.middleRows(2, n), options);
   CHECK(relative_error(out.middleRows(2, n), reference) <= 1e-14);
   CHECK(out.topRows(2).isZero(0));
   CHECK(out.bottomRows(2).isZero(0));
   const Matrix<double> from_col_major =
-      linattn::causal_gated_linear_attention(q, k, v, gates, options);
+      linattn::causal_gated_linear_attention(q, k, v, gates, linattn::Identity{}, options);
   CHECK(relative_error(from_col_major, reference) <= 1e-14);
 }
 
@@ -419,7 +419,7 @@ TEST_CASE("gated backward: matches central finite differences", "[gated][backwar
         options.normalize = normalize;
         options.chunk = chunk;
         const linattn::GatedAttentionGradients<double> g =
-            linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, r, options);
+            linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, r, linattn::Identity{}, options);
         const NaiveGradients naive =
             naive_gated_backward(p.qd, p.kd, p.vd, p.gd, r, options.eps, normalize);
         const std::vector<Matrix<double>> inputs = {p.q, p.k, p.v, p.gates};
@@ -472,7 +472,7 @@ TEMPLATE_TEST_CASE("gated backward: chunked matches the naive reverse mode", "[g
           options.normalize = normalize;
           options.chunk = chunk;
           linattn::GatedAttentionGradients<T> g;
-          linattn::causal_gated_linear_attention_backward_into(p.q, p.k, p.v, p.gates, grad_out, g,
+          linattn::causal_gated_linear_attention_backward_into(p.q, p.k, p.v, p.gates, grad_out, linattn::Identity{}, g,
                                                                options);
           const Matrix<T>* got[] = {&g.q, &g.k, &g.v, &g.gates};
           const Matrix<double>* want[] = {&naive.q, &naive.k, &naive.v, &naive.gates};
@@ -507,7 +507,7 @@ TEMPLATE_TEST_CASE("gated backward: gates near 0 stay finite and match", "[gated
     linattn::Options options;
     options.chunk = 256;
     const linattn::GatedAttentionGradients<T> g =
-        linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out, options);
+        linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out, linattn::Identity{}, options);
     const NaiveGradients naive =
         naive_gated_backward(p.qd, p.kd, p.vd, p.gd, grad_out.template cast<double>(), 1e-6, true);
     REQUIRE(g.q.allFinite());
@@ -534,7 +534,7 @@ TEMPLATE_TEST_CASE("gated: bad input throws linattn::Error and writes nothing", 
   const Matrix<T> per_feature = uniform_gates<T>(n, kC, 4, 0.5, 1.0);
   Matrix<T> out = Matrix<T>::Constant(n, kDv, T(7));
   const auto run = [&](const Matrix<T>& gates, const linattn::Options& options = {}) {
-    linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, gates, out, options);
+    linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, gates, linattn::Identity{}, out, options);
   };
   const auto message = [&](const Matrix<T>& gates, const linattn::Options& options = {}) {
     try {
@@ -576,21 +576,21 @@ TEMPLATE_TEST_CASE("gated: bad input throws linattn::Error and writes nothing", 
   Matrix<T> q_nan = p.q;
   q_nan(2, 1) = std::numeric_limits<T>::infinity();
   CHECK_THROWS_AS(
-      linattn::causal_gated_linear_attention_into(q_nan, p.k, p.v, per_feature, out, {}),
+      linattn::causal_gated_linear_attention_into(q_nan, p.k, p.v, per_feature, linattn::Identity{}, out, {}),
       linattn::Error);
   Matrix<T> wrong_out(n, kDv + 1);
   CHECK_THROWS_AS(
-      linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, per_feature, wrong_out, {}),
+      linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, per_feature, linattn::Identity{}, wrong_out, {}),
       linattn::Error);
   CHECK((out.array() == T(7)).all());
 
   // Backward: the same checks, plus grad_out.
   Matrix<T> grad_out = gaussian<T>(n, kDv, 5);
-  CHECK_NOTHROW(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out));
+  CHECK_NOTHROW(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out, linattn::Identity{}));
   CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, bad, grad_out),
                   linattn::Error);
   CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates,
-                                                                  grad_out.leftCols(kDv - 1)),
+                                                                  grad_out.leftCols(kDv - 1), linattn::Identity{}),
                   linattn::Error);
   CHECK_THROWS_AS(
       linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out, decayed),
@@ -625,32 +625,32 @@ TEMPLATE_TEST_CASE("gated state: a throwing call leaves the state unchanged", "[
     CHECK((out.array() == T(3)).all());
   };
   gate(2) = T(0);
-  CHECK_THROWS_AS(state.step_into(q, k, v, gate, out), linattn::Error);
+  CHECK_THROWS_AS(state.step_into(q, k, v, gate, linattn::Identity{}, out), linattn::Error);
   unchanged();
   gate(2) = T(1.5);
-  CHECK_THROWS_AS(state.step_into(q, k, v, gate, out), linattn::Error);
+  CHECK_THROWS_AS(state.step_into(q, k, v, gate, linattn::Identity{}, out), linattn::Error);
   unchanged();
   gate(2) = std::numeric_limits<T>::quiet_NaN();
-  CHECK_THROWS_AS(state.step_into(q, k, v, gate, out), linattn::Error);
+  CHECK_THROWS_AS(state.step_into(q, k, v, gate, linattn::Identity{}, out), linattn::Error);
   unchanged();
-  CHECK_THROWS_AS(state.step_into(q, k, v, Vector<T>::Constant(3, T(0.5)), out), linattn::Error);
+  CHECK_THROWS_AS(state.step_into(q, k, v, Vector<T>::Constant(3, T(0.5)), linattn::Identity{}, out), linattn::Error);
   unchanged();
-  CHECK_THROWS_AS(state.step_into(q, k, v, T(0), out), linattn::Error);
+  CHECK_THROWS_AS(state.step_into(q, k, v, T(0), linattn::Identity{}, out), linattn::Error);
   unchanged();
-  CHECK_THROWS_AS(state.step_into(q, k, v, T(2), out), linattn::Error);
+  CHECK_THROWS_AS(state.step_into(q, k, v, T(2), linattn::Identity{}, out), linattn::Error);
   unchanged();
   Vector<T> q_nan = q;
   q_nan(0) = std::numeric_limits<T>::quiet_NaN();
-  CHECK_THROWS_AS(state.step_into(q_nan, k, v, T(0.5), out), linattn::Error);
+  CHECK_THROWS_AS(state.step_into(q_nan, k, v, T(0.5), linattn::Identity{}, out), linattn::Error);
   unchanged();
-  CHECK_THROWS_AS(state.step_into(q, k, v.head(kDv - 1), T(0.5), out), linattn::Error);
+  CHECK_THROWS_AS(state.step_into(q, k, v.head(kDv - 1), T(0.5), linattn::Identity{}, out), linattn::Error);
   unchanged();
 
   Matrix<T> bad_gates = p.gates.bottomRows(10);
   bad_gates(9, 7) = T(0);
   Matrix<T> rows_out = Matrix<T>::Constant(10, kDv, T(3));
   CHECK_THROWS_AS(state.prefill_into(p.q.bottomRows(10), p.k.bottomRows(10), p.v.bottomRows(10),
-                                     bad_gates, rows_out),
+                                     bad_gates, linattn::Identity{}, rows_out),
                   linattn::Error);
   CHECK((rows_out.array() == T(3)).all());
   CHECK_THROWS_AS(state.prefill(p.q.bottomRows(10), p.k.bottomRows(10), p.v.bottomRows(10),
@@ -677,10 +677,10 @@ TEMPLATE_TEST_CASE("gated state: step_into allocates nothing; scalar gate overlo
   for (Eigen::Index t = 0; t < n; ++t) {
     const Vector<T> broadcast = Vector<T>::Constant(kC, p.gates(t, 0));
     Eigen::internal::set_is_malloc_allowed(false);
-    by_scalar.step_into(p.q.row(t), p.k.row(t), p.v.row(t), p.gates(t, 0), a);
-    by_vector.step_into(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t), b);
-    by_features.step_into(p.q.row(t), p.k.row(t), p.v.row(t), per_feature.row(t), c);
-    by_broadcast.step_into(p.q.row(t), p.k.row(t), p.v.row(t), broadcast, d);
+    by_scalar.step_into(p.q.row(t), p.k.row(t), p.v.row(t), p.gates(t, 0), linattn::Identity{}, a);
+    by_vector.step_into(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t), linattn::Identity{}, b);
+    by_features.step_into(p.q.row(t), p.k.row(t), p.v.row(t), per_feature.row(t), linattn::Identity{}, c);
+    by_broadcast.step_into(p.q.row(t), p.k.row(t), p.v.row(t), broadcast, linattn::Identity{}, d);
     Eigen::internal::set_is_malloc_allowed(true);
     CHECK(a == b);
     CHECK(relative_error(d, a) <= tolerance<T>());
@@ -692,7 +692,7 @@ TEMPLATE_TEST_CASE("gated state: step_into allocates nothing; scalar gate overlo
   linattn::GatedRecurrentState<T> fresh(kC, kDv);
   Matrix<T> stepped(n, kDv);
   for (Eigen::Index t = 0; t < n; ++t) {
-    fresh.step_into(p.q.row(t), p.k.row(t), p.v.row(t), per_feature.row(t), c);
+    fresh.step_into(p.q.row(t), p.k.row(t), p.v.row(t), per_feature.row(t), linattn::Identity{}, c);
     stepped.row(t) = c.transpose();
   }
   CHECK(relative_error(stepped, expected) <= tolerance<T>());
@@ -714,7 +714,7 @@ TEST_CASE("gated: zero denominators give zero rows and zero gradients", "[gated]
   CHECK(relative_error(out, expected) <= 1e-14);
   const Matrix<double> r = gaussian<double>(n, 2, 91);
   const linattn::GatedAttentionGradients<double> g =
-      linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, r, options);
+      linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, r, linattn::Identity{}, options);
   const NaiveGradients naive = naive_gated_backward(p.qd, p.kd, p.vd, p.gd, r, 0.0, true);
   CHECK(g.q.row(0).isZero(0));
   CHECK(relative_error(g.q, naive.q) <= 1e-12);

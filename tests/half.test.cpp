@@ -85,7 +85,7 @@ Matrix<typename DQ::Scalar> attend(bool causal, const Eigen::MatrixBase<DQ>& phi
                                    const Eigen::MatrixBase<DK>& phi_k,
                                    const Eigen::MatrixBase<DV>& v,
                                    const linattn::Options& options) {
-  return causal ? linattn::causal_linear_attention<Acc>(phi_q, phi_k, v, options)
+  return causal ? linattn::causal_linear_attention<Acc>(phi_q, phi_k, v, linattn::Identity{}, options)
                 : linattn::linear_attention<Acc>(phi_q, phi_k, v, options);
 }
 
@@ -338,9 +338,9 @@ TEMPLATE_TEST_CASE("_into forms take maps, column-major inputs, blocks and strid
     const Matrix<T> expected_featurized = attend(causal, phi_q, phi_k, in.v, linattn::Options{});
     Matrix<T> out_featurized(n, kDv);
     if (causal) {
-      linattn::causal_linear_attention_into(phi_q, phi_k.topRows(n), in.v, out_featurized);
+      linattn::causal_linear_attention_into(phi_q, phi_k.topRows(n), in.v, linattn::Identity{}, out_featurized);
     } else {
-      linattn::linear_attention_into(phi_q, phi_k.topRows(n), in.v, out_featurized);
+      linattn::linear_attention_into(phi_q, phi_k.topRows(n), in.v, linattn::Identity{}, out_featurized);
     }
     CHECK(relative_error(out_featurized, expected_featurized) == 0.0);
   }
@@ -363,16 +363,16 @@ TEMPLATE_TEST_CASE("NaN or Inf in a 16-bit input throws, naming the argument", "
     bad_k(66, 2) = bad_value;
     bad_v(3, 1) = bad_value;
     INFO("bad value " << static_cast<float>(bad_value));
-    CHECK_THROWS_WITH(linattn::causal_linear_attention_into(bad_q, in.k, in.v, out),
+    CHECK_THROWS_WITH(linattn::causal_linear_attention_into(bad_q, in.k, in.v, linattn::Identity{}, out),
                       Contains("phi_q has a non-finite value") && Contains("row 66, column 2"));
-    CHECK_THROWS_WITH(linattn::linear_attention_into(in.q, bad_k, in.v, out),
+    CHECK_THROWS_WITH(linattn::linear_attention_into(in.q, bad_k, in.v, linattn::Identity{}, out),
                       Contains("phi_k has a non-finite value") && Contains("row 66, column 2"));
     CHECK_THROWS_WITH(linattn::causal_linear_attention_into(in.q, in.k, bad_v, map, out),
                       Contains("v has a non-finite value") && Contains("row 3, column 1"));
     CHECK_THROWS_WITH(linattn::linear_attention(bad_q, in.k, in.v, map),
                       Contains("q has a non-finite value"));
     // An expression, not memory: scanned coefficient by coefficient.
-    CHECK_THROWS_WITH(linattn::causal_linear_attention(in.q, bad_k.array().abs().matrix(), in.v),
+    CHECK_THROWS_WITH(linattn::causal_linear_attention(in.q, bad_k.array().abs().matrix(), in.v, linattn::Identity{}),
                       Contains("phi_k has a non-finite value") && Contains("row 66, column 2"));
     CHECK(relative_error(out, out_before) == 0.0);  // nothing written before the throw
 
@@ -535,12 +535,12 @@ TEMPLATE_TEST_CASE("multi-head views of 16-bit memory", "[half][multi_head]", Ei
   const Matrix<T> v = rounded<T>(batch * heads * tokens, kDv, 93);
   const linattn::EluPlusOne map;
   // [B, N, H, D]: rows of q are (b, n, h) in that order.
-  const auto q_view = ConstHeadsView<T>::bnhd(q.data(), batch, tokens, heads, kDk);
-  const auto k_view = ConstHeadsView<T>::bnhd(k.data(), batch, tokens, heads, kDk);
-  const auto v_view = ConstHeadsView<T>::bnhd(v.data(), batch, tokens, heads, kDv);
+  const auto q_view = ConstHeadsView<T>::bnhd(q.data(), {batch, heads, tokens, kDk});
+  const auto k_view = ConstHeadsView<T>::bnhd(k.data(), {batch, heads, tokens, kDk});
+  const auto v_view = ConstHeadsView<T>::bnhd(v.data(), {batch, heads, tokens, kDv});
   for (const bool causal : {true, false}) {
     Matrix<T> out(batch * heads * tokens, kDv);
-    const auto out_view = HeadsView<T>::bnhd(out.data(), batch, tokens, heads, kDv);
+    const auto out_view = HeadsView<T>::bnhd(out.data(), {batch, heads, tokens, kDv});
     if (causal) {
       linattn::causal_linear_attention_into(q_view, k_view, v_view, map, out_view);
     } else {
@@ -562,8 +562,8 @@ TEMPLATE_TEST_CASE("multi-head views of 16-bit memory", "[half][multi_head]", Ei
       T(std::numeric_limits<float>::infinity());  // b=1 n=2 h=1
   Matrix<T> out(batch * heads * tokens, kDv);
   CHECK_THROWS_WITH(linattn::causal_linear_attention_into(
-                        ConstHeadsView<T>::bnhd(bad.data(), batch, tokens, heads, kDk), k_view,
-                        v_view, map, HeadsView<T>::bnhd(out.data(), batch, tokens, heads, kDv)),
+                        ConstHeadsView<T>::bnhd(bad.data(), {batch, heads, tokens, kDk}), k_view,
+                        v_view, linattn::Identity{}, map, HeadsView<T>::bnhd(out.data(), {batch, heads, tokens, kDv})),
                     Contains("q[b=1, h=1] has a non-finite value") && Contains("row 2, column 4"));
 }
 

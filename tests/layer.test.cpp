@@ -53,9 +53,9 @@ struct HeadData {
       view().head(i / kH, i % kH) = heads.back();
     }
   }
-  HeadsView<T> view() { return HeadsView<T>::bnhd(data.data(), kB, tokens, kH, dim); }
+  HeadsView<T> view() { return HeadsView<T>::bnhd(data.data(), {kB, kH, tokens, dim}); }
   HeadsView<const T> cview() const {
-    return HeadsView<const T>::bnhd(data.data(), kB, tokens, kH, dim);
+    return HeadsView<const T>::bnhd(data.data(), {kB, kH, tokens, dim});
   }
 };
 
@@ -75,7 +75,7 @@ void forward_vs_recurrent(const Map& map, double decay, Eigen::Index n, std::uin
   const LinearAttentionLayer<T, Map> layer(map, kH, kDk, kDv, options);
   const HeadData<T> q(n, kDk, seed), k(n, kDk, seed + 1), v(n, kDv, seed + 2);
   std::vector<T> forward_data(static_cast<std::size_t>(kB * kH * n * kDv), T(-5));
-  const auto forward = HeadsView<T>::bhnd(forward_data.data(), kB, kH, n, kDv);
+  const auto forward = HeadsView<T>::bhnd(forward_data.data(), {kB, kH, n, kDv});
   layer.forward_into(q.cview(), k.cview(), v.cview(), forward);
 
   // An independent reference for two heads: the naive formula in double.
@@ -97,7 +97,7 @@ void forward_vs_recurrent(const Map& map, double decay, Eigen::Index n, std::uin
     std::vector<Matrix<T>> recurrent(static_cast<std::size_t>(kB * kH), Matrix<T>(n, kDv));
     if (prompt > 0) {
       std::vector<T> out(static_cast<std::size_t>(kB * kH * prompt * kDv));
-      const auto out_view = HeadsView<T>::bhnd(out.data(), kB, kH, prompt, kDv);
+      const auto out_view = HeadsView<T>::bhnd(out.data(), {kB, kH, prompt, kDv});
       layer.prefill_into(states, token_range(q.cview(), 0, prompt),
                          token_range(k.cview(), 0, prompt), token_range(v.cview(), 0, prompt),
                          out_view);
@@ -173,9 +173,9 @@ TEMPLATE_TEST_CASE("layer: views over a fused QKV buffer equal contiguous heads"
   std::vector<T> qc(static_cast<std::size_t>(kB * kH * n * d)), kc(qc.size()), vc(qc.size());
   for (Eigen::Index b = 0; b < kB; ++b) {
     for (Eigen::Index h = 0; h < kH; ++h) {
-      HeadsView<T>::bhnd(qc.data(), kB, kH, n, d).head(b, h) = q.head(b, h);
-      HeadsView<T>::bhnd(kc.data(), kB, kH, n, d).head(b, h) = k.head(b, h);
-      HeadsView<T>::bhnd(vc.data(), kB, kH, n, d).head(b, h) = v.head(b, h);
+      HeadsView<T>::bhnd(qc.data(), {kB, kH, n, d}).head(b, h) = q.head(b, h);
+      HeadsView<T>::bhnd(kc.data(), {kB, kH, n, d}).head(b, h) = k.head(b, h);
+      HeadsView<T>::bhnd(vc.data(), {kB, kH, n, d}).head(b, h) = v.head(b, h);
       // Spot check the addressing: token 7 of head h of sequence b.
       CHECK(q.head(b, h)(7, 3) == qkv(b * n + 7, h * d + 3));
       CHECK(v.head(b, h)(7, 3) == qkv(b * n + 7, 2 * kH * d + h * d + 3));
@@ -186,11 +186,11 @@ TEMPLATE_TEST_CASE("layer: views over a fused QKV buffer equal contiguous heads"
   const LinearAttentionLayer<T, linattn::PositiveRandomFeatures> layer(
       linattn::PositiveRandomFeatures(d, 16, 51), kH, d, d, options);
   std::vector<T> fused_out(qc.size()), copy_out(qc.size());
-  layer.forward_into(q, k, v, HeadsView<T>::bhnd(fused_out.data(), kB, kH, n, d));
-  layer.forward_into(HeadsView<const T>::bhnd(qc.data(), kB, kH, n, d),
-                     HeadsView<const T>::bhnd(kc.data(), kB, kH, n, d),
-                     HeadsView<const T>::bhnd(vc.data(), kB, kH, n, d),
-                     HeadsView<T>::bhnd(copy_out.data(), kB, kH, n, d));
+  layer.forward_into(q, k, v, HeadsView<T>::bhnd(fused_out.data(), {kB, kH, n, d}));
+  layer.forward_into(HeadsView<const T>::bhnd(qc.data(), {kB, kH, n, d}),
+                     HeadsView<const T>::bhnd(kc.data(), {kB, kH, n, d}),
+                     HeadsView<const T>::bhnd(vc.data(), {kB, kH, n, d}),
+                     HeadsView<T>::bhnd(copy_out.data(), {kB, kH, n, d}));
   CHECK(fused_out == copy_out);
 }
 
@@ -230,10 +230,10 @@ TEMPLATE_TEST_CASE("layer: accessors and wrong shapes", "[layer][errors]", float
   std::vector<T> out(static_cast<std::size_t>(kB * kH * n * kDv), T(8));
   const std::vector<T> out_before = out;
   auto view = [&](const std::vector<T>& data, Eigen::Index b, Eigen::Index h, Eigen::Index d) {
-    return HeadsView<const T>::bhnd(data.data(), b, h, n, d);
+    return HeadsView<const T>::bhnd(data.data(), {b, h, n, d});
   };
   const auto qv = view(q, kB, kH, kDk), kv = view(k, kB, kH, kDk), vv = view(v, kB, kH, kDv);
-  const auto ov = HeadsView<T>::bhnd(out.data(), kB, kH, n, kDv);
+  const auto ov = HeadsView<T>::bhnd(out.data(), {kB, kH, n, kDv});
 
   SECTION("forward_into and prefill_into") {
     // q holds B * H * n * Dk elements, so [B, H - 1, n, Dk] and such fit in it.
@@ -248,7 +248,7 @@ TEMPLATE_TEST_CASE("layer: accessors and wrong shapes", "[layer][errors]", float
     CHECK_THROWS_WITH(layer.forward_into(qv, view(k, 1, kH, kDk), vv, ov),
                       Contains("k is [1, 4, 12, 8]"));
     CHECK_THROWS_WITH(
-        layer.forward_into(qv, kv, vv, HeadsView<T>::bhnd(out.data(), kB, kH, n, kDv - 1)),
+        layer.forward_into(qv, kv, vv, HeadsView<T>::bhnd(out.data(), {kB, kH, n, kDv - 1})),
         Contains("out is [2, 4, 12, 5]"));
     auto states = layer.make_states(kB);
     auto one_sequence = layer.make_states(1);
@@ -263,7 +263,7 @@ TEMPLATE_TEST_CASE("layer: accessors and wrong shapes", "[layer][errors]", float
     // A NaN in v (head 0, token 0, feature 5) throws and moves no state; it writes into a
     // scratch buffer, since the chunks are scanned as they are loaded.
     std::vector<T> bad = v, scratch(out.size());
-    const auto sv = HeadsView<T>::bhnd(scratch.data(), kB, kH, n, kDv);
+    const auto sv = HeadsView<T>::bhnd(scratch.data(), {kB, kH, n, kDv});
     bad[5] = std::numeric_limits<T>::quiet_NaN();
     CHECK_THROWS_WITH(layer.prefill_into(states, qv, kv, view(bad, kB, kH, kDv), sv),
                       Contains("v[b=0, h=0]") && Contains("row 0, column 5"));
@@ -308,7 +308,7 @@ TEST_CASE("layer: float inputs with double accumulation", "[layer]") {
                                                                                    kDv, options);
   const HeadData<float> q(n, kDk, 81), k(n, kDk, 82), v(n, kDv, 83);
   std::vector<float> forward_data(static_cast<std::size_t>(kB * kH * n * kDv));
-  const auto forward = HeadsView<float>::bhnd(forward_data.data(), kB, kH, n, kDv);
+  const auto forward = HeadsView<float>::bhnd(forward_data.data(), {kB, kH, n, kDv});
   layer.forward_into(q.cview(), k.cview(), v.cview(), forward);
   auto states = layer.make_states(kB);
   Matrix<float> qt(kB * kH, kDk), kt(kB * kH, kDk), vt(kB * kH, kDv), ot(kB * kH, kDv);

@@ -192,7 +192,7 @@ TEMPLATE_TEST_CASE("inputs may be any Eigen expression and out any row-major blo
   // Featurized inputs as expressions.
   const Matrix<T> phi_k = map.keys(k);
   const Matrix<T> from_expr = linattn::causal_linear_attention(
-      map.queries(q), phi_k.array().matrix(), v.leftCols(kDv), options);
+      map.queries(q), phi_k.array().matrix(), v.leftCols(kDv), linattn::Identity{}, options);
   CHECK(relative_error(from_expr, expected) <= tolerance<T>());
 }
 
@@ -242,10 +242,10 @@ TEMPLATE_TEST_CASE("bad input throws linattn::Error naming the argument and leav
   const linattn::Options ok;
 
   auto causal = [&](const auto& a, const auto& b, const auto& c, const linattn::Options& o) {
-    linattn::causal_linear_attention_into(a, b, c, out, o);
+    linattn::causal_linear_attention_into(a, b, c, linattn::Identity{}, out, o);
   };
   auto non_causal = [&](const auto& a, const auto& b, const auto& c, const linattn::Options& o) {
-    linattn::linear_attention_into(a, b, c, out, o);
+    linattn::linear_attention_into(a, b, c, linattn::Identity{}, out, o);
   };
 
   SECTION("shape mismatches") {
@@ -256,7 +256,7 @@ TEMPLATE_TEST_CASE("bad input throws linattn::Error naming the argument and leav
     CHECK_THROWS_WITH(linattn::causal_linear_attention(q, k.topRows(9), v, map),
                       Contains("k is 9 x 4"));
     Matrix<T> wrong(10, 2);
-    CHECK_THROWS_WITH(linattn::causal_linear_attention_into(q, k, v, wrong),
+    CHECK_THROWS_WITH(linattn::causal_linear_attention_into(q, k, v, linattn::Identity{}, wrong),
                       Contains("out is 10 x 2"));
     CHECK_THROWS_WITH(linattn::causal_linear_attention_into(q, k, v, map, wrong),
                       Contains("out is 10 x 2"));

@@ -90,9 +90,9 @@ class Heads {
   HeadsView<T> view() {
     switch (layout_) {
       case Layout::bhnd:
-        return HeadsView<T>::bhnd(data_.data(), batch_, heads_, tokens_, dim_);
+        return HeadsView<T>::bhnd(data_.data(), {batch_, heads_, tokens_, dim_});
       case Layout::bnhd:
-        return HeadsView<T>::bnhd(data_.data(), batch_, tokens_, heads_, dim_);
+        return HeadsView<T>::bnhd(data_.data(), {batch_, heads_, tokens_, dim_});
       case Layout::padded:
         break;
     }
@@ -162,9 +162,9 @@ void attend_views(Kind kind, bool causal, const HeadsView<const T>& q, const Hea
   switch (kind) {
     case Kind::featurized:
       if (causal) {
-        linattn::causal_linear_attention_into(q, k, v, out, options);
+        linattn::causal_linear_attention_into(q, k, v, linattn::Identity{}, out, options);
       } else {
-        linattn::linear_attention_into(q, k, v, out, options);
+        linattn::linear_attention_into(q, k, v, linattn::Identity{}, out, options);
       }
       return;
     case Kind::elu:
@@ -260,8 +260,8 @@ TEMPLATE_TEST_CASE("HeadsView addresses the documented layouts", "[multi_head][h
   std::vector<T> data(static_cast<std::size_t>(B * H * N * D));
   for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<T>(i);
 
-  const auto bhnd = HeadsView<T>::bhnd(data.data(), B, H, N, D);
-  const auto bnhd = HeadsView<const T>::bnhd(data.data(), B, N, H, D);
+  const auto bhnd = HeadsView<T>::bhnd(data.data(), {B, H, N, D});
+  const auto bnhd = HeadsView<const T>::bnhd(data.data(), {B, H, N, D});
   CHECK(bhnd.batch() == B);
   CHECK(bhnd.heads() == H);
   CHECK(bhnd.tokens() == N);
@@ -365,14 +365,14 @@ TEMPLATE_TEST_CASE("views: softmax_attention_into gives each head softmax_attent
     for (const bool causal : {true, false}) {
       for (const double scale : {-1.0, 0.3}) {
         Heads<T> out(layouts.out, B, H, N, kDv, kSentinel<T>);
-        linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), causal, out.view(),
+        linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), causal ? linattn::Mask::causal : linattn::Mask::none, out.view(),
                                         scale, 1);
         INFO("set " << set << ", causal = " << causal << ", scale = " << scale);
         CHECK(out.gaps_hold(kSentinel<T>));
         for (Eigen::Index b = 0; b < B; ++b) {
           for (Eigen::Index h = 0; h < H; ++h) {
             const Matrix<T> expected = linattn::softmax_attention(p.q.head(b, h), p.k.head(b, h),
-                                                                  p.v.head(b, h), causal, scale);
+                                                                  p.v.head(b, h), causal ? linattn::Mask::causal : linattn::Mask::none, scale);
             const Matrix<T> got = out.head(b, h);
             CHECK(relative_error(got, expected) <= tolerance<T>());
             tally.add(got, expected);
@@ -418,11 +418,11 @@ TEMPLATE_TEST_CASE("views: a head stride of 0 shares k and v across heads (multi
     }
   }
   Heads<T> out(Layout::bhnd, B, H, N, kDv, kSentinel<T>);
-  linattn::softmax_attention_into(q.cview(), kv, vv, true, out.view(), -1, 2);
+  linattn::softmax_attention_into(q.cview(), kv, vv, linattn::Mask::causal, out.view(), -1, 2);
   for (Eigen::Index b = 0; b < B; ++b) {
     for (Eigen::Index h = 0; h < H; ++h) {
       const Matrix<T> expected = linattn::softmax_attention(q.head(b, h), k.middleRows(b * N, N),
-                                                            v.middleRows(b * N, N), true);
+                                                            v.middleRows(b * N, N), linattn::Mask::causal);
       const Matrix<T> got = out.head(b, h);
       CHECK(relative_error(got, expected) <= tolerance<T>());
       tally.add(got, expected);
@@ -455,10 +455,10 @@ TEMPLATE_TEST_CASE("varlen: packed sequences of uneven lengths equal one call pe
             options.threads = threads;
             Heads<T> out(layout, 1, H, total, kDv, kSentinel<T>);
             if (!causal) {
-              linattn::linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(), offsets,
+              linattn::linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, offsets,
                                                     out.view(), options);
             } else if (kind == Kind::featurized) {
-              linattn::causal_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),
+              linattn::causal_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),linattn::Identity{}, 
                                                            offsets, out.view(), options);
             } else if (kind == Kind::elu) {
               linattn::causal_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),
@@ -534,11 +534,11 @@ TEMPLATE_TEST_CASE("threads: results do not depend on Options::threads", "[multi
     }
     const Problem<T> p = make_problem<T>(Kind::elu, layouts, B, H, N, 410);
     Heads<T> serial(layouts.out, B, H, N, kDv, kSentinel<T>);
-    linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), true, serial.view(), -1,
+    linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Mask::causal, serial.view(), -1,
                                     1);
     for (const int threads : {0, 2, 3, 4}) {
       Heads<T> out(layouts.out, B, H, N, kDv, kSentinel<T>);
-      linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), true, out.view(), -1,
+      linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Mask::causal, out.view(), -1,
                                       threads);
       INFO("softmax, threads = " << threads);
       const bool same = same_data(out.data(), serial.data());
@@ -658,10 +658,10 @@ TEMPLATE_TEST_CASE("threads: results do not depend on Options::threads", "[multi
         options.threads = threads;
         Heads<T> out(Layout::bhnd, 1, 1, N, kDv, kSentinel<T>);
         if (causal) {
-          linattn::causal_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),
+          linattn::causal_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),linattn::Identity{}, 
                                                        offsets, out.view(), options);
         } else {
-          linattn::linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(), offsets,
+          linattn::linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, offsets,
                                                 out.view(), options);
         }
         options.threads = 1;
@@ -705,7 +705,7 @@ TEMPLATE_TEST_CASE("segments: a RecurrentStateBatch prefilled in segments equals
         if (kind == Kind::prf) {
           one.prefill_into(p.q.cview(), p.k.cview(), p.v.cview(), prf_map(), one_out.view());
         } else {
-          one.prefill_into(p.q.cview(), p.k.cview(), p.v.cview(), one_out.view());
+          one.prefill_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, one_out.view());
         }
         INFO(layout_name(layout) << ", " << kind_name(kind) << ", decay = " << decay);
         CHECK(same_data(one_out.data(), whole.data()));  // the same kernel, from empty
@@ -721,7 +721,7 @@ TEMPLATE_TEST_CASE("segments: a RecurrentStateBatch prefilled in segments equals
             if (kind == Kind::prf) {
               states.prefill_into(q, k, v, prf_map(), token_range(out.view(), begin, len));
             } else {
-              states.prefill_into(q, k, v, token_range(out.view(), begin, len));
+              states.prefill_into(q, k, v, linattn::Identity{}, token_range(out.view(), begin, len));
             }
           }
           INFO(bounds.size() - 1 << " segments");
@@ -770,7 +770,7 @@ TEMPLATE_TEST_CASE(
     linattn::Options threaded = serial;
     threaded.threads = 2;
     const Matrix<T> whole_prf = linattn::causal_linear_attention(q, k, v, prf_map(), serial);
-    const Matrix<T> whole_elu = linattn::causal_linear_attention(phi_q, phi_k, v, serial);
+    const Matrix<T> whole_elu = linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, serial);
     linattn::RecurrentState<T> with_prf(16, kDv, threaded), with_elu(kDk, kDv, threaded);
     Matrix<T> out_prf(N, kDv), out_elu(N, kDv);
     for (std::size_t s = 0; s + 1 < bounds.size(); ++s) {
@@ -778,7 +778,7 @@ TEMPLATE_TEST_CASE(
       out_prf.middleRows(begin, len) = with_prf.prefill(
           q.middleRows(begin, len), k.middleRows(begin, len), v.middleRows(begin, len), prf_map());
       out_elu.middleRows(begin, len) = with_elu.prefill(
-          phi_q.middleRows(begin, len), phi_k.middleRows(begin, len), v.middleRows(begin, len));
+          phi_q.middleRows(begin, len), phi_k.middleRows(begin, len), v.middleRows(begin, len), linattn::Identity{});
     }
     INFO("decay = " << decay);
     REQUIRE(out_prf.allFinite());
@@ -817,11 +817,11 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
 
   auto causal = [&](const Heads<T>& a, const Heads<T>& b, const Heads<T>& c, HeadsView<T> o,
                     const linattn::Options& options) {
-    linattn::causal_linear_attention_into(a.cview(), b.cview(), c.cview(), o, options);
+    linattn::causal_linear_attention_into(a.cview(), b.cview(), c.cview(), linattn::Identity{}, o, options);
   };
   auto non_causal = [&](const Heads<T>& a, const Heads<T>& b, const Heads<T>& c, HeadsView<T> o,
                         const linattn::Options& options) {
-    linattn::linear_attention_into(a.cview(), b.cview(), c.cview(), o, options);
+    linattn::linear_attention_into(a.cview(), b.cview(), c.cview(), linattn::Identity{}, o, options);
   };
   auto mapped = [&](const Heads<T>& a, const Heads<T>& b, const Heads<T>& c, HeadsView<T> o,
                     const linattn::Options& options) {
@@ -844,7 +844,7 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
     Heads<T> short_out(Layout::bhnd, B, H, N - 1, kDv, T(0));
     CHECK_THROWS_WITH(causal(q, k, v, short_out.view(), ok), Contains("out is [2, 3, 9, 5]"));
     CHECK_THROWS_WITH(linattn::softmax_attention_into(q.cview(), heads(B, 1, N, kDk, 4).cview(),
-                                                      v.cview(), true, out.view()),
+                                                      v.cview(), linattn::Mask::causal, out.view()),
                       Contains("softmax_attention") && Contains("k is [2, 1, 10, 6]"));
     // A feature map built for another input width.
     const linattn::PositiveRandomFeatures other(kDk + 1, 8, 1);
@@ -863,7 +863,7 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
     CHECK_THROWS_WITH(non_causal(q, k, v, narrow.view(), ok), Contains("out is [2, 3, 10, 3]"));
     CHECK_THROWS_WITH(mapped(q, k, v, narrow.view(), ok), Contains("out is [2, 3, 10, 3]"));
     CHECK_THROWS_WITH(
-        linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), false, narrow.view()),
+        linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), linattn::Mask::none, narrow.view()),
         Contains("out is [2, 3, 10, 3]"));
     CHECK(same_data(narrow.data(), before));
   }
@@ -881,10 +881,10 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
     bad.threads = -1;
     CHECK_THROWS_WITH(causal(q, k, v, out.view(), bad), Contains("Options::threads"));
     CHECK_THROWS_WITH(
-        linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), true, out.view(), -1, -2),
+        linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), linattn::Mask::causal, out.view(), -1, -2),
         Contains("Options::threads"));
     CHECK_THROWS_WITH(
-        linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), true, out.view(),
+        linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), linattn::Mask::causal, out.view(),
                                         std::numeric_limits<double>::quiet_NaN()),
         Contains("scale must be finite"));
   }
@@ -896,12 +896,12 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
     using Offsets = std::vector<std::int64_t>;
     auto all_three = [&](const Offsets& offsets, const auto& matcher) {
       CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(
-                            pq.cview(), pk.cview(), pv.cview(), offsets, pout.view()),
+                            pq.cview(), pk.cview(), pv.cview(), linattn::Identity{}, offsets, pout.view()),
                         Contains("causal_linear_attention_varlen") && matcher);
       CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(
                             pq.cview(), pk.cview(), pv.cview(), elu, offsets, pout.view()),
                         Contains("causal_linear_attention_varlen") && matcher);
-      CHECK_THROWS_WITH(linattn::linear_attention_varlen_into(pq.cview(), pk.cview(), pv.cview(),
+      CHECK_THROWS_WITH(linattn::linear_attention_varlen_into(pq.cview(), pk.cview(), pv.cview(),linattn::Identity{}, 
                                                               offsets, pout.view()),
                         Contains("linear_attention_varlen") && matcher);
     };
@@ -914,10 +914,10 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
     all_three(Offsets{}, Contains("at least 2 entries"));
     CHECK(same_data(pout.data(), pout_before));
     // B != 1: a packed batch is one row of sequences.
-    CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(q.cview(), k.cview(), v.cview(),
+    CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(q.cview(), k.cview(), v.cview(),linattn::Identity{}, 
                                                                    Offsets{0, 4, 10}, out.view()),
                       Contains("B must be 1") && Contains("phi_q is [2, 3, 10, 6]"));
-    CHECK_THROWS_WITH(linattn::linear_attention_varlen_into(q.cview(), k.cview(), v.cview(),
+    CHECK_THROWS_WITH(linattn::linear_attention_varlen_into(q.cview(), k.cview(), v.cview(),linattn::Identity{}, 
                                                             Offsets{0, 10}, out.view()),
                       Contains("B must be 1"));
     CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(q.cview(), k.cview(), v.cview(),
@@ -940,7 +940,7 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
                         Contains("v[b=0, h=1]") && Contains("row 9, column 4"));
       CHECK_THROWS_WITH(mapped(bad_q, k, v, scratch.view(), ok),
                         Contains("q[b=1, h=2]") && Contains("row 3, column 1"));
-      CHECK_THROWS_WITH(linattn::softmax_attention_into(bad_q.cview(), k.cview(), v.cview(), true,
+      CHECK_THROWS_WITH(linattn::softmax_attention_into(bad_q.cview(), k.cview(), v.cview(), linattn::Mask::causal,
                                                         scratch.view()),
                         Contains("q[b=1, h=2]") && Contains("row 3, column 1"));
       // A packed batch is one [1, H, total, D] tensor: the row is the packed token index.
@@ -949,7 +949,7 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
       pv.view().head(0, 2)(7, 0) = poison;
       Heads<T> pout(Layout::bhnd, 1, H, N, kDv, kSentinel<T>);
       CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(
-                            pq.cview(), pk.cview(), pv.cview(), {0, 3, 10}, pout.view()),
+                            pq.cview(), pk.cview(), pv.cview(), linattn::Identity{}, {0, 3, 10}, pout.view()),
                         Contains("causal_linear_attention_varlen") && Contains("v[b=0, h=2]") &&
                             Contains("row 7, column 0"));
       // With the check off there is no throw (the caller gets what the arithmetic gives).
@@ -986,11 +986,11 @@ TEMPLATE_TEST_CASE("errors: a NaN deep in a long sequence split across threads t
         bad_k(row, 1) = std::numeric_limits<T>::quiet_NaN();
         bad_v(row, 2) = std::numeric_limits<T>::infinity();
         const std::string at = "row " + std::to_string(row);
-        CHECK_THROWS_WITH(linattn::causal_linear_attention_into(phi_q, bad_k, v, out, options),
+        CHECK_THROWS_WITH(linattn::causal_linear_attention_into(phi_q, bad_k, v, linattn::Identity{}, out, options),
                           Contains("phi_k") && Contains(at + ", column 1"));
         CHECK_THROWS_WITH(linattn::causal_linear_attention_into(phi_q, phi_k, bad_v, out, options),
                           Contains("v has a non-finite value") && Contains(at + ", column 2"));
-        CHECK_THROWS_WITH(linattn::linear_attention_into(phi_q, bad_k, v, out, options),
+        CHECK_THROWS_WITH(linattn::linear_attention_into(phi_q, bad_k, v, linattn::Identity{}, out, options),
                           Contains("phi_k") && Contains(at + ", column 1"));
         Matrix<T> bad_q = q;
         bad_q(row, 0) = -std::numeric_limits<T>::infinity();
@@ -1037,11 +1037,11 @@ TEMPLATE_TEST_CASE("a NaN found mid-run leaves out as it was", "[multi_head][err
                     linattn::Error);
     CHECK(same_data(out.data(), before));
     CHECK_THROWS_AS(linattn::causal_linear_attention_varlen_into(
-                        p.q.cview(), p.k.cview(), p.v.cview(), {0, 100, 300}, out.view(), options),
+                        p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, {0, 100, 300}, out.view(), options),
                     linattn::Error);
     CHECK(same_data(out.data(), before));
     linattn::RecurrentStateBatch<T> batch(B * H, kDk, kDv, options);
-    CHECK_THROWS_AS(batch.prefill_into(p.q.cview(), p.k.cview(), p.v.cview(), out.view()),
+    CHECK_THROWS_AS(batch.prefill_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, out.view()),
                     linattn::Error);
     CHECK(same_data(out.data(), before));
     for (Eigen::Index i = 0; i < B * H; ++i) CHECK(batch[i].tokens() == 0);
@@ -1053,7 +1053,7 @@ TEMPLATE_TEST_CASE("a NaN found mid-run leaves out as it was", "[multi_head][err
                     linattn::Error);
     CHECK((plain_out.array() == kSentinel<T>).all());
     linattn::RecurrentState<T> state(kDk, kDv, options);
-    CHECK_THROWS_AS(state.prefill_into(q, k, v, plain_out), linattn::Error);
+    CHECK_THROWS_AS(state.prefill_into(q, k, v, linattn::Identity{}, plain_out), linattn::Error);
     CHECK(state.tokens() == 0);
     CHECK((plain_out.array() == kSentinel<T>).all());
   }
@@ -1074,11 +1074,11 @@ TEMPLATE_TEST_CASE("errors: HeadsView rejects empty sizes, null data and negativ
                     Contains("sizes must be >= 1") && Contains("[1, 2, 0, 2]"));
   CHECK_THROWS_WITH(HeadsView<T>(data.data(), 1, 2, 3, -1, strides),
                     Contains("sizes must be >= 1") && Contains("[1, 2, 3, -1]"));
-  CHECK_THROWS_WITH(HeadsView<T>::bhnd(data.data(), 2, 0, 4, 4), Contains("sizes must be >= 1"));
-  CHECK_THROWS_WITH(HeadsView<const T>::bnhd(data.data(), 2, 4, 2, 0),
+  CHECK_THROWS_WITH(HeadsView<T>::bhnd(data.data(), {2, 0, 4, 4}), Contains("sizes must be >= 1"));
+  CHECK_THROWS_WITH(HeadsView<const T>::bnhd(data.data(), {2, 2, 4, 0}),
                     Contains("sizes must be >= 1"));
   CHECK_THROWS_WITH(HeadsView<T>(nullptr, 1, 2, 3, 2, strides), Contains("data is null"));
-  CHECK_THROWS_WITH(HeadsView<const T>::bhnd(nullptr, 1, 1, 1, 1), Contains("data is null"));
+  CHECK_THROWS_WITH(HeadsView<const T>::bhnd(nullptr, {1, 1, 1, 1}), Contains("data is null"));
   CHECK_THROWS_WITH(HeadsView<T>(data.data(), 1, 2, 3, 2, HeadStrides{-1, 8, 2, 1}),
                     Contains("strides must be >= 0") && Contains("batch -1"));
   CHECK_THROWS_WITH(HeadsView<T>(data.data(), 1, 2, 3, 2, HeadStrides{16, -8, 2, 1}),
@@ -1105,7 +1105,7 @@ TEST_CASE("OpenMP: calls leave the caller's thread count as they found it",
   Matrix<double> out(300, kDv);
   linattn::linear_attention_into(q, k, v, elu, out, one);
   CHECK(omp_get_max_threads() == 3);
-  linattn::softmax_attention_into(q, k, v, true, out);
+  linattn::softmax_attention_into(q, k, v, linattn::Mask::causal, out);
   CHECK(omp_get_max_threads() == 3);
   Matrix<double> bad = q;
   bad(7, 2) = std::numeric_limits<double>::quiet_NaN();

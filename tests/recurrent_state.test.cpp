@@ -98,13 +98,13 @@ TEMPLATE_TEST_CASE("featurized steps equal the featurized parallel form", "[recu
     linattn::Options options;
     options.decay = 0.9;
     options.normalize = normalize;
-    const Matrix<T> parallel = linattn::causal_linear_attention(phi_q, phi_k, v, options);
+    const Matrix<T> parallel = linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, options);
     RecurrentState<T> state(c, dv, options);
     Matrix<T> recurrent(n, dv);
     for (Eigen::Index i = 0; i < n; ++i) {
       // Column-vector inputs work as well as rows.
       const Vector<T> qi = phi_q.row(i).transpose();
-      recurrent.row(i) = state.step(qi, phi_k.row(i), v.row(i)).transpose();
+      recurrent.row(i) = state.step(qi, phi_k.row(i), v.row(i), linattn::Identity{}).transpose();
     }
     INFO("normalize = " << normalize);
     CHECK(relative_error(recurrent, parallel) <= agreement_tolerance<T>());
@@ -206,7 +206,7 @@ TEMPLATE_TEST_CASE("step_into allocates nothing", "[recurrent_state]", float, do
     RecurrentState<T> state(c, dv, options);
     Vector<T> out(dv);
     Eigen::internal::set_is_malloc_allowed(false);
-    for (Eigen::Index i = 0; i < n; ++i) state.step_into(phi_q.row(i), phi_k.row(i), v.row(i), out);
+    for (Eigen::Index i = 0; i < n; ++i) state.step_into(phi_q.row(i), phi_k.row(i), v.row(i), linattn::Identity{}, out);
     Eigen::internal::set_is_malloc_allowed(true);
     CHECK(out.allFinite());
     CHECK(state.tokens() == n);
@@ -359,7 +359,7 @@ TEMPLATE_TEST_CASE("bad input throws and leaves the state as it was", "[recurren
   const Matrix<T> block = Matrix<T>::Ones(2, 2);
   CHECK_THROWS_AS(state.step(block, good_k, good_v), linattn::Error);  // 4 entries, not a vector
   Vector<T> short_out(2);
-  CHECK_THROWS_WITH(state.step_into(good_q, good_k, good_v, short_out), Contains("out has 2"));
+  CHECK_THROWS_WITH(state.step_into(good_q, good_k, good_v, linattn::Identity{}, short_out), Contains("out has 2"));
   Vector<T> bad_k = good_k;
   bad_k(1) = std::numeric_limits<T>::quiet_NaN();
   CHECK_THROWS_WITH(state.step(good_q, bad_k, good_v), Contains("phi_k") && Contains("column 0"));

@@ -63,9 +63,9 @@ TEMPLATE_TEST_CASE("tiled and materialised softmax match the naive formula", "[s
         const double s = scale < 0 ? 1.0 / std::sqrt(12.0) : scale;
         const Matrix<double> expected = naive_softmax(qd, kd, vd, causal, 0, s);
         INFO("N = " << n << ", causal = " << causal << ", scale = " << scale);
-        CHECK(relative_error(linattn::softmax_attention(q, k, v, causal, scale), expected) <=
+        CHECK(relative_error(linattn::softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, scale), expected) <=
               tolerance<T>());
-        CHECK(relative_error(linattn::materialized_softmax_attention(q, k, v, causal, scale),
+        CHECK(relative_error(linattn::materialized_softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, scale),
                              expected) <= tolerance<T>());
       }
     }
@@ -79,7 +79,7 @@ TEMPLATE_TEST_CASE("large logits stay finite (online softmax is stable)", "[soft
   // Logits of several hundred: exp would overflow without the running max.
   const Matrix<T> q = gaussian<T>(n, 8, 501, 30.0), k = gaussian<T>(n, 8, 502, 30.0);
   const Matrix<T> v = gaussian<T>(n, 4, 503);
-  const Matrix<T> out = linattn::softmax_attention(q, k, v, true);
+  const Matrix<T> out = linattn::softmax_attention(q, k, v, linattn::Mask::causal);
   REQUIRE(out.allFinite());
   const Matrix<double> expected =
       naive_softmax(q.template cast<double>(), k.template cast<double>(), v.template cast<double>(),
@@ -142,17 +142,17 @@ TEMPLATE_TEST_CASE("softmax baselines reject bad input", "[softmax][errors]", fl
   using Catch::Matchers::Contains;
   const Matrix<T> q = gaussian<T>(10, 4, 801), k = gaussian<T>(10, 4, 802),
                   v = gaussian<T>(10, 3, 803);
-  CHECK_THROWS_WITH(linattn::softmax_attention(q, k.topRows(9), v, true), Contains("k is 9 x 4"));
-  CHECK_THROWS_WITH(linattn::softmax_attention(q, k, v.topRows(9), false), Contains("v is 9 x 3"));
-  CHECK_THROWS_WITH(linattn::materialized_softmax_attention(q, k.leftCols(3), v, true),
+  CHECK_THROWS_WITH(linattn::softmax_attention(q, k.topRows(9), v, linattn::Mask::causal), Contains("k is 9 x 4"));
+  CHECK_THROWS_WITH(linattn::softmax_attention(q, k, v.topRows(9), linattn::Mask::none), Contains("v is 9 x 3"));
+  CHECK_THROWS_WITH(linattn::materialized_softmax_attention(q, k.leftCols(3), v, linattn::Mask::causal),
                     Contains("k is 10 x 3"));
   CHECK_THROWS_WITH(linattn::sliding_window_attention(q, k, v, 0), Contains("window must be >= 1"));
-  CHECK_THROWS_WITH(linattn::softmax_attention(q, k, v, true, std::nan("")), Contains("scale"));
+  CHECK_THROWS_WITH(linattn::softmax_attention(q, k, v, linattn::Mask::causal, std::nan("")), Contains("scale"));
   Matrix<T> bad = q;
   bad(2, 3) = std::numeric_limits<T>::infinity();
-  CHECK_THROWS_WITH(linattn::softmax_attention(bad, k, v, true), Contains("row 2, column 3"));
+  CHECK_THROWS_WITH(linattn::softmax_attention(bad, k, v, linattn::Mask::causal), Contains("row 2, column 3"));
   Matrix<T> wrong_out(10, 4);
-  CHECK_THROWS_WITH(linattn::softmax_attention_into(q, k, v, true, wrong_out),
+  CHECK_THROWS_WITH(linattn::softmax_attention_into(q, k, v, linattn::Mask::causal, wrong_out),
                     Contains("out is 10 x 4"));
 
   linattn::SoftmaxKVCache<T> cache(4, 3);
@@ -195,7 +195,7 @@ linattn::AttentionGradients<double> naive_softmax_backward(const Matrix<double>&
 /// computes when grad_out = w.
 double weighted_output(const Matrix<double>& q, const Matrix<double>& k, const Matrix<double>& v,
                        const Matrix<double>& w, bool causal, double scale) {
-  return linattn::softmax_attention(q, k, v, causal, scale).cwiseProduct(w).sum();
+  return linattn::softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, scale).cwiseProduct(w).sum();
 }
 
 /// Each gradient entry sums up to N products and its dS term cancels (dP - D), so errors grow
@@ -223,7 +223,7 @@ TEMPLATE_TEST_CASE("softmax backward matches central finite differences", "[soft
     for (const double scale : {-1.0, 0.7}) {
       const double s = scale < 0 ? 1.0 / std::sqrt(double(dk)) : scale;
       const linattn::AttentionGradients<T> grads =
-          linattn::softmax_attention_backward(q, k, v, dout, causal, scale);
+          linattn::softmax_attention_backward(q, k, v, dout, causal ? linattn::Mask::causal : linattn::Mask::none, scale);
       // d loss / d x by central differences, one entry of one input at a time.
       const auto numeric = [&](int which) {
         Matrix<double> x[3] = {qd, kd, vd};
@@ -267,7 +267,7 @@ TEMPLATE_TEST_CASE("softmax backward matches reverse mode through the materialis
         const linattn::AttentionGradients<double> expected =
             naive_softmax_backward(qd, kd, vd, dd, causal, s);
         const linattn::AttentionGradients<T> grads =
-            linattn::softmax_attention_backward(q, k, v, dout, causal, scale);
+            linattn::softmax_attention_backward(q, k, v, dout, causal ? linattn::Mask::causal : linattn::Mask::none, scale);
         INFO("N = " << n << ", causal = " << causal << ", scale = " << scale);
         CHECK(relative_error(grads.q, expected.q) <= backward_tolerance<T>());
         CHECK(relative_error(grads.k, expected.k) <= backward_tolerance<T>());
@@ -288,14 +288,14 @@ TEMPLATE_TEST_CASE("softmax backward takes views and writes into strided outputs
   const Matrix<T> q = gaussian<T>(n, dk, 1401), k = gaussian<T>(n, dk, 1402);
   const Matrix<T> v = gaussian<T>(n, dv, 1403), dout = gaussian<T>(n, dv, 1404);
   const linattn::AttentionGradients<T> plain =
-      linattn::softmax_attention_backward(q, k, v, dout, true);
+      linattn::softmax_attention_backward(q, k, v, dout, linattn::Mask::causal);
   // Column-major inputs, a block of a wider matrix, and outputs that are column blocks.
   const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> q_col = q;
   Matrix<T> wide = Matrix<T>::Zero(n, dv + 3);
   wide.middleCols(2, dv) = dout;
   Matrix<T> out(n, 2 * dk + dv + 1);
   out.setConstant(T(7));
-  linattn::softmax_attention_backward_into(q_col, k, v, wide.middleCols(2, dv), true,
+  linattn::softmax_attention_backward_into(q_col, k, v, wide.middleCols(2, dv), linattn::Mask::causal,
                                            out.leftCols(dk), out.middleCols(dk, dk),
                                            out.middleCols(2 * dk, dv));
   // Same operations in the same order: identical bits.
@@ -312,7 +312,7 @@ TEMPLATE_TEST_CASE("softmax backward stays finite for large logits", "[softmax][
   const Matrix<T> q = gaussian<T>(n, 8, 1501, 30.0), k = gaussian<T>(n, 8, 1502, 30.0);
   const Matrix<T> v = gaussian<T>(n, 4, 1503), dout = gaussian<T>(n, 4, 1504);
   const linattn::AttentionGradients<T> grads =
-      linattn::softmax_attention_backward(q, k, v, dout, true);
+      linattn::softmax_attention_backward(q, k, v, dout, linattn::Mask::causal);
   REQUIRE(grads.q.allFinite());
   REQUIRE(grads.k.allFinite());
   REQUIRE(grads.v.allFinite());
@@ -333,39 +333,39 @@ TEMPLATE_TEST_CASE("softmax backward rejects bad input", "[softmax][backward][er
   using Catch::Matchers::Contains;
   const Matrix<T> q = gaussian<T>(10, 4, 1601), k = gaussian<T>(10, 4, 1602),
                   v = gaussian<T>(10, 3, 1603), dout = gaussian<T>(10, 3, 1604);
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k.topRows(9), v, dout, true),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k.topRows(9), v, dout, linattn::Mask::causal),
                     Contains("k is 9 x 4"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k.leftCols(3), v, dout, true),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k.leftCols(3), v, dout, linattn::Mask::causal),
                     Contains("k is 10 x 3"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v.topRows(9), dout, false),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v.topRows(9), dout, linattn::Mask::none),
                     Contains("v is 9 x 3"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout.topRows(9), true),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout.topRows(9), linattn::Mask::causal),
                     Contains("grad_out is 9 x 3"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout.leftCols(2), true),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout.leftCols(2), linattn::Mask::causal),
                     Contains("grad_out is 10 x 2"));
   CHECK_THROWS_WITH(linattn::softmax_attention_backward(q.topRows(0), k.topRows(0), v.topRows(0),
-                                                        dout.topRows(0), true),
+                                                        dout.topRows(0), linattn::Mask::causal),
                     Contains("q is empty"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout, true, std::nan("")),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout, linattn::Mask::causal, std::nan("")),
                     Contains("scale"));
   Matrix<T> bad_dout = dout, bad_k = k;
   bad_dout(4, 1) = std::numeric_limits<T>::quiet_NaN();
   bad_k(3, 2) = -std::numeric_limits<T>::infinity();
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, bad_dout, true),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, bad_dout, linattn::Mask::causal),
                     Contains("grad_out has a non-finite value"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, bad_k, v, dout, true),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, bad_k, v, dout, linattn::Mask::causal),
                     Contains("row 3, column 2"));
   // Wrong output shapes are named, and a failed call leaves every output as it was.
   Matrix<T> gq = Matrix<T>::Constant(10, 4, T(5)), gk = gq, gv = Matrix<T>::Constant(10, 3, T(5));
   Matrix<T> wrong(10, 3);
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, dout, true, wrong, gk, gv),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, dout, linattn::Mask::causal, wrong, gk, gv),
                     Contains("grad_q is 10 x 3"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, dout, true, gq, wrong, gv),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, dout, linattn::Mask::causal, gq, wrong, gv),
                     Contains("grad_k is 10 x 3"));
   CHECK_THROWS_WITH(
-      linattn::softmax_attention_backward_into(q, k, v, dout, true, gq, gk, gq.topRows(9)),
+      linattn::softmax_attention_backward_into(q, k, v, dout, linattn::Mask::causal, gq, gk, gq.topRows(9)),
       Contains("grad_v is 9 x 4"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, bad_dout, true, gq, gk, gv),
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, bad_dout, linattn::Mask::causal, gq, gk, gv),
                     Contains("grad_out has a non-finite value"));
   CHECK((gq.array() == T(5)).all());
   CHECK((gk.array() == T(5)).all());

@@ -52,7 +52,7 @@ void batch_step(Kind kind, RecurrentStateBatch<T>& batch, const Eigen::MatrixBas
                 Eigen::Ref<Matrix<T>> out) {
   switch (kind) {
     case Kind::featurized:
-      batch.step_into(q, k, v, out);
+      batch.step_into(q, k, v, linattn::Identity{}, out);
       return;
     case Kind::elu:
       batch.step_into(q, k, v, linattn::EluPlusOne{}, out);
@@ -69,7 +69,7 @@ Vector<T> single_step(Kind kind, RecurrentState<T>& state, const Eigen::MatrixBa
                       const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v) {
   switch (kind) {
     case Kind::featurized:
-      return state.step(q, k, v);
+      return state.step(q, k, v, linattn::Identity{});
     case Kind::elu:
       return state.step(q, k, v, linattn::EluPlusOne{});
     case Kind::prf:
@@ -204,23 +204,23 @@ TEMPLATE_TEST_CASE("a batch step that throws moves no state", "[state_batch][err
       bad_k(3, 2) = poison;
       bad_q(4, 0) = -poison;
       bad_v(count - 1, kDv - 1) = poison;
-      CHECK_THROWS_WITH(batch.step_into(phi_q, bad_k, v, out),
+      CHECK_THROWS_WITH(batch.step_into(phi_q, bad_k, v, linattn::Identity{}, out),
                         Contains("RecurrentStateBatch::step") && Contains("phi_k") &&
                             Contains("row 3, column 2"));
-      CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, bad_v, out),
+      CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, bad_v, linattn::Identity{}, out),
                         Contains("v has a non-finite value") && Contains("row 5, column 4"));
       CHECK_THROWS_WITH(batch.step_into(bad_q, k, v, prf_map(), out),
                         Contains("q has a non-finite value") && Contains("row 4, column 0"));
       CHECK_THROWS_WITH(batch.step(q, k, bad_v, prf_map()), Contains("v has a non-finite value"));
     }
     // Wrong counts and widths.
-    CHECK_THROWS_WITH(batch.step_into(phi_q.topRows(5), phi_k, v, out),
+    CHECK_THROWS_WITH(batch.step_into(phi_q.topRows(5), phi_k, v, linattn::Identity{}, out),
                       Contains("phi_q is 5 x 16 but the batch needs 6 x 16"));
-    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k.leftCols(15), v, out),
+    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k.leftCols(15), v, linattn::Identity{}, out),
                       Contains("phi_k is 6 x 15"));
-    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, v.leftCols(4), out), Contains("v is 6 x 4"));
+    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, v.leftCols(4), linattn::Identity{}, out), Contains("v is 6 x 4"));
     Matrix<T> tall(count + 1, kDv);
-    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, v, tall), Contains("out is 7 x 5"));
+    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, v, linattn::Identity{}, tall), Contains("out is 7 x 5"));
     CHECK_THROWS_WITH(batch.step(q, k.topRows(5), v, prf_map()), Contains("k is 5 x 8"));
     CHECK_THROWS_WITH(batch.step(q, k.leftCols(7), v, prf_map()), Contains("k is 6 x 7"));
     // A feature map whose width is not the states' C throws in every state, before any moves.
@@ -247,8 +247,8 @@ TEMPLATE_TEST_CASE("prefill_into equals a per-head RecurrentState::prefill, then
       std::vector<T> qd(static_cast<std::size_t>(B * H * N * kDk));
       std::vector<T> kd(qd.size()), vd(static_cast<std::size_t>(B * H * N * kDv));
       auto view = [&](std::vector<T>& data, Eigen::Index dim) {
-        return bnhd ? HeadsView<T>::bnhd(data.data(), B, N, H, dim)
-                    : HeadsView<T>::bhnd(data.data(), B, H, N, dim);
+        return bnhd ? HeadsView<T>::bnhd(data.data(), {B, H, N, dim})
+                    : HeadsView<T>::bhnd(data.data(), {B, H, N, dim});
       };
       std::vector<Matrix<T>> q, k, v;
       for (Eigen::Index i = 0; i < B * H; ++i) {
@@ -270,7 +270,7 @@ TEMPLATE_TEST_CASE("prefill_into equals a per-head RecurrentState::prefill, then
           std::vector<T> od(vd.size(), T(0));
           const HeadsView<const T> qv = view(qd, kDk), kv = view(kd, kDk), vv = view(vd, kDv);
           if (kind == Kind::featurized) {
-            batch.prefill_into(qv, kv, vv, view(od, kDv));
+            batch.prefill_into(qv, kv, vv, linattn::Identity{}, view(od, kDv));
           } else if (kind == Kind::elu) {
             batch.prefill_into(qv, kv, vv, linattn::EluPlusOne{}, view(od, kDv));
           } else {
@@ -326,10 +326,10 @@ TEMPLATE_TEST_CASE("prefill_into errors throw and move no state", "[state_batch]
   std::copy(km.data(), km.data() + km.size(), k.begin());
   std::copy(vm.data(), vm.data() + vm.size(), v.begin());
   auto cview = [&](const std::vector<T>& data, Eigen::Index b, Eigen::Index n, Eigen::Index dim) {
-    return HeadsView<const T>::bhnd(data.data(), b, H, n, dim);
+    return HeadsView<const T>::bhnd(data.data(), {b, H, n, dim});
   };
   const auto qv = cview(q, B, N, kDk), kv = cview(k, B, N, kDk), vv = cview(v, B, N, kDv);
-  const auto ov = HeadsView<T>::bhnd(o.data(), B, H, N, kDv);
+  const auto ov = HeadsView<T>::bhnd(o.data(), {B, H, N, kDv});
   const linattn::PositiveRandomFeatures& map = prf_map();
 
   linattn::Options options;
@@ -342,17 +342,17 @@ TEMPLATE_TEST_CASE("prefill_into errors throw and move no state", "[state_batch]
 
   // B x H must be the number of states.
   CHECK_THROWS_WITH(
-      batch.prefill_into(cview(q, 1, N, kDk), cview(k, 1, N, kDk), cview(v, 1, N, kDv), map,
-                         HeadsView<T>::bhnd(o.data(), 1, H, N, kDv)),
+      batch.prefill_into(cview(q, 1, N, kDk), cview(k, 1, N, kDk), cview(v, 1, N, kDv), map,linattn::Identity{}, 
+                         HeadsView<T>::bhnd(o.data(), {1, H, N, kDv})),
       Contains("RecurrentStateBatch::prefill") &&
           Contains("B x H = 3 heads, but the batch holds 6 states"));
   // Mismatched views.
   CHECK_THROWS_WITH(batch.prefill_into(qv, cview(k, B, N - 1, kDk), vv, map, ov),
                     Contains("k is [2, 3, 19, 8]") && Contains("B, H and N must match"));
-  CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, map, HeadsView<T>::bhnd(o.data(), B, H, N, 4)),
+  CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, map, linattn::Identity{}, HeadsView<T>::bhnd(o.data(), {B, H, N, 4})),
                     Contains("out is [2, 3, 20, 4]"));
   // Featurized inputs of the wrong width, and a map of the wrong width.
-  CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, ov),
+  CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, linattn::Identity{}, ov),
                     Contains("phi_q gives 8 features per token but the states hold 16"));
   CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, linattn::EluPlusOne{}, ov),
                     Contains("q gives 8 features per token but the states hold 16"));
@@ -360,16 +360,16 @@ TEMPLATE_TEST_CASE("prefill_into errors throw and move no state", "[state_batch]
   CHECK(unchanged);
   // NaN in one head: no state moves (out is covered by multi_head.test.cpp).
   std::vector<T> scratch(o.size());
-  const auto sv = HeadsView<T>::bhnd(scratch.data(), B, H, N, kDv);
+  const auto sv = HeadsView<T>::bhnd(scratch.data(), {B, H, N, kDv});
   for (const T poison :
        {std::numeric_limits<T>::quiet_NaN(), -std::numeric_limits<T>::infinity()}) {
     std::vector<T> bad = v;
-    HeadsView<T>::bhnd(bad.data(), B, H, N, kDv).head(1, 2)(N - 1, 0) = poison;
+    HeadsView<T>::bhnd(bad.data(), {B, H, N, kDv}).head(1, 2)(N - 1, 0) = poison;
     CHECK_THROWS_WITH(batch.prefill_into(qv, kv, cview(bad, B, N, kDv), map, sv),
                       Contains("RecurrentStateBatch::prefill") && Contains("v[b=1, h=2]") &&
                           Contains("row 19, column 0"));
     std::vector<T> bad_k = k;
-    HeadsView<T>::bhnd(bad_k.data(), B, H, N, kDk).head(0, 1)(2, 3) = poison;
+    HeadsView<T>::bhnd(bad_k.data(), {B, H, N, kDk}).head(0, 1)(2, 3) = poison;
     CHECK_THROWS_WITH(batch.prefill_into(qv, cview(bad_k, B, N, kDk), vv, map, sv),
                       Contains("k[b=0, h=1]") && Contains("row 2, column 3"));
   }
@@ -402,10 +402,10 @@ TEMPLATE_TEST_CASE("prefill_into rejects v of the wrong width", "[state_batch][e
   std::vector<T> v(static_cast<std::size_t>(B * H * N * 2), T(1));
   std::vector<T> o(static_cast<std::size_t>(B * H * N * Dv), T(0));
   RecurrentStateBatch<T> batch(B * H, C, Dv);
-  CHECK_THROWS_WITH(batch.prefill_into(HeadsView<const T>::bhnd(q.data(), B, H, N, C),
-                                       HeadsView<const T>::bhnd(k.data(), B, H, N, C),
-                                       HeadsView<const T>::bhnd(v.data(), B, H, N, 2),
-                                       HeadsView<T>::bhnd(o.data(), B, H, N, Dv)),
+  CHECK_THROWS_WITH(batch.prefill_into(HeadsView<const T>::bhnd(q.data(), {B, H, N, C}),
+                                       HeadsView<const T>::bhnd(k.data(), {B, H, N, C}),
+                                       HeadsView<const T>::bhnd(v.data(), {B, H, N, 2}),linattn::Identity{}, 
+                                       HeadsView<T>::bhnd(o.data(), {B, H, N, Dv})),
                     Contains("v is [1, 2, 5, 2]"));
   CHECK(batch[0].tokens() == 0);
 }

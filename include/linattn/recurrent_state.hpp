@@ -97,7 +97,7 @@ class RecurrentState {
     check_scalars<DQ, DK, DV>();
     if constexpr (detail::check_feature_map<Map, Acc>()) {
       if constexpr (detail::is_identity_map<Map>) {
-        load_token(q, k, v, out, where, "q", "k");
+        load_token(q, k, v, out, where, "phi_q", "phi_k");
         advance(0.0, 0.0, !state_.unscaled(), out);
       } else {
         step_mapped(q, k, v, map, out, where);
@@ -138,11 +138,13 @@ class RecurrentState {
     constexpr const char* where = "RecurrentState::prefill";
     check_scalars<DQ, DK, DV>();
     if constexpr (detail::check_feature_map<Map, Acc>()) {
-      detail::validate_sequence_shapes(q, k, v, options_, where, "q", "k");
-      if constexpr (detail::is_identity_map<Map>) {
-        check_dims(q.cols(), v.cols(), where, "q");
+      constexpr bool features = detail::is_identity_map<Map>;
+      detail::validate_sequence_shapes(q, k, v, options_, where, features ? "phi_q" : "q",
+                                       features ? "phi_k" : "k");
+      if constexpr (features) {
+        check_dims(q.cols(), v.cols(), where, "phi_q");
         detail::require_output_shape(out, q.rows(), value_dim(), where);
-        detail::scan_inputs(q, k, v, options_, where, "q", "k");
+        detail::scan_inputs(q, k, v, options_, where, "phi_q", "phi_k");
         run_chunked(detail::FeaturizedSource<DQ, DK, DV>(q.derived(), k.derived(), v.derived()),
                     out);
       } else {
