@@ -64,8 +64,8 @@ void BM_SoftmaxForwardBackward(benchmark::State& state) {
   linattn_bench::measure(state, [&] {
     linattn::softmax_attention_into(in.q, in.k, in.v, linattn::Mask::causal, in.out);
     benchmark::DoNotOptimize(in.out.data());
-    linattn::softmax_attention_backward_into(in.q, in.k, in.v, in.grad_out, linattn::Mask::causal, in.grad_q,
-                                             in.grad_k, in.grad_v);
+    linattn::softmax_attention_backward_into(in.q, in.k, in.v, in.grad_out, linattn::Mask::causal,
+                                             in.grad_q, in.grad_k, in.grad_v);
     benchmark::DoNotOptimize(in.grad_q.data());
     benchmark::DoNotOptimize(in.grad_k.data());
     benchmark::DoNotOptimize(in.grad_v.data());

@@ -59,7 +59,8 @@ void BM_SequenceKernel(benchmark::State& state) {
   linattn::Options options;
   options.threads = static_cast<int>(state.range(1));
   linattn_bench::measure(state, [&] {
-    linattn::causal_linear_attention_into(in.phi_q, in.phi_k, in.v, linattn::Identity{}, in.out, options);
+    linattn::causal_linear_attention_into(in.phi_q, in.phi_k, in.v, linattn::Identity{}, in.out,
+                                          options);
     benchmark::DoNotOptimize(in.out.data());
   });
   set_rates(state, 4.0 * double(n) * kDim * kDim, double(n));

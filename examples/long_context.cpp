@@ -140,13 +140,15 @@ int main(int argc, char** argv) {
       std::optional<State> copy;
       if (check) {
         copy = state;
-        copy->prefill_into(phi_q.topRows(n), phi_k.topRows(n), v.topRows(n), linattn::Identity{}, prefilled.topRows(n));
+        copy->prefill_into(phi_q.topRows(n), phi_k.topRows(n), v.topRows(n), linattn::Identity{},
+                           prefilled.topRows(n));
       }
 
       const auto step_start = Clock::now();
       Eigen::internal::set_is_malloc_allowed(false);
       for (Eigen::Index i = 0; i < n; ++i) {
-        state.step_into(phi_q.row(i), phi_k.row(i), v.row(i), linattn::Identity{}, out.row(i).transpose());
+        state.step_into(phi_q.row(i), phi_k.row(i), v.row(i), linattn::Identity{},
+                        out.row(i).transpose());
       }
       Eigen::internal::set_is_malloc_allowed(true);
       step_seconds += seconds_since(step_start);

@@ -27,8 +27,8 @@ int main() {
 
   using View = linattn::HeadsView<const float>;
   const linattn::HeadShape whole{batch, heads, total, head_dim};  // logical {B, H, N, D}
-  const linattn::LinearAttentionLayer<float, linattn::EluPlusOne> layer(
-      linattn::EluPlusOne{}, heads, head_dim, head_dim);
+  const linattn::LinearAttentionLayer<float, linattn::EluPlusOne> layer(linattn::EluPlusOne{},
+                                                                        heads, head_dim, head_dim);
 
   // Reference: the parallel form over all tokens at once.
   std::vector<float> reference(size);
@@ -45,9 +45,9 @@ int main() {
   };
   std::vector<float> out(size);
   auto states = layer.make_states(batch);  // B * H states, state b * H + h for head h of b
-  layer.prefill_into(states, prompt_view(q), prompt_view(k), prompt_view(v),
-                     linattn::HeadsView<float>(out.data(), batch, heads, prompt, head_dim,
-                                               strides));
+  layer.prefill_into(
+      states, prompt_view(q), prompt_view(k), prompt_view(v),
+      linattn::HeadsView<float>(out.data(), batch, heads, prompt, head_dim, strides));
 
   // Decode: one token per sequence per step; row b * H + h holds head h of sequence b.
   linattn::Matrix<float> q_t(batch * heads, head_dim), k_t(batch * heads, head_dim),
@@ -75,10 +75,11 @@ int main() {
     largest = std::max(largest, std::abs(reference[i]));
     difference = std::max(difference, std::abs(out[i] - reference[i]));
   }
-  std::printf("B = %lld, H = %lld, D = %lld: %lld prompt tokens, %lld decoded; "
-              "largest difference from one parallel call %.3g (relative %.3g)\n",
-              static_cast<long long>(batch), static_cast<long long>(heads),
-              static_cast<long long>(head_dim), static_cast<long long>(prompt),
-              static_cast<long long>(decoded), difference, difference / largest);
+  std::printf(
+      "B = %lld, H = %lld, D = %lld: %lld prompt tokens, %lld decoded; "
+      "largest difference from one parallel call %.3g (relative %.3g)\n",
+      static_cast<long long>(batch), static_cast<long long>(heads),
+      static_cast<long long>(head_dim), static_cast<long long>(prompt),
+      static_cast<long long>(decoded), difference, difference / largest);
   return difference <= 2e-5f * largest ? 0 : 1;
 }

@@ -95,11 +95,13 @@ int main(int argc, char** argv) {
     const Mat v = random_matrix(tokens, value_dim, 1.0, 3);
 
     // Exact softmax attention (tiled, scale 1/sqrt(Dk)), both ways.
-    const Mat exact = linattn::softmax_attention(q, k, v, /*causal=*/false ? linattn::Mask::causal : linattn::Mask::none);
-    const Mat exact_causal = linattn::softmax_attention(q, k, v, /*causal=*/true ? linattn::Mask::causal : linattn::Mask::none);
+    const Mat exact = linattn::softmax_attention(
+        q, k, v, /*causal=*/false ? linattn::Mask::causal : linattn::Mask::none);
+    const Mat exact_causal = linattn::softmax_attention(
+        q, k, v, /*causal=*/true ? linattn::Mask::causal : linattn::Mask::none);
     Mat out(tokens, value_dim);  // the timed calls write here
-    const double softmax_ms =
-        time_ms(repeats, [&] { linattn::softmax_attention_into(q, k, v, linattn::Mask::none, out); });
+    const double softmax_ms = time_ms(
+        repeats, [&] { linattn::softmax_attention_into(q, k, v, linattn::Mask::none, out); });
     linattn::Options one_thread;  // softmax_attention runs on one thread: time FAVOR+ alike
     one_thread.threads = 1;
 

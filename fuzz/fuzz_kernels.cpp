@@ -247,8 +247,9 @@ bool attempt(const char* what, bool must_succeed, F&& f) {
   }
 }
 
-/// phi(x) = x: raw q and k used as (signed) features.
-struct Identity {
+/// phi(x) = x as a user's map: raw q and k used as (signed) features through the mapped
+/// (featurize-per-chunk) path, where linattn::Identity reads them in place.
+struct PassThrough {
   Index feature_dim(Index input_dim) const { return input_dim; }
   template <class D>
   Matrix<typename D::Scalar> queries(const Eigen::MatrixBase<D>& x) const {
@@ -302,7 +303,7 @@ std::optional<Matrix<T>> run_steps(const Input& in, const Eigen::MatrixBase<DQ>&
     if constexpr (std::is_same_v<Map, std::nullptr_t>) {
       ok = attempt(what, regime.must_succeed,
                    [&] { y = state->step(q.row(i), k.row(i), v.row(i), linattn::Identity{}); });
-      if (ok && loaded) y_loaded = loaded->step(q.row(i), k.row(i), v.row(i));
+      if (ok && loaded) y_loaded = loaded->step(q.row(i), k.row(i), v.row(i), linattn::Identity{});
     } else {
       ok = attempt(what, regime.must_succeed,
                    [&] { y = state->step(q.row(i), k.row(i), v.row(i), *map); });
@@ -330,14 +331,15 @@ std::optional<Matrix<T>> run_prefill(const Input& in, const Eigen::MatrixBase<DQ
     const Index s = in.split;
     if (s > 0) {
       if constexpr (std::is_same_v<Map, std::nullptr_t>) {
-        out.topRows(s) = state->prefill(q.topRows(s), k.topRows(s), v.topRows(s));
+        out.topRows(s) =
+            state->prefill(q.topRows(s), k.topRows(s), v.topRows(s), linattn::Identity{});
       } else {
         out.topRows(s) = state->prefill(q.topRows(s), k.topRows(s), v.topRows(s), *map);
       }
     }
     for (Index i = s; i < in.n; ++i) {
       if constexpr (std::is_same_v<Map, std::nullptr_t>) {
-        out.row(i) = state->step(q.row(i), k.row(i), v.row(i)).transpose();
+        out.row(i) = state->step(q.row(i), k.row(i), v.row(i), linattn::Identity{}).transpose();
       } else {
         out.row(i) = state->step(q.row(i), k.row(i), v.row(i), *map).transpose();
       }
@@ -395,10 +397,12 @@ void run_linear(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const M
   std::optional<Matrix<T>> fsteps, fprefill;
   bool fpar_ok = false;
   if (phi_ok) {
-    fpar_ok = attempt("causal_linear_attention(phi)", regime.must_succeed,
-                      [&] { fpar = linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, opt); });
-    attempt("linear_attention(phi)", regime.must_succeed,
-            [&] { fnon_causal = linattn::linear_attention(phi_q, phi_k, v, opt); });
+    fpar_ok = attempt("causal_linear_attention(phi)", regime.must_succeed, [&] {
+      fpar = linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, opt);
+    });
+    attempt("linear_attention(phi)", regime.must_succeed, [&] {
+      fnon_causal = linattn::linear_attention(phi_q, phi_k, v, linattn::Identity{}, opt);
+    });
     fsteps = run_steps<T, T, std::nullptr_t>(in, phi_q, phi_k, v, nullptr, c, regime,
                                              "RecurrentState::step(phi)");
     fprefill = run_prefill<T, std::nullptr_t>(in, phi_q, phi_k, v, nullptr, c, regime,
@@ -472,12 +476,15 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
 
   Matrix<T> tiled, tiled_causal, materialized, window;
   const bool tiled_ok = attempt("softmax_attention", ok_scale, [&] {
-    tiled = linattn::softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, in.scale);
+    tiled = linattn::softmax_attention(
+        q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, in.scale);
   });
-  attempt("softmax_attention(causal)", ok_scale,
-          [&] { tiled_causal = linattn::softmax_attention(q, k, v, linattn::Mask::causal, in.scale); });
+  attempt("softmax_attention(causal)", ok_scale, [&] {
+    tiled_causal = linattn::softmax_attention(q, k, v, linattn::Mask::causal, in.scale);
+  });
   attempt("materialized_softmax_attention", ok_scale, [&] {
-    materialized = linattn::materialized_softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, in.scale);
+    materialized = linattn::materialized_softmax_attention(
+        q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, in.scale);
   });
   attempt("sliding_window_attention", ok_window,
           [&] { window = linattn::sliding_window_attention(q, k, v, in.window, in.scale); });
@@ -571,7 +578,7 @@ void run(const Input& in) {
     }
     case MapKind::raw:
       // q and k are the features themselves (signed): only "no crash, only Error".
-      run_linear<T>(in, q, k, v, Identity{}, false, bounded);
+      run_linear<T>(in, q, k, v, PassThrough{}, false, bounded);
       break;
   }
   run_softmax<T>(in, q, k, v, bounded);

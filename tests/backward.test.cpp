@@ -137,12 +137,15 @@ TEST_CASE("featurized backward matches central finite differences", "[backward]"
         options.chunk = 4;  // several chunks, so carried states are differentiated too
         const auto forward = [&](const Matrix<double>& a, const Matrix<double>& b,
                                  const Matrix<double>& values) {
-          return causal ? linattn::causal_linear_attention(a, b, values, linattn::Identity{}, options)
-                        : linattn::linear_attention(a, b, values, linattn::Identity{}, options);
+          return causal
+                     ? linattn::causal_linear_attention(a, b, values, linattn::Identity{}, options)
+                     : linattn::linear_attention(a, b, values, linattn::Identity{}, options);
         };
         const AttentionGradients<double> got =
-            causal ? linattn::causal_linear_attention_backward(q, k, v, grad_out, options)
-                   : linattn::linear_attention_backward(q, k, v, grad_out, options);
+            causal ? linattn::causal_linear_attention_backward(q, k, v, grad_out,
+                                                               linattn::Identity{}, options)
+                   : linattn::linear_attention_backward(q, k, v, grad_out, linattn::Identity{},
+                                                        options);
         const AttentionGradients<double> want{
             finite_differences(q, grad_out,
                                [&](const Matrix<double>& x) { return forward(x, k, v); }),
@@ -244,8 +247,10 @@ TEMPLATE_TEST_CASE("chunked backward matches a naive reverse-mode reference", "[
           for (const Eigen::Index chunk : {16, 64}) {
             options.chunk = chunk;
             const AttentionGradients<T> got =
-                causal ? linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{}, options)
-                       : linattn::linear_attention_backward(q, k, v, grad_out, options);
+                causal ? linattn::causal_linear_attention_backward(q, k, v, grad_out,
+                                                                   linattn::Identity{}, options)
+                       : linattn::linear_attention_backward(q, k, v, grad_out, linattn::Identity{},
+                                                            options);
             // Relative to the largest gradient; at N = 1 relative to the cancelling terms.
             const double error =
                 n == 1 ? scaled_error(got, want, magnitude) : worst_error(got, want);
@@ -270,11 +275,13 @@ TEMPLATE_TEST_CASE("backward writes through Maps and column-major inputs, and _i
   const Matrix<T> k = positive_features(n, c, 42).template cast<T>();
   const Matrix<T> v = gaussian<T>(n, dv, 43);
   const Matrix<T> grad_out = gaussian<T>(n, dv, 44);
-  const AttentionGradients<T> plain = linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{});
+  const AttentionGradients<T> plain =
+      linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{});
   const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> k_col = k;
   const Eigen::Map<const Matrix<T>> v_map(v.data(), n, dv);
   Matrix<T> gq(n, c), gk(n, c), gv(n, dv);
-  linattn::causal_linear_attention_backward_into(q, k_col, v_map, grad_out, linattn::Identity{}, gq, gk, gv);
+  linattn::causal_linear_attention_backward_into(q, k_col, v_map, grad_out, linattn::Identity{}, gq,
+                                                 gk, gv);
   CHECK(gq == plain.q);
   CHECK(gk == plain.k);
   CHECK(gv == plain.v);
@@ -305,9 +312,9 @@ TEMPLATE_TEST_CASE("backward on several threads matches one thread", "[backward]
   linattn::Options two = one;
   two.threads = 2;
   const AttentionGradients<T> serial =
-      linattn::causal_linear_attention_backward(q, k, v, grad_out, one);
+      linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{}, one);
   const AttentionGradients<T> parallel =
-      linattn::causal_linear_attention_backward(q, k, v, grad_out, two);
+      linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{}, two);
   const double error =
       std::max({relative_error(parallel.q, serial.q), relative_error(parallel.k, serial.k),
                 relative_error(parallel.v, serial.v)});
@@ -329,17 +336,18 @@ TEMPLATE_TEST_CASE("backward rejects bad input and writes nothing", "[backward][
     return (gq.array() == T(7)).all() && (gk.array() == T(7)).all() && (gv.array() == T(7)).all();
   };
   using Catch::Matchers::Contains;
-  CHECK_THROWS_WITH(
-      linattn::causal_linear_attention_backward(q, k, v, grad_out.topRows(n - 1).eval()),
-      Contains("grad_out is 19 x 3"));
-  CHECK_THROWS_WITH(
-      linattn::causal_linear_attention_backward_into(q, k, v, grad_out, linattn::Identity{}, gq.leftCols(c - 1), gk, gv),
-      Contains("grad_phi_q is 20 x 3"));
-  CHECK_THROWS_WITH(
-      linattn::linear_attention_backward_into(q, k, v, grad_out, linattn::Identity{}, gq, gk, gv.topRows(n - 2)),
-      Contains("grad_v is 18 x 3"));
+  CHECK_THROWS_WITH(linattn::causal_linear_attention_backward(
+                        q, k, v, grad_out.topRows(n - 1).eval(), linattn::Identity{}),
+                    Contains("grad_out is 19 x 3"));
+  CHECK_THROWS_WITH(linattn::causal_linear_attention_backward_into(
+                        q, k, v, grad_out, linattn::Identity{}, gq.leftCols(c - 1), gk, gv),
+                    Contains("grad_phi_q is 20 x 3"));
+  CHECK_THROWS_WITH(linattn::linear_attention_backward_into(q, k, v, grad_out, linattn::Identity{},
+                                                            gq, gk, gv.topRows(n - 2)),
+                    Contains("grad_v is 18 x 3"));
   grad_out(n - 1, 2) = std::numeric_limits<T>::quiet_NaN();
-  CHECK_THROWS_WITH(linattn::causal_linear_attention_backward_into(q, k, v, grad_out, linattn::Identity{}, gq, gk, gv),
+  CHECK_THROWS_WITH(linattn::causal_linear_attention_backward_into(q, k, v, grad_out,
+                                                                   linattn::Identity{}, gq, gk, gv),
                     Contains("grad_out has a non-finite value") && Contains("row 19, column 2"));
   CHECK(untouched());
   const Matrix<T> raw = gaussian<T>(n, 5, 65);

@@ -747,7 +747,8 @@ TEST_CASE("PositiveRandomFeatures stays finite and exact where float exp overflo
   const Matrix<float> phi_k = map.keys(k);
   linattn::Options unchecked;
   unchecked.check_finite = false;
-  const Matrix<float> raw = linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, unchecked);
+  const Matrix<float> raw =
+      linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, unchecked);
   const bool features_overflow = !phi_q.allFinite() || !phi_k.allFinite();
   const bool raw_overflow = !raw.allFinite();
   WARN("largest log(phi(q_i).phi(k_j)), j <= i: "

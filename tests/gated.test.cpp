@@ -214,8 +214,8 @@ TEMPLATE_TEST_CASE("gated: chunked, recurrent and prefill forms match the naive 
           linattn::Options options;
           options.normalize = normalize;
           options.chunk = chunk;
-          const Matrix<T> out =
-              linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, linattn::Identity{}, options);
+          const Matrix<T> out = linattn::causal_gated_linear_attention(
+              p.q, p.k, p.v, p.gates, linattn::Identity{}, options);
           const double e = relative_error(out, expected);
           CHECK(e <= tolerance<T>());
           worst_chunked = std::max(worst_chunked, e);
@@ -231,7 +231,8 @@ TEMPLATE_TEST_CASE("gated: chunked, recurrent and prefill forms match the naive 
             if (end > begin) {
               joined.middleRows(begin, end - begin) = pieces.prefill(
                   p.q.middleRows(begin, end - begin), p.k.middleRows(begin, end - begin),
-                  p.v.middleRows(begin, end - begin), p.gates.middleRows(begin, end - begin), linattn::Identity{});
+                  p.v.middleRows(begin, end - begin), p.gates.middleRows(begin, end - begin),
+                  linattn::Identity{});
             }
             begin = end;
           }
@@ -245,7 +246,8 @@ TEMPLATE_TEST_CASE("gated: chunked, recurrent and prefill forms match the naive 
         linattn::GatedRecurrentState<T> state(kC, kDv, options);
         Matrix<T> stepped(n, kDv);
         for (Eigen::Index t = 0; t < n; ++t) {
-          stepped.row(t) = state.step(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t));
+          stepped.row(t) =
+              state.step(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t), linattn::Identity{});
         }
         const double es = relative_error(stepped, expected);
         CHECK(es <= tolerance<T>());
@@ -268,10 +270,11 @@ TEMPLATE_TEST_CASE("gated: prefill then step continues the same sequence", "[gat
     options.chunk = 32;
     linattn::GatedRecurrentState<T> state(kC, kDv, options);
     Matrix<T> out(n, kDv);
-    out.topRows(150) =
-        state.prefill(p.q.topRows(150), p.k.topRows(150), p.v.topRows(150), p.gates.topRows(150));
+    out.topRows(150) = state.prefill(p.q.topRows(150), p.k.topRows(150), p.v.topRows(150),
+                                     p.gates.topRows(150), linattn::Identity{});
     for (Eigen::Index t = 150; t < n; ++t) {
-      out.row(t) = state.step(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t));
+      out.row(t) =
+          state.step(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t), linattn::Identity{});
     }
     const double e = relative_error(out, expected);
     INFO(gate_kind(gate_cols) << " gates");
@@ -315,12 +318,13 @@ TEMPLATE_TEST_CASE("gated: gates near 0 and near 1 with long chunks stay finite 
         options.chunk = 256;
         options.normalize = normalize;
         const Matrix<double> expected = naive_gated(p.qd, p.kd, p.vd, p.gd, 1e-6, normalize);
-        const Matrix<T> out =
-            linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, options);
+        const Matrix<T> out = linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates,
+                                                                     linattn::Identity{}, options);
         linattn::GatedRecurrentState<T> state(kC, kDv, options);
         Matrix<T> stepped(n, kDv);
         for (Eigen::Index t = 0; t < n; ++t) {
-          stepped.row(t) = state.step(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t));
+          stepped.row(t) =
+              state.step(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t), linattn::Identity{});
         }
         REQUIRE(out.allFinite());
         REQUIRE(stepped.allFinite());
@@ -364,7 +368,8 @@ TEST_CASE("gated: any Eigen expression as input gives the same result", "[gated]
   padded.leftCols(kC) = p.q;
   Matrix<double> out = Matrix<double>::Zero(n + 4, kDv);
   linattn::causal_gated_linear_attention_into(padded.leftCols(kC), k, v.array().matrix(),
-                                              gates * 1.0, linattn::Identity{}, out.middleRows(2, n), options);
+                                              gates * 1.0, linattn::Identity{},
+                                              out.middleRows(2, n), options);
   CHECK(relative_error(out.middleRows(2, n), reference) <= 1e-14);
   CHECK(out.topRows(2).isZero(0));
   CHECK(out.bottomRows(2).isZero(0));
@@ -378,7 +383,9 @@ namespace {
 /// L = sum(R o out), the scalar loss the finite differences differentiate.
 double loss(const Matrix<double>& q, const Matrix<double>& k, const Matrix<double>& v,
             const Matrix<double>& gates, const Matrix<double>& r, const linattn::Options& options) {
-  return linattn::causal_gated_linear_attention(q, k, v, gates, options).cwiseProduct(r).sum();
+  return linattn::causal_gated_linear_attention(q, k, v, gates, linattn::Identity{}, options)
+      .cwiseProduct(r)
+      .sum();
 }
 
 /// Central differences of `loss` in every entry of inputs[which]; h relative to the entry.
@@ -419,7 +426,8 @@ TEST_CASE("gated backward: matches central finite differences", "[gated][backwar
         options.normalize = normalize;
         options.chunk = chunk;
         const linattn::GatedAttentionGradients<double> g =
-            linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, r, linattn::Identity{}, options);
+            linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, r,
+                                                            linattn::Identity{}, options);
         const NaiveGradients naive =
             naive_gated_backward(p.qd, p.kd, p.vd, p.gd, r, options.eps, normalize);
         const std::vector<Matrix<double>> inputs = {p.q, p.k, p.v, p.gates};
@@ -472,8 +480,8 @@ TEMPLATE_TEST_CASE("gated backward: chunked matches the naive reverse mode", "[g
           options.normalize = normalize;
           options.chunk = chunk;
           linattn::GatedAttentionGradients<T> g;
-          linattn::causal_gated_linear_attention_backward_into(p.q, p.k, p.v, p.gates, grad_out, linattn::Identity{}, g,
-                                                               options);
+          linattn::causal_gated_linear_attention_backward_into(p.q, p.k, p.v, p.gates, grad_out,
+                                                               linattn::Identity{}, g, options);
           const Matrix<T>* got[] = {&g.q, &g.k, &g.v, &g.gates};
           const Matrix<double>* want[] = {&naive.q, &naive.k, &naive.v, &naive.gates};
           for (int i = 0; i < 4; ++i) {
@@ -506,8 +514,8 @@ TEMPLATE_TEST_CASE("gated backward: gates near 0 stay finite and match", "[gated
     const Matrix<T> grad_out = gaussian<T>(n, kDv, 42);
     linattn::Options options;
     options.chunk = 256;
-    const linattn::GatedAttentionGradients<T> g =
-        linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out, linattn::Identity{}, options);
+    const linattn::GatedAttentionGradients<T> g = linattn::causal_gated_linear_attention_backward(
+        p.q, p.k, p.v, p.gates, grad_out, linattn::Identity{}, options);
     const NaiveGradients naive =
         naive_gated_backward(p.qd, p.kd, p.vd, p.gd, grad_out.template cast<double>(), 1e-6, true);
     REQUIRE(g.q.allFinite());
@@ -534,7 +542,8 @@ TEMPLATE_TEST_CASE("gated: bad input throws linattn::Error and writes nothing", 
   const Matrix<T> per_feature = uniform_gates<T>(n, kC, 4, 0.5, 1.0);
   Matrix<T> out = Matrix<T>::Constant(n, kDv, T(7));
   const auto run = [&](const Matrix<T>& gates, const linattn::Options& options = {}) {
-    linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, gates, linattn::Identity{}, out, options);
+    linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, gates, linattn::Identity{}, out,
+                                                options);
   };
   const auto message = [&](const Matrix<T>& gates, const linattn::Options& options = {}) {
     try {
@@ -575,28 +584,31 @@ TEMPLATE_TEST_CASE("gated: bad input throws linattn::Error and writes nothing", 
 
   Matrix<T> q_nan = p.q;
   q_nan(2, 1) = std::numeric_limits<T>::infinity();
-  CHECK_THROWS_AS(
-      linattn::causal_gated_linear_attention_into(q_nan, p.k, p.v, per_feature, linattn::Identity{}, out, {}),
-      linattn::Error);
+  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_into(q_nan, p.k, p.v, per_feature,
+                                                              linattn::Identity{}, out, {}),
+                  linattn::Error);
   Matrix<T> wrong_out(n, kDv + 1);
-  CHECK_THROWS_AS(
-      linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, per_feature, linattn::Identity{}, wrong_out, {}),
-      linattn::Error);
+  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, per_feature,
+                                                              linattn::Identity{}, wrong_out, {}),
+                  linattn::Error);
   CHECK((out.array() == T(7)).all());
 
   // Backward: the same checks, plus grad_out.
   Matrix<T> grad_out = gaussian<T>(n, kDv, 5);
-  CHECK_NOTHROW(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out, linattn::Identity{}));
-  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, bad, grad_out),
+  CHECK_NOTHROW(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out,
+                                                                linattn::Identity{}));
+  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, bad, grad_out,
+                                                                  linattn::Identity{}),
                   linattn::Error);
-  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates,
-                                                                  grad_out.leftCols(kDv - 1), linattn::Identity{}),
+  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(
+                      p.q, p.k, p.v, p.gates, grad_out.leftCols(kDv - 1), linattn::Identity{}),
                   linattn::Error);
-  CHECK_THROWS_AS(
-      linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out, decayed),
-      linattn::Error);
+  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out,
+                                                                  linattn::Identity{}, decayed),
+                  linattn::Error);
   grad_out(4, 0) = std::numeric_limits<T>::quiet_NaN();
-  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out),
+  CHECK_THROWS_AS(linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out,
+                                                                  linattn::Identity{}),
                   linattn::Error);
 
   CHECK_THROWS_AS(linattn::GatedRecurrentState<T>(kC, kDv, decayed), linattn::Error);
@@ -609,7 +621,8 @@ TEMPLATE_TEST_CASE("gated state: a throwing call leaves the state unchanged", "[
   const Eigen::Index n = 20;
   const Problem<T> p(n, kC, 12);
   linattn::GatedRecurrentState<T> state(kC, kDv);
-  state.prefill(p.q.topRows(10), p.k.topRows(10), p.v.topRows(10), p.gates.topRows(10));
+  state.prefill(p.q.topRows(10), p.k.topRows(10), p.v.topRows(10), p.gates.topRows(10),
+                linattn::Identity{});
   const Matrix<T> s = state.s();
   const Vector<T> z = state.z();
   const Vector<T> q = p.q.row(10).transpose();
@@ -633,7 +646,9 @@ TEMPLATE_TEST_CASE("gated state: a throwing call leaves the state unchanged", "[
   gate(2) = std::numeric_limits<T>::quiet_NaN();
   CHECK_THROWS_AS(state.step_into(q, k, v, gate, linattn::Identity{}, out), linattn::Error);
   unchanged();
-  CHECK_THROWS_AS(state.step_into(q, k, v, Vector<T>::Constant(3, T(0.5)), linattn::Identity{}, out), linattn::Error);
+  CHECK_THROWS_AS(
+      state.step_into(q, k, v, Vector<T>::Constant(3, T(0.5)), linattn::Identity{}, out),
+      linattn::Error);
   unchanged();
   CHECK_THROWS_AS(state.step_into(q, k, v, T(0), linattn::Identity{}, out), linattn::Error);
   unchanged();
@@ -643,7 +658,8 @@ TEMPLATE_TEST_CASE("gated state: a throwing call leaves the state unchanged", "[
   q_nan(0) = std::numeric_limits<T>::quiet_NaN();
   CHECK_THROWS_AS(state.step_into(q_nan, k, v, T(0.5), linattn::Identity{}, out), linattn::Error);
   unchanged();
-  CHECK_THROWS_AS(state.step_into(q, k, v.head(kDv - 1), T(0.5), linattn::Identity{}, out), linattn::Error);
+  CHECK_THROWS_AS(state.step_into(q, k, v.head(kDv - 1), T(0.5), linattn::Identity{}, out),
+                  linattn::Error);
   unchanged();
 
   Matrix<T> bad_gates = p.gates.bottomRows(10);
@@ -654,12 +670,12 @@ TEMPLATE_TEST_CASE("gated state: a throwing call leaves the state unchanged", "[
                   linattn::Error);
   CHECK((rows_out.array() == T(3)).all());
   CHECK_THROWS_AS(state.prefill(p.q.bottomRows(10), p.k.bottomRows(10), p.v.bottomRows(10),
-                                p.gates.bottomRows(10).leftCols(2)),
+                                p.gates.bottomRows(10).leftCols(2), linattn::Identity{}),
                   linattn::Error);
-  CHECK_THROWS_AS(
-      state.prefill(p.q.bottomRows(10).leftCols(kC - 1), p.k.bottomRows(10).leftCols(kC - 1),
-                    p.v.bottomRows(10), p.gates.bottomRows(10).leftCols(kC - 1)),
-      linattn::Error);
+  CHECK_THROWS_AS(state.prefill(p.q.bottomRows(10).leftCols(kC - 1),
+                                p.k.bottomRows(10).leftCols(kC - 1), p.v.bottomRows(10),
+                                p.gates.bottomRows(10).leftCols(kC - 1), linattn::Identity{}),
+                  linattn::Error);
   unchanged();
 }
 
@@ -679,7 +695,8 @@ TEMPLATE_TEST_CASE("gated state: step_into allocates nothing; scalar gate overlo
     Eigen::internal::set_is_malloc_allowed(false);
     by_scalar.step_into(p.q.row(t), p.k.row(t), p.v.row(t), p.gates(t, 0), linattn::Identity{}, a);
     by_vector.step_into(p.q.row(t), p.k.row(t), p.v.row(t), p.gates.row(t), linattn::Identity{}, b);
-    by_features.step_into(p.q.row(t), p.k.row(t), p.v.row(t), per_feature.row(t), linattn::Identity{}, c);
+    by_features.step_into(p.q.row(t), p.k.row(t), p.v.row(t), per_feature.row(t),
+                          linattn::Identity{}, c);
     by_broadcast.step_into(p.q.row(t), p.k.row(t), p.v.row(t), broadcast, linattn::Identity{}, d);
     Eigen::internal::set_is_malloc_allowed(true);
     CHECK(a == b);
@@ -708,13 +725,14 @@ TEST_CASE("gated: zero denominators give zero rows and zero gradients", "[gated]
   linattn::Options options;
   options.eps = 0.0;
   const Matrix<double> out =
-      linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, options);
+      linattn::causal_gated_linear_attention(p.q, p.k, p.v, p.gates, linattn::Identity{}, options);
   CHECK(out.row(0).isZero(0));
   const Matrix<double> expected = naive_gated(p.qd, p.kd, p.vd, p.gd, 0.0, true);
   CHECK(relative_error(out, expected) <= 1e-14);
   const Matrix<double> r = gaussian<double>(n, 2, 91);
   const linattn::GatedAttentionGradients<double> g =
-      linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, r, linattn::Identity{}, options);
+      linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, r,
+                                                      linattn::Identity{}, options);
   const NaiveGradients naive = naive_gated_backward(p.qd, p.kd, p.vd, p.gd, r, 0.0, true);
   CHECK(g.q.row(0).isZero(0));
   CHECK(relative_error(g.q, naive.q) <= 1e-12);

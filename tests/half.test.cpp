@@ -85,8 +85,9 @@ Matrix<typename DQ::Scalar> attend(bool causal, const Eigen::MatrixBase<DQ>& phi
                                    const Eigen::MatrixBase<DK>& phi_k,
                                    const Eigen::MatrixBase<DV>& v,
                                    const linattn::Options& options) {
-  return causal ? linattn::causal_linear_attention<Acc>(phi_q, phi_k, v, linattn::Identity{}, options)
-                : linattn::linear_attention<Acc>(phi_q, phi_k, v, options);
+  return causal
+             ? linattn::causal_linear_attention<Acc>(phi_q, phi_k, v, linattn::Identity{}, options)
+             : linattn::linear_attention<Acc>(phi_q, phi_k, v, linattn::Identity{}, options);
 }
 
 /// 16-bit path against the float path on the same inputs, featurized (map == nullptr: phi =
@@ -338,9 +339,11 @@ TEMPLATE_TEST_CASE("_into forms take maps, column-major inputs, blocks and strid
     const Matrix<T> expected_featurized = attend(causal, phi_q, phi_k, in.v, linattn::Options{});
     Matrix<T> out_featurized(n, kDv);
     if (causal) {
-      linattn::causal_linear_attention_into(phi_q, phi_k.topRows(n), in.v, linattn::Identity{}, out_featurized);
+      linattn::causal_linear_attention_into(phi_q, phi_k.topRows(n), in.v, linattn::Identity{},
+                                            out_featurized);
     } else {
-      linattn::linear_attention_into(phi_q, phi_k.topRows(n), in.v, linattn::Identity{}, out_featurized);
+      linattn::linear_attention_into(phi_q, phi_k.topRows(n), in.v, linattn::Identity{},
+                                     out_featurized);
     }
     CHECK(relative_error(out_featurized, expected_featurized) == 0.0);
   }
@@ -363,8 +366,9 @@ TEMPLATE_TEST_CASE("NaN or Inf in a 16-bit input throws, naming the argument", "
     bad_k(66, 2) = bad_value;
     bad_v(3, 1) = bad_value;
     INFO("bad value " << static_cast<float>(bad_value));
-    CHECK_THROWS_WITH(linattn::causal_linear_attention_into(bad_q, in.k, in.v, linattn::Identity{}, out),
-                      Contains("phi_q has a non-finite value") && Contains("row 66, column 2"));
+    CHECK_THROWS_WITH(
+        linattn::causal_linear_attention_into(bad_q, in.k, in.v, linattn::Identity{}, out),
+        Contains("phi_q has a non-finite value") && Contains("row 66, column 2"));
     CHECK_THROWS_WITH(linattn::linear_attention_into(in.q, bad_k, in.v, linattn::Identity{}, out),
                       Contains("phi_k has a non-finite value") && Contains("row 66, column 2"));
     CHECK_THROWS_WITH(linattn::causal_linear_attention_into(in.q, in.k, bad_v, map, out),
@@ -372,14 +376,15 @@ TEMPLATE_TEST_CASE("NaN or Inf in a 16-bit input throws, naming the argument", "
     CHECK_THROWS_WITH(linattn::linear_attention(bad_q, in.k, in.v, map),
                       Contains("q has a non-finite value"));
     // An expression, not memory: scanned coefficient by coefficient.
-    CHECK_THROWS_WITH(linattn::causal_linear_attention(in.q, bad_k.array().abs().matrix(), in.v, linattn::Identity{}),
+    CHECK_THROWS_WITH(linattn::causal_linear_attention(in.q, bad_k.array().abs().matrix(), in.v,
+                                                       linattn::Identity{}),
                       Contains("phi_k has a non-finite value") && Contains("row 66, column 2"));
     CHECK(relative_error(out, out_before) == 0.0);  // nothing written before the throw
 
     RecurrentState<T> state(kDk, kDv);
     state.prefill(in.q.topRows(10), in.k.topRows(10), in.v.topRows(10), map);
     const Matrix<float> s_before = state.s();
-    CHECK_THROWS_WITH(state.step(in.q.row(0), bad_k.row(66), in.v.row(0)),
+    CHECK_THROWS_WITH(state.step(in.q.row(0), bad_k.row(66), in.v.row(0), linattn::Identity{}),
                       Contains("RecurrentState::step: phi_k has a non-finite value"));
     CHECK_THROWS_WITH(state.step(bad_q.row(66), in.k.row(0), in.v.row(0), map),
                       Contains("q has a non-finite value"));
@@ -458,10 +463,11 @@ TEMPLATE_TEST_CASE("RecurrentState<T>: float state, steps agree with the paralle
   RecurrentState<T> state(kDk, kDv);
   Matrix<T> steps(n, kDv);
   for (Eigen::Index i = 0; i < n; ++i) {
-    steps.row(i) = state.step(phi_q.row(i), phi_k.row(i), in.v.row(i)).transpose();
+    steps.row(i) =
+        state.step(phi_q.row(i), phi_k.row(i), in.v.row(i), linattn::Identity{}).transpose();
   }
-  const double featurized =
-      relative_error(steps, linattn::causal_linear_attention(phi_q, phi_k, in.v));
+  const double featurized = relative_error(
+      steps, linattn::causal_linear_attention(phi_q, phi_k, in.v, linattn::Identity{}));
   CHECK(featurized <= 2 * eps<T>());
   worst_parallel = std::max(worst_parallel, featurized);
   WARN("steps vs parallel: worst " << worst_parallel << " (bound " << 2 * eps<T>()
@@ -563,7 +569,7 @@ TEMPLATE_TEST_CASE("multi-head views of 16-bit memory", "[half][multi_head]", Ei
   Matrix<T> out(batch * heads * tokens, kDv);
   CHECK_THROWS_WITH(linattn::causal_linear_attention_into(
                         ConstHeadsView<T>::bnhd(bad.data(), {batch, heads, tokens, kDk}), k_view,
-                        v_view, linattn::Identity{}, map, HeadsView<T>::bnhd(out.data(), {batch, heads, tokens, kDv})),
+                        v_view, map, HeadsView<T>::bnhd(out.data(), {batch, heads, tokens, kDv})),
                     Contains("q[b=1, h=1] has a non-finite value") && Contains("row 2, column 4"));
 }
 

@@ -65,8 +65,9 @@ double worst_error_against_reference(const Map& map, double stddev, bool causal,
           options.normalize = normalize;
           options.chunk = chunk;
           const Matrix<T> featurized =
-              causal ? linattn::causal_linear_attention(phi_q, phi_k, in.v, options)
-                     : linattn::linear_attention(phi_q, phi_k, in.v, options);
+              causal ? linattn::causal_linear_attention(phi_q, phi_k, in.v, linattn::Identity{},
+                                                        options)
+                     : linattn::linear_attention(phi_q, phi_k, in.v, linattn::Identity{}, options);
           const Matrix<T> mapped =
               causal ? linattn::causal_linear_attention(in.q, in.k, in.v, map, options)
                      : linattn::linear_attention(in.q, in.k, in.v, map, options);

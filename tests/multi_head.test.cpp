@@ -191,8 +191,8 @@ Matrix<T> attend_plain(Kind kind, bool causal, const Eigen::MatrixBase<DQ>& q,
                        const linattn::Options& options) {
   switch (kind) {
     case Kind::featurized:
-      return causal ? linattn::causal_linear_attention(q, k, v, options)
-                    : linattn::linear_attention(q, k, v, options);
+      return causal ? linattn::causal_linear_attention(q, k, v, linattn::Identity{}, options)
+                    : linattn::linear_attention(q, k, v, linattn::Identity{}, options);
     case Kind::elu:
       return causal ? linattn::causal_linear_attention(q, k, v, linattn::EluPlusOne{}, options)
                     : linattn::linear_attention(q, k, v, linattn::EluPlusOne{}, options);
@@ -365,14 +365,16 @@ TEMPLATE_TEST_CASE("views: softmax_attention_into gives each head softmax_attent
     for (const bool causal : {true, false}) {
       for (const double scale : {-1.0, 0.3}) {
         Heads<T> out(layouts.out, B, H, N, kDv, kSentinel<T>);
-        linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), causal ? linattn::Mask::causal : linattn::Mask::none, out.view(),
-                                        scale, 1);
+        linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                        causal ? linattn::Mask::causal : linattn::Mask::none,
+                                        out.view(), scale, 1);
         INFO("set " << set << ", causal = " << causal << ", scale = " << scale);
         CHECK(out.gaps_hold(kSentinel<T>));
         for (Eigen::Index b = 0; b < B; ++b) {
           for (Eigen::Index h = 0; h < H; ++h) {
-            const Matrix<T> expected = linattn::softmax_attention(p.q.head(b, h), p.k.head(b, h),
-                                                                  p.v.head(b, h), causal ? linattn::Mask::causal : linattn::Mask::none, scale);
+            const Matrix<T> expected = linattn::softmax_attention(
+                p.q.head(b, h), p.k.head(b, h), p.v.head(b, h),
+                causal ? linattn::Mask::causal : linattn::Mask::none, scale);
             const Matrix<T> got = out.head(b, h);
             CHECK(relative_error(got, expected) <= tolerance<T>());
             tally.add(got, expected);
@@ -421,8 +423,8 @@ TEMPLATE_TEST_CASE("views: a head stride of 0 shares k and v across heads (multi
   linattn::softmax_attention_into(q.cview(), kv, vv, linattn::Mask::causal, out.view(), -1, 2);
   for (Eigen::Index b = 0; b < B; ++b) {
     for (Eigen::Index h = 0; h < H; ++h) {
-      const Matrix<T> expected = linattn::softmax_attention(q.head(b, h), k.middleRows(b * N, N),
-                                                            v.middleRows(b * N, N), linattn::Mask::causal);
+      const Matrix<T> expected = linattn::softmax_attention(
+          q.head(b, h), k.middleRows(b * N, N), v.middleRows(b * N, N), linattn::Mask::causal);
       const Matrix<T> got = out.head(b, h);
       CHECK(relative_error(got, expected) <= tolerance<T>());
       tally.add(got, expected);
@@ -455,11 +457,13 @@ TEMPLATE_TEST_CASE("varlen: packed sequences of uneven lengths equal one call pe
             options.threads = threads;
             Heads<T> out(layout, 1, H, total, kDv, kSentinel<T>);
             if (!causal) {
-              linattn::linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, offsets,
-                                                    out.view(), options);
+              linattn::linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                                    linattn::Identity{}, offsets, out.view(),
+                                                    options);
             } else if (kind == Kind::featurized) {
-              linattn::causal_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),linattn::Identity{}, 
-                                                           offsets, out.view(), options);
+              linattn::causal_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                                           linattn::Identity{}, offsets, out.view(),
+                                                           options);
             } else if (kind == Kind::elu) {
               linattn::causal_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),
                                                            linattn::EluPlusOne{}, offsets,
@@ -534,12 +538,12 @@ TEMPLATE_TEST_CASE("threads: results do not depend on Options::threads", "[multi
     }
     const Problem<T> p = make_problem<T>(Kind::elu, layouts, B, H, N, 410);
     Heads<T> serial(layouts.out, B, H, N, kDv, kSentinel<T>);
-    linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Mask::causal, serial.view(), -1,
-                                    1);
+    linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Mask::causal,
+                                    serial.view(), -1, 1);
     for (const int threads : {0, 2, 3, 4}) {
       Heads<T> out(layouts.out, B, H, N, kDv, kSentinel<T>);
-      linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Mask::causal, out.view(), -1,
-                                      threads);
+      linattn::softmax_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Mask::causal,
+                                      out.view(), -1, threads);
       INFO("softmax, threads = " << threads);
       const bool same = same_data(out.data(), serial.data());
       CHECK(same);
@@ -658,11 +662,12 @@ TEMPLATE_TEST_CASE("threads: results do not depend on Options::threads", "[multi
         options.threads = threads;
         Heads<T> out(Layout::bhnd, 1, 1, N, kDv, kSentinel<T>);
         if (causal) {
-          linattn::causal_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),linattn::Identity{}, 
-                                                       offsets, out.view(), options);
+          linattn::causal_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                                       linattn::Identity{}, offsets, out.view(),
+                                                       options);
         } else {
-          linattn::linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, offsets,
-                                                out.view(), options);
+          linattn::linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                                linattn::Identity{}, offsets, out.view(), options);
         }
         options.threads = 1;
         const Matrix<T> got_head = out.head(0, 0);
@@ -705,7 +710,8 @@ TEMPLATE_TEST_CASE("segments: a RecurrentStateBatch prefilled in segments equals
         if (kind == Kind::prf) {
           one.prefill_into(p.q.cview(), p.k.cview(), p.v.cview(), prf_map(), one_out.view());
         } else {
-          one.prefill_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, one_out.view());
+          one.prefill_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{},
+                           one_out.view());
         }
         INFO(layout_name(layout) << ", " << kind_name(kind) << ", decay = " << decay);
         CHECK(same_data(one_out.data(), whole.data()));  // the same kernel, from empty
@@ -721,7 +727,8 @@ TEMPLATE_TEST_CASE("segments: a RecurrentStateBatch prefilled in segments equals
             if (kind == Kind::prf) {
               states.prefill_into(q, k, v, prf_map(), token_range(out.view(), begin, len));
             } else {
-              states.prefill_into(q, k, v, linattn::Identity{}, token_range(out.view(), begin, len));
+              states.prefill_into(q, k, v, linattn::Identity{},
+                                  token_range(out.view(), begin, len));
             }
           }
           INFO(bounds.size() - 1 << " segments");
@@ -770,15 +777,17 @@ TEMPLATE_TEST_CASE(
     linattn::Options threaded = serial;
     threaded.threads = 2;
     const Matrix<T> whole_prf = linattn::causal_linear_attention(q, k, v, prf_map(), serial);
-    const Matrix<T> whole_elu = linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, serial);
+    const Matrix<T> whole_elu =
+        linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, serial);
     linattn::RecurrentState<T> with_prf(16, kDv, threaded), with_elu(kDk, kDv, threaded);
     Matrix<T> out_prf(N, kDv), out_elu(N, kDv);
     for (std::size_t s = 0; s + 1 < bounds.size(); ++s) {
       const Eigen::Index begin = bounds[s], len = bounds[s + 1] - bounds[s];
       out_prf.middleRows(begin, len) = with_prf.prefill(
           q.middleRows(begin, len), k.middleRows(begin, len), v.middleRows(begin, len), prf_map());
-      out_elu.middleRows(begin, len) = with_elu.prefill(
-          phi_q.middleRows(begin, len), phi_k.middleRows(begin, len), v.middleRows(begin, len), linattn::Identity{});
+      out_elu.middleRows(begin, len) =
+          with_elu.prefill(phi_q.middleRows(begin, len), phi_k.middleRows(begin, len),
+                           v.middleRows(begin, len), linattn::Identity{});
     }
     INFO("decay = " << decay);
     REQUIRE(out_prf.allFinite());
@@ -817,11 +826,13 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
 
   auto causal = [&](const Heads<T>& a, const Heads<T>& b, const Heads<T>& c, HeadsView<T> o,
                     const linattn::Options& options) {
-    linattn::causal_linear_attention_into(a.cview(), b.cview(), c.cview(), linattn::Identity{}, o, options);
+    linattn::causal_linear_attention_into(a.cview(), b.cview(), c.cview(), linattn::Identity{}, o,
+                                          options);
   };
   auto non_causal = [&](const Heads<T>& a, const Heads<T>& b, const Heads<T>& c, HeadsView<T> o,
                         const linattn::Options& options) {
-    linattn::linear_attention_into(a.cview(), b.cview(), c.cview(), linattn::Identity{}, o, options);
+    linattn::linear_attention_into(a.cview(), b.cview(), c.cview(), linattn::Identity{}, o,
+                                   options);
   };
   auto mapped = [&](const Heads<T>& a, const Heads<T>& b, const Heads<T>& c, HeadsView<T> o,
                     const linattn::Options& options) {
@@ -862,9 +873,9 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
                       Contains("out is [2, 3, 10, 3]") && Contains("the result has D = 5"));
     CHECK_THROWS_WITH(non_causal(q, k, v, narrow.view(), ok), Contains("out is [2, 3, 10, 3]"));
     CHECK_THROWS_WITH(mapped(q, k, v, narrow.view(), ok), Contains("out is [2, 3, 10, 3]"));
-    CHECK_THROWS_WITH(
-        linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), linattn::Mask::none, narrow.view()),
-        Contains("out is [2, 3, 10, 3]"));
+    CHECK_THROWS_WITH(linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(),
+                                                      linattn::Mask::none, narrow.view()),
+                      Contains("out is [2, 3, 10, 3]"));
     CHECK(same_data(narrow.data(), before));
   }
   SECTION("options out of range") {
@@ -880,12 +891,12 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
     bad = ok;
     bad.threads = -1;
     CHECK_THROWS_WITH(causal(q, k, v, out.view(), bad), Contains("Options::threads"));
+    CHECK_THROWS_WITH(linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(),
+                                                      linattn::Mask::causal, out.view(), -1, -2),
+                      Contains("Options::threads"));
     CHECK_THROWS_WITH(
-        linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), linattn::Mask::causal, out.view(), -1, -2),
-        Contains("Options::threads"));
-    CHECK_THROWS_WITH(
-        linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), linattn::Mask::causal, out.view(),
-                                        std::numeric_limits<double>::quiet_NaN()),
+        linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), linattn::Mask::causal,
+                                        out.view(), std::numeric_limits<double>::quiet_NaN()),
         Contains("scale must be finite"));
   }
   SECTION("bad offsets for a packed batch") {
@@ -895,15 +906,17 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
     const std::vector<T> pout_before = pout.data();
     using Offsets = std::vector<std::int64_t>;
     auto all_three = [&](const Offsets& offsets, const auto& matcher) {
-      CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(
-                            pq.cview(), pk.cview(), pv.cview(), linattn::Identity{}, offsets, pout.view()),
-                        Contains("causal_linear_attention_varlen") && matcher);
+      CHECK_THROWS_WITH(
+          linattn::causal_linear_attention_varlen_into(pq.cview(), pk.cview(), pv.cview(),
+                                                       linattn::Identity{}, offsets, pout.view()),
+          Contains("causal_linear_attention_varlen") && matcher);
       CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(
                             pq.cview(), pk.cview(), pv.cview(), elu, offsets, pout.view()),
                         Contains("causal_linear_attention_varlen") && matcher);
-      CHECK_THROWS_WITH(linattn::linear_attention_varlen_into(pq.cview(), pk.cview(), pv.cview(),linattn::Identity{}, 
-                                                              offsets, pout.view()),
-                        Contains("linear_attention_varlen") && matcher);
+      CHECK_THROWS_WITH(
+          linattn::linear_attention_varlen_into(pq.cview(), pk.cview(), pv.cview(),
+                                                linattn::Identity{}, offsets, pout.view()),
+          Contains("linear_attention_varlen") && matcher);
     };
     all_three(Offsets{1, 10}, Contains("offsets[0] must be 0, got 1"));
     all_three(Offsets{-1, 10}, Contains("offsets[0] must be 0, got -1"));
@@ -914,12 +927,14 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
     all_three(Offsets{}, Contains("at least 2 entries"));
     CHECK(same_data(pout.data(), pout_before));
     // B != 1: a packed batch is one row of sequences.
-    CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(q.cview(), k.cview(), v.cview(),linattn::Identity{}, 
-                                                                   Offsets{0, 4, 10}, out.view()),
-                      Contains("B must be 1") && Contains("phi_q is [2, 3, 10, 6]"));
-    CHECK_THROWS_WITH(linattn::linear_attention_varlen_into(q.cview(), k.cview(), v.cview(),linattn::Identity{}, 
-                                                            Offsets{0, 10}, out.view()),
-                      Contains("B must be 1"));
+    CHECK_THROWS_WITH(
+        linattn::causal_linear_attention_varlen_into(
+            q.cview(), k.cview(), v.cview(), linattn::Identity{}, Offsets{0, 4, 10}, out.view()),
+        Contains("B must be 1") && Contains("phi_q is [2, 3, 10, 6]"));
+    CHECK_THROWS_WITH(
+        linattn::linear_attention_varlen_into(q.cview(), k.cview(), v.cview(), linattn::Identity{},
+                                              Offsets{0, 10}, out.view()),
+        Contains("B must be 1"));
     CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(q.cview(), k.cview(), v.cview(),
                                                                    elu, Offsets{0, 10}, out.view()),
                       Contains("B must be 1") && Contains("q is [2, 3, 10, 6]"));
@@ -940,18 +955,19 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
                         Contains("v[b=0, h=1]") && Contains("row 9, column 4"));
       CHECK_THROWS_WITH(mapped(bad_q, k, v, scratch.view(), ok),
                         Contains("q[b=1, h=2]") && Contains("row 3, column 1"));
-      CHECK_THROWS_WITH(linattn::softmax_attention_into(bad_q.cview(), k.cview(), v.cview(), linattn::Mask::causal,
-                                                        scratch.view()),
+      CHECK_THROWS_WITH(linattn::softmax_attention_into(bad_q.cview(), k.cview(), v.cview(),
+                                                        linattn::Mask::causal, scratch.view()),
                         Contains("q[b=1, h=2]") && Contains("row 3, column 1"));
       // A packed batch is one [1, H, total, D] tensor: the row is the packed token index.
       const Heads<T> pq = heads(1, H, N, kDk, 5), pk = heads(1, H, N, kDk, 6);
       Heads<T> pv = heads(1, H, N, kDv, 7);
       pv.view().head(0, 2)(7, 0) = poison;
       Heads<T> pout(Layout::bhnd, 1, H, N, kDv, kSentinel<T>);
-      CHECK_THROWS_WITH(linattn::causal_linear_attention_varlen_into(
-                            pq.cview(), pk.cview(), pv.cview(), linattn::Identity{}, {0, 3, 10}, pout.view()),
-                        Contains("causal_linear_attention_varlen") && Contains("v[b=0, h=2]") &&
-                            Contains("row 7, column 0"));
+      CHECK_THROWS_WITH(
+          linattn::causal_linear_attention_varlen_into(
+              pq.cview(), pk.cview(), pv.cview(), linattn::Identity{}, {0, 3, 10}, pout.view()),
+          Contains("causal_linear_attention_varlen") && Contains("v[b=0, h=2]") &&
+              Contains("row 7, column 0"));
       // With the check off there is no throw (the caller gets what the arithmetic gives).
       linattn::Options unchecked;
       unchecked.check_finite = false;
@@ -986,12 +1002,15 @@ TEMPLATE_TEST_CASE("errors: a NaN deep in a long sequence split across threads t
         bad_k(row, 1) = std::numeric_limits<T>::quiet_NaN();
         bad_v(row, 2) = std::numeric_limits<T>::infinity();
         const std::string at = "row " + std::to_string(row);
-        CHECK_THROWS_WITH(linattn::causal_linear_attention_into(phi_q, bad_k, v, linattn::Identity{}, out, options),
+        CHECK_THROWS_WITH(linattn::causal_linear_attention_into(phi_q, bad_k, v,
+                                                                linattn::Identity{}, out, options),
                           Contains("phi_k") && Contains(at + ", column 1"));
-        CHECK_THROWS_WITH(linattn::causal_linear_attention_into(phi_q, phi_k, bad_v, out, options),
+        CHECK_THROWS_WITH(linattn::causal_linear_attention_into(phi_q, phi_k, bad_v,
+                                                                linattn::Identity{}, out, options),
                           Contains("v has a non-finite value") && Contains(at + ", column 2"));
-        CHECK_THROWS_WITH(linattn::linear_attention_into(phi_q, bad_k, v, linattn::Identity{}, out, options),
-                          Contains("phi_k") && Contains(at + ", column 1"));
+        CHECK_THROWS_WITH(
+            linattn::linear_attention_into(phi_q, bad_k, v, linattn::Identity{}, out, options),
+            Contains("phi_k") && Contains(at + ", column 1"));
         Matrix<T> bad_q = q;
         bad_q(row, 0) = -std::numeric_limits<T>::infinity();
         CHECK_THROWS_WITH(
@@ -1000,10 +1019,10 @@ TEMPLATE_TEST_CASE("errors: a NaN deep in a long sequence split across threads t
 
         // A state half-way through a sequence stays where it was.
         linattn::RecurrentState<T> plain(kDk, kDv, options), mapped(16, kDv, options);
-        plain.prefill(phi_q.topRows(100), phi_k.topRows(100), v.topRows(100));
+        plain.prefill(phi_q.topRows(100), phi_k.topRows(100), v.topRows(100), linattn::Identity{});
         mapped.prefill(q.topRows(100), k.topRows(100), v.topRows(100), prf_map());
         const linattn::RecurrentState<T> plain_before = plain, mapped_before = mapped;
-        CHECK_THROWS_AS(plain.prefill(phi_q, bad_k, v), linattn::Error);
+        CHECK_THROWS_AS(plain.prefill(phi_q, bad_k, v, linattn::Identity{}), linattn::Error);
         CHECK_THROWS_AS(mapped.prefill(bad_q, k, v, prf_map()), linattn::Error);
         CHECK(plain.tokens() == 100);
         CHECK(mapped.tokens() == 100);
@@ -1037,20 +1056,23 @@ TEMPLATE_TEST_CASE("a NaN found mid-run leaves out as it was", "[multi_head][err
                     linattn::Error);
     CHECK(same_data(out.data(), before));
     CHECK_THROWS_AS(linattn::causal_linear_attention_varlen_into(
-                        p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, {0, 100, 300}, out.view(), options),
+                        p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, {0, 100, 300},
+                        out.view(), options),
                     linattn::Error);
     CHECK(same_data(out.data(), before));
     linattn::RecurrentStateBatch<T> batch(B * H, kDk, kDv, options);
-    CHECK_THROWS_AS(batch.prefill_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, out.view()),
-                    linattn::Error);
+    CHECK_THROWS_AS(
+        batch.prefill_into(p.q.cview(), p.k.cview(), p.v.cview(), linattn::Identity{}, out.view()),
+        linattn::Error);
     CHECK(same_data(out.data(), before));
     for (Eigen::Index i = 0; i < B * H; ++i) CHECK(batch[i].tokens() == 0);
 
     // One sequence, plain matrices.
     const Matrix<T> q = p.q.head(0, H - 1), k = p.k.head(0, H - 1), v = p.v.head(0, H - 1);
     Matrix<T> plain_out = Matrix<T>::Constant(N, kDv, kSentinel<T>);
-    CHECK_THROWS_AS(linattn::causal_linear_attention_into(q, k, v, plain_out, options),
-                    linattn::Error);
+    CHECK_THROWS_AS(
+        linattn::causal_linear_attention_into(q, k, v, linattn::Identity{}, plain_out, options),
+        linattn::Error);
     CHECK((plain_out.array() == kSentinel<T>).all());
     linattn::RecurrentState<T> state(kDk, kDv, options);
     CHECK_THROWS_AS(state.prefill_into(q, k, v, linattn::Identity{}, plain_out), linattn::Error);

@@ -98,7 +98,8 @@ TEMPLATE_TEST_CASE("featurized steps equal the featurized parallel form", "[recu
     linattn::Options options;
     options.decay = 0.9;
     options.normalize = normalize;
-    const Matrix<T> parallel = linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, options);
+    const Matrix<T> parallel =
+        linattn::causal_linear_attention(phi_q, phi_k, v, linattn::Identity{}, options);
     RecurrentState<T> state(c, dv, options);
     Matrix<T> recurrent(n, dv);
     for (Eigen::Index i = 0; i < n; ++i) {
@@ -134,8 +135,9 @@ TEMPLATE_TEST_CASE("prefill then step equals one parallel call", "[recurrent_sta
       out_prf.topRows(split) =
           with_prf.prefill(q.topRows(split), k.topRows(split), v.topRows(split), prf);
       // The featurized prefill for elu+1, to cover that overload.
-      out_elu.topRows(split) = with_elu.prefill(elu.queries(q.topRows(split)),
-                                                elu.keys(k.topRows(split)), v.topRows(split));
+      out_elu.topRows(split) =
+          with_elu.prefill(elu.queries(q.topRows(split)), elu.keys(k.topRows(split)),
+                           v.topRows(split), linattn::Identity{});
       for (Eigen::Index i = split; i < n; ++i) {
         out_prf.row(i) = with_prf.step(q.row(i), k.row(i), v.row(i), prf).transpose();
         out_elu.row(i) = with_elu.step(q.row(i), k.row(i), v.row(i), elu).transpose();
@@ -167,7 +169,7 @@ TEMPLATE_TEST_CASE("the state holds the documented sums", "[recurrent_state]", f
   RecurrentState<T> state(c, dv, options);
   CHECK(state.tokens() == 0);
   CHECK(state.log_scale() == -std::numeric_limits<double>::infinity());
-  state.prefill(phi_q, phi_k, v);
+  state.prefill(phi_q, phi_k, v, linattn::Identity{});
   Matrix<double> s = Matrix<double>::Zero(c, dv);
   Eigen::VectorXd z = Eigen::VectorXd::Zero(c);
   for (Eigen::Index j = 0; j < n; ++j) {
@@ -188,8 +190,8 @@ TEMPLATE_TEST_CASE("the state holds the documented sums", "[recurrent_state]", f
   CHECK(state.z().cwiseAbs().maxCoeff() == T(0));
   // After reset it behaves as new.
   RecurrentState<T> fresh(c, dv, options);
-  const Vector<T> a = state.step(phi_q.row(0), phi_k.row(0), v.row(0));
-  const Vector<T> b = fresh.step(phi_q.row(0), phi_k.row(0), v.row(0));
+  const Vector<T> a = state.step(phi_q.row(0), phi_k.row(0), v.row(0), linattn::Identity{});
+  const Vector<T> b = fresh.step(phi_q.row(0), phi_k.row(0), v.row(0), linattn::Identity{});
   CHECK(a == b);
 }
 
@@ -206,11 +208,40 @@ TEMPLATE_TEST_CASE("step_into allocates nothing", "[recurrent_state]", float, do
     RecurrentState<T> state(c, dv, options);
     Vector<T> out(dv);
     Eigen::internal::set_is_malloc_allowed(false);
-    for (Eigen::Index i = 0; i < n; ++i) state.step_into(phi_q.row(i), phi_k.row(i), v.row(i), linattn::Identity{}, out);
+    for (Eigen::Index i = 0; i < n; ++i)
+      state.step_into(phi_q.row(i), phi_k.row(i), v.row(i), linattn::Identity{}, out);
     Eigen::internal::set_is_malloc_allowed(true);
     CHECK(out.allFinite());
     CHECK(state.tokens() == n);
   }
+}
+
+TEMPLATE_TEST_CASE("step_into with a feature map allocates nothing after the first token",
+                   "[recurrent_state]", float, double) {
+  using T = TestType;
+  const Eigen::Index dk = 16, dv = 32, n = 40;
+  const Matrix<T> q = gaussian<T>(n, dk, 144), k = gaussian<T>(n, dk, 145);
+  const Matrix<T> v = gaussian<T>(n, dv, 146);
+  const auto run = [&](const auto& map) {
+    linattn::Options options;
+    options.decay = 0.95;
+    RecurrentState<T> state(map.feature_dim(dk), dv, options);
+    RecurrentState<T> reference(map.feature_dim(dk), dv, options);
+    Vector<T> out(dv);
+    state.step_into(q.row(0), k.row(0), v.row(0), map, out);  // sizes the workspace
+    Eigen::internal::set_is_malloc_allowed(false);
+    for (Eigen::Index i = 1; i < n; ++i) state.step_into(q.row(i), k.row(i), v.row(i), map, out);
+    Eigen::internal::set_is_malloc_allowed(true);
+    // The last output is the chunked form's.
+    const Matrix<T> expected = reference.prefill(q, k, v, map);
+    CHECK(state.tokens() == n);
+    CHECK(relative_error(out.transpose(), expected.bottomRows(1)) <=
+          (std::is_same_v<T, float> ? 2e-5 : 1e-12));
+  };
+  run(linattn::EluPlusOne{});
+  run(linattn::Relu{});
+  run(linattn::PositiveRandomFeatures(dk, 32, 3));
+  run(linattn::RandomFourierFeatures(dk, 16, 4));
 }
 
 TEMPLATE_TEST_CASE("save and load round-trip bit for bit and continue the sequence",
@@ -250,7 +281,7 @@ TEMPLATE_TEST_CASE("load rejects every truncation and every flipped byte",
   RecurrentState<T> state(3, 2);
   const linattn::EluPlusOne map;
   state.step(map.queries(gaussian<T>(1, 3, 161)), map.keys(gaussian<T>(1, 3, 162)),
-             gaussian<T>(1, 2, 163));
+             gaussian<T>(1, 2, 163), linattn::Identity{});
   std::stringstream stream;
   state.save(stream);
   const std::string bytes = stream.str();
@@ -345,7 +376,7 @@ TEMPLATE_TEST_CASE("bad input throws and leaves the state as it was", "[recurren
   const linattn::EluPlusOne map;
   const Matrix<T> q = gaussian<T>(5, c, 171), k = gaussian<T>(5, c, 172),
                   v = gaussian<T>(5, dv, 173);
-  state.prefill(map.queries(q), map.keys(k), v);
+  state.prefill(map.queries(q), map.keys(k), v, linattn::Identity{});
   const Matrix<T> s = state.s();
   const Vector<T> z = state.z();
   const auto tokens = state.tokens();
@@ -353,25 +384,31 @@ TEMPLATE_TEST_CASE("bad input throws and leaves the state as it was", "[recurren
   const Vector<T> good_q = map.queries(q.row(0)).transpose(),
                   good_k = map.keys(k.row(0)).transpose();
   const Vector<T> good_v = v.row(0).transpose();
-  CHECK_THROWS_WITH(state.step(good_q.head(3), good_k, good_v), Contains("phi_q is 3 x 1"));
-  CHECK_THROWS_WITH(state.step(good_q, good_k.head(2), good_v), Contains("phi_k is 2 x 1"));
-  CHECK_THROWS_WITH(state.step(good_q, good_k, good_v.head(2)), Contains("v is 2 x 1"));
+  CHECK_THROWS_WITH(state.step(good_q.head(3), good_k, good_v, linattn::Identity{}),
+                    Contains("phi_q is 3 x 1"));
+  CHECK_THROWS_WITH(state.step(good_q, good_k.head(2), good_v, linattn::Identity{}),
+                    Contains("phi_k is 2 x 1"));
+  CHECK_THROWS_WITH(state.step(good_q, good_k, good_v.head(2), linattn::Identity{}),
+                    Contains("v is 2 x 1"));
   const Matrix<T> block = Matrix<T>::Ones(2, 2);
-  CHECK_THROWS_AS(state.step(block, good_k, good_v), linattn::Error);  // 4 entries, not a vector
+  CHECK_THROWS_AS(state.step(block, good_k, good_v, linattn::Identity{}),
+                  linattn::Error);  // 4 entries, not a vector
   Vector<T> short_out(2);
-  CHECK_THROWS_WITH(state.step_into(good_q, good_k, good_v, linattn::Identity{}, short_out), Contains("out has 2"));
+  CHECK_THROWS_WITH(state.step_into(good_q, good_k, good_v, linattn::Identity{}, short_out),
+                    Contains("out has 2"));
   Vector<T> bad_k = good_k;
   bad_k(1) = std::numeric_limits<T>::quiet_NaN();
-  CHECK_THROWS_WITH(state.step(good_q, bad_k, good_v), Contains("phi_k") && Contains("column 0"));
+  CHECK_THROWS_WITH(state.step(good_q, bad_k, good_v, linattn::Identity{}),
+                    Contains("phi_k") && Contains("column 0"));
   Vector<T> bad_v = good_v;
   bad_v(2) = std::numeric_limits<T>::infinity();
   CHECK_THROWS_AS(state.step(q.row(0), k.row(0), bad_v, map), linattn::Error);
   CHECK_THROWS_AS(state.step(q.row(0).head(3), k.row(0).head(3), good_v, map), linattn::Error);
   const linattn::PositiveRandomFeatures wrong_width(c, 8, 1);  // C = 8, state has 4
   CHECK_THROWS_WITH(state.step(q.row(0), k.row(0), good_v, wrong_width), Contains("8 features"));
-  CHECK_THROWS_WITH(state.prefill(map.queries(q), map.keys(k), v.leftCols(2)),
+  CHECK_THROWS_WITH(state.prefill(map.queries(q), map.keys(k), v.leftCols(2), linattn::Identity{}),
                     Contains("the state is 4 x 3"));
-  CHECK_THROWS_WITH(state.prefill(map.queries(q), map.keys(k).topRows(4), v),
+  CHECK_THROWS_WITH(state.prefill(map.queries(q), map.keys(k).topRows(4), v, linattn::Identity{}),
                     Contains("phi_k is 4 x 4"));
   CHECK_THROWS_AS(state.prefill(q, k, v, wrong_width), linattn::Error);
   Matrix<T> bad_q = q;

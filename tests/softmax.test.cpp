@@ -63,10 +63,14 @@ TEMPLATE_TEST_CASE("tiled and materialised softmax match the naive formula", "[s
         const double s = scale < 0 ? 1.0 / std::sqrt(12.0) : scale;
         const Matrix<double> expected = naive_softmax(qd, kd, vd, causal, 0, s);
         INFO("N = " << n << ", causal = " << causal << ", scale = " << scale);
-        CHECK(relative_error(linattn::softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, scale), expected) <=
-              tolerance<T>());
-        CHECK(relative_error(linattn::materialized_softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, scale),
-                             expected) <= tolerance<T>());
+        CHECK(relative_error(
+                  linattn::softmax_attention(
+                      q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, scale),
+                  expected) <= tolerance<T>());
+        CHECK(relative_error(
+                  linattn::materialized_softmax_attention(
+                      q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, scale),
+                  expected) <= tolerance<T>());
       }
     }
   }
@@ -142,15 +146,20 @@ TEMPLATE_TEST_CASE("softmax baselines reject bad input", "[softmax][errors]", fl
   using Catch::Matchers::Contains;
   const Matrix<T> q = gaussian<T>(10, 4, 801), k = gaussian<T>(10, 4, 802),
                   v = gaussian<T>(10, 3, 803);
-  CHECK_THROWS_WITH(linattn::softmax_attention(q, k.topRows(9), v, linattn::Mask::causal), Contains("k is 9 x 4"));
-  CHECK_THROWS_WITH(linattn::softmax_attention(q, k, v.topRows(9), linattn::Mask::none), Contains("v is 9 x 3"));
-  CHECK_THROWS_WITH(linattn::materialized_softmax_attention(q, k.leftCols(3), v, linattn::Mask::causal),
-                    Contains("k is 10 x 3"));
+  CHECK_THROWS_WITH(linattn::softmax_attention(q, k.topRows(9), v, linattn::Mask::causal),
+                    Contains("k is 9 x 4"));
+  CHECK_THROWS_WITH(linattn::softmax_attention(q, k, v.topRows(9), linattn::Mask::none),
+                    Contains("v is 9 x 3"));
+  CHECK_THROWS_WITH(
+      linattn::materialized_softmax_attention(q, k.leftCols(3), v, linattn::Mask::causal),
+      Contains("k is 10 x 3"));
   CHECK_THROWS_WITH(linattn::sliding_window_attention(q, k, v, 0), Contains("window must be >= 1"));
-  CHECK_THROWS_WITH(linattn::softmax_attention(q, k, v, linattn::Mask::causal, std::nan("")), Contains("scale"));
+  CHECK_THROWS_WITH(linattn::softmax_attention(q, k, v, linattn::Mask::causal, std::nan("")),
+                    Contains("scale"));
   Matrix<T> bad = q;
   bad(2, 3) = std::numeric_limits<T>::infinity();
-  CHECK_THROWS_WITH(linattn::softmax_attention(bad, k, v, linattn::Mask::causal), Contains("row 2, column 3"));
+  CHECK_THROWS_WITH(linattn::softmax_attention(bad, k, v, linattn::Mask::causal),
+                    Contains("row 2, column 3"));
   Matrix<T> wrong_out(10, 4);
   CHECK_THROWS_WITH(linattn::softmax_attention_into(q, k, v, linattn::Mask::causal, wrong_out),
                     Contains("out is 10 x 4"));
@@ -195,7 +204,10 @@ linattn::AttentionGradients<double> naive_softmax_backward(const Matrix<double>&
 /// computes when grad_out = w.
 double weighted_output(const Matrix<double>& q, const Matrix<double>& k, const Matrix<double>& v,
                        const Matrix<double>& w, bool causal, double scale) {
-  return linattn::softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, scale).cwiseProduct(w).sum();
+  return linattn::softmax_attention(q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none,
+                                    scale)
+      .cwiseProduct(w)
+      .sum();
 }
 
 /// Each gradient entry sums up to N products and its dS term cancels (dP - D), so errors grow
@@ -222,8 +234,8 @@ TEMPLATE_TEST_CASE("softmax backward matches central finite differences", "[soft
   for (const bool causal : {true, false}) {
     for (const double scale : {-1.0, 0.7}) {
       const double s = scale < 0 ? 1.0 / std::sqrt(double(dk)) : scale;
-      const linattn::AttentionGradients<T> grads =
-          linattn::softmax_attention_backward(q, k, v, dout, causal ? linattn::Mask::causal : linattn::Mask::none, scale);
+      const linattn::AttentionGradients<T> grads = linattn::softmax_attention_backward(
+          q, k, v, dout, causal ? linattn::Mask::causal : linattn::Mask::none, scale);
       // d loss / d x by central differences, one entry of one input at a time.
       const auto numeric = [&](int which) {
         Matrix<double> x[3] = {qd, kd, vd};
@@ -266,8 +278,8 @@ TEMPLATE_TEST_CASE("softmax backward matches reverse mode through the materialis
         const double s = scale < 0 ? 1.0 / std::sqrt(double(dk)) : scale;
         const linattn::AttentionGradients<double> expected =
             naive_softmax_backward(qd, kd, vd, dd, causal, s);
-        const linattn::AttentionGradients<T> grads =
-            linattn::softmax_attention_backward(q, k, v, dout, causal ? linattn::Mask::causal : linattn::Mask::none, scale);
+        const linattn::AttentionGradients<T> grads = linattn::softmax_attention_backward(
+            q, k, v, dout, causal ? linattn::Mask::causal : linattn::Mask::none, scale);
         INFO("N = " << n << ", causal = " << causal << ", scale = " << scale);
         CHECK(relative_error(grads.q, expected.q) <= backward_tolerance<T>());
         CHECK(relative_error(grads.k, expected.k) <= backward_tolerance<T>());
@@ -295,9 +307,9 @@ TEMPLATE_TEST_CASE("softmax backward takes views and writes into strided outputs
   wide.middleCols(2, dv) = dout;
   Matrix<T> out(n, 2 * dk + dv + 1);
   out.setConstant(T(7));
-  linattn::softmax_attention_backward_into(q_col, k, v, wide.middleCols(2, dv), linattn::Mask::causal,
-                                           out.leftCols(dk), out.middleCols(dk, dk),
-                                           out.middleCols(2 * dk, dv));
+  linattn::softmax_attention_backward_into(q_col, k, v, wide.middleCols(2, dv),
+                                           linattn::Mask::causal, out.leftCols(dk),
+                                           out.middleCols(dk, dk), out.middleCols(2 * dk, dv));
   // Same operations in the same order: identical bits.
   CHECK(out.leftCols(dk) == plain.q);
   CHECK(out.middleCols(dk, dk) == plain.k);
@@ -333,21 +345,27 @@ TEMPLATE_TEST_CASE("softmax backward rejects bad input", "[softmax][backward][er
   using Catch::Matchers::Contains;
   const Matrix<T> q = gaussian<T>(10, 4, 1601), k = gaussian<T>(10, 4, 1602),
                   v = gaussian<T>(10, 3, 1603), dout = gaussian<T>(10, 3, 1604);
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k.topRows(9), v, dout, linattn::Mask::causal),
-                    Contains("k is 9 x 4"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k.leftCols(3), v, dout, linattn::Mask::causal),
-                    Contains("k is 10 x 3"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v.topRows(9), dout, linattn::Mask::none),
-                    Contains("v is 9 x 3"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout.topRows(9), linattn::Mask::causal),
-                    Contains("grad_out is 9 x 3"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout.leftCols(2), linattn::Mask::causal),
-                    Contains("grad_out is 10 x 2"));
+  CHECK_THROWS_WITH(
+      linattn::softmax_attention_backward(q, k.topRows(9), v, dout, linattn::Mask::causal),
+      Contains("k is 9 x 4"));
+  CHECK_THROWS_WITH(
+      linattn::softmax_attention_backward(q, k.leftCols(3), v, dout, linattn::Mask::causal),
+      Contains("k is 10 x 3"));
+  CHECK_THROWS_WITH(
+      linattn::softmax_attention_backward(q, k, v.topRows(9), dout, linattn::Mask::none),
+      Contains("v is 9 x 3"));
+  CHECK_THROWS_WITH(
+      linattn::softmax_attention_backward(q, k, v, dout.topRows(9), linattn::Mask::causal),
+      Contains("grad_out is 9 x 3"));
+  CHECK_THROWS_WITH(
+      linattn::softmax_attention_backward(q, k, v, dout.leftCols(2), linattn::Mask::causal),
+      Contains("grad_out is 10 x 2"));
   CHECK_THROWS_WITH(linattn::softmax_attention_backward(q.topRows(0), k.topRows(0), v.topRows(0),
                                                         dout.topRows(0), linattn::Mask::causal),
                     Contains("q is empty"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward(q, k, v, dout, linattn::Mask::causal, std::nan("")),
-                    Contains("scale"));
+  CHECK_THROWS_WITH(
+      linattn::softmax_attention_backward(q, k, v, dout, linattn::Mask::causal, std::nan("")),
+      Contains("scale"));
   Matrix<T> bad_dout = dout, bad_k = k;
   bad_dout(4, 1) = std::numeric_limits<T>::quiet_NaN();
   bad_k(3, 2) = -std::numeric_limits<T>::infinity();
@@ -358,14 +376,17 @@ TEMPLATE_TEST_CASE("softmax backward rejects bad input", "[softmax][backward][er
   // Wrong output shapes are named, and a failed call leaves every output as it was.
   Matrix<T> gq = Matrix<T>::Constant(10, 4, T(5)), gk = gq, gv = Matrix<T>::Constant(10, 3, T(5));
   Matrix<T> wrong(10, 3);
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, dout, linattn::Mask::causal, wrong, gk, gv),
-                    Contains("grad_q is 10 x 3"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, dout, linattn::Mask::causal, gq, wrong, gv),
-                    Contains("grad_k is 10 x 3"));
   CHECK_THROWS_WITH(
-      linattn::softmax_attention_backward_into(q, k, v, dout, linattn::Mask::causal, gq, gk, gq.topRows(9)),
-      Contains("grad_v is 9 x 4"));
-  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, bad_dout, linattn::Mask::causal, gq, gk, gv),
+      linattn::softmax_attention_backward_into(q, k, v, dout, linattn::Mask::causal, wrong, gk, gv),
+      Contains("grad_q is 10 x 3"));
+  CHECK_THROWS_WITH(
+      linattn::softmax_attention_backward_into(q, k, v, dout, linattn::Mask::causal, gq, wrong, gv),
+      Contains("grad_k is 10 x 3"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, dout, linattn::Mask::causal,
+                                                             gq, gk, gq.topRows(9)),
+                    Contains("grad_v is 9 x 4"));
+  CHECK_THROWS_WITH(linattn::softmax_attention_backward_into(q, k, v, bad_dout,
+                                                             linattn::Mask::causal, gq, gk, gv),
                     Contains("grad_out has a non-finite value"));
   CHECK((gq.array() == T(5)).all());
   CHECK((gk.array() == T(5)).all());

@@ -218,9 +218,11 @@ TEMPLATE_TEST_CASE("a batch step that throws moves no state", "[state_batch][err
                       Contains("phi_q is 5 x 16 but the batch needs 6 x 16"));
     CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k.leftCols(15), v, linattn::Identity{}, out),
                       Contains("phi_k is 6 x 15"));
-    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, v.leftCols(4), linattn::Identity{}, out), Contains("v is 6 x 4"));
+    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, v.leftCols(4), linattn::Identity{}, out),
+                      Contains("v is 6 x 4"));
     Matrix<T> tall(count + 1, kDv);
-    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, v, linattn::Identity{}, tall), Contains("out is 7 x 5"));
+    CHECK_THROWS_WITH(batch.step_into(phi_q, phi_k, v, linattn::Identity{}, tall),
+                      Contains("out is 7 x 5"));
     CHECK_THROWS_WITH(batch.step(q, k.topRows(5), v, prf_map()), Contains("k is 5 x 8"));
     CHECK_THROWS_WITH(batch.step(q, k.leftCols(7), v, prf_map()), Contains("k is 6 x 7"));
     // A feature map whose width is not the states' C throws in every state, before any moves.
@@ -284,7 +286,7 @@ TEMPLATE_TEST_CASE("prefill_into equals a per-head RecurrentState::prefill, then
             const std::size_t si = static_cast<std::size_t>(i);
             Matrix<T> expected;
             if (kind == Kind::featurized) {
-              expected = state.prefill(q[si], k[si], v[si]);
+              expected = state.prefill(q[si], k[si], v[si], linattn::Identity{});
             } else if (kind == Kind::elu) {
               expected = state.prefill(q[si], k[si], v[si], linattn::EluPlusOne{});
             } else {
@@ -342,14 +344,14 @@ TEMPLATE_TEST_CASE("prefill_into errors throw and move no state", "[state_batch]
 
   // B x H must be the number of states.
   CHECK_THROWS_WITH(
-      batch.prefill_into(cview(q, 1, N, kDk), cview(k, 1, N, kDk), cview(v, 1, N, kDv), map,linattn::Identity{}, 
+      batch.prefill_into(cview(q, 1, N, kDk), cview(k, 1, N, kDk), cview(v, 1, N, kDv), map,
                          HeadsView<T>::bhnd(o.data(), {1, H, N, kDv})),
       Contains("RecurrentStateBatch::prefill") &&
           Contains("B x H = 3 heads, but the batch holds 6 states"));
   // Mismatched views.
   CHECK_THROWS_WITH(batch.prefill_into(qv, cview(k, B, N - 1, kDk), vv, map, ov),
                     Contains("k is [2, 3, 19, 8]") && Contains("B, H and N must match"));
-  CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, map, linattn::Identity{}, HeadsView<T>::bhnd(o.data(), {B, H, N, 4})),
+  CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, map, HeadsView<T>::bhnd(o.data(), {B, H, N, 4})),
                     Contains("out is [2, 3, 20, 4]"));
   // Featurized inputs of the wrong width, and a map of the wrong width.
   CHECK_THROWS_WITH(batch.prefill_into(qv, kv, vv, linattn::Identity{}, ov),
@@ -402,10 +404,11 @@ TEMPLATE_TEST_CASE("prefill_into rejects v of the wrong width", "[state_batch][e
   std::vector<T> v(static_cast<std::size_t>(B * H * N * 2), T(1));
   std::vector<T> o(static_cast<std::size_t>(B * H * N * Dv), T(0));
   RecurrentStateBatch<T> batch(B * H, C, Dv);
-  CHECK_THROWS_WITH(batch.prefill_into(HeadsView<const T>::bhnd(q.data(), {B, H, N, C}),
-                                       HeadsView<const T>::bhnd(k.data(), {B, H, N, C}),
-                                       HeadsView<const T>::bhnd(v.data(), {B, H, N, 2}),linattn::Identity{}, 
-                                       HeadsView<T>::bhnd(o.data(), {B, H, N, Dv})),
-                    Contains("v is [1, 2, 5, 2]"));
+  CHECK_THROWS_WITH(
+      batch.prefill_into(HeadsView<const T>::bhnd(q.data(), {B, H, N, C}),
+                         HeadsView<const T>::bhnd(k.data(), {B, H, N, C}),
+                         HeadsView<const T>::bhnd(v.data(), {B, H, N, 2}), linattn::Identity{},
+                         HeadsView<T>::bhnd(o.data(), {B, H, N, Dv})),
+      Contains("v is [1, 2, 5, 2]"));
   CHECK(batch[0].tokens() == 0);
 }

@@ -9,7 +9,7 @@
 
 /// Library version; CMake reads these three lines.
 #define LINATTN_VERSION_MAJOR 0
-#define LINATTN_VERSION_MINOR 1
+#define LINATTN_VERSION_MINOR 2
 #define LINATTN_VERSION_PATCH 0
 
 /// Checks an internal invariant (a bug, not bad input). Define LINATTN_ASSERT before including
