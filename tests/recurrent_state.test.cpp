@@ -568,6 +568,26 @@ std::string data_file(const char* name) {
   return bytes.str();
 }
 
+/// The naive recurrence straight from DESIGN.md, in double, from given sums (s, z):
+/// S <- g S + phi(k) v^T, z <- g z + phi(k), out = phi(q)^T S / (phi(q) . z + eps).
+struct NaiveRun {
+  Matrix<double> out, s;
+  Vector<double> z;
+};
+NaiveRun naive_recurrence(const Matrix<double>& phi_q, const Matrix<double>& phi_k,
+                          const Matrix<double>& v, const linattn::Options& options,
+                          Matrix<double> s, Vector<double> z) {
+  NaiveRun run{Matrix<double>(phi_q.rows(), v.cols()), std::move(s), std::move(z)};
+  for (Eigen::Index t = 0; t < phi_q.rows(); ++t) {
+    run.s = options.decay * run.s + phi_k.row(t).transpose() * v.row(t);
+    run.z = options.decay * run.z + phi_k.row(t).transpose();
+    const Eigen::RowVectorXd num = phi_q.row(t) * run.s;
+    const double den = phi_q.row(t).dot(run.z) + options.eps;
+    run.out.row(t) = options.normalize ? Eigen::RowVectorXd(num / den) : num;
+  }
+  return run;
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("save(os, map) and load(is, map, options) round-trip every kind of map",
@@ -935,4 +955,118 @@ TEST_CASE("format-1 golden files of linattn 0.1.0 load with their exact sums",
     CHECK(relative_error(Vector<double>(state.z().cast<double>() * scale),
                          Vector<double>(phi.colwise().sum().transpose())) <= 2e-6);
   }
+}
+
+TEMPLATE_TEST_CASE("from_sums: prefilling B after the sums of A is one call over A then B",
+                   "[recurrent_state][from_sums]", float, double) {
+  using T = TestType;
+  const Eigen::Index dk = 4, dv = 3, n_a = 37, n_b = 45, n = n_a + n_b;
+  const Matrix<T> x_q = gaussian<T>(n, dk, 350, 0.5), x_k = gaussian<T>(n, dk, 351, 0.5);
+  const Matrix<T> v = gaussian<T>(n, dv, 352);
+  // Positive features for Identity, so the normalised outputs are well conditioned.
+  const Matrix<T> f_q = (x_q.array().abs() + T(0.1)).matrix();
+  const Matrix<T> f_k = (x_k.array().abs() + T(0.1)).matrix();
+  const double bound = agreement_tolerance<T>();
+  double worst = 0.0;
+  const auto check = [&](const auto& map, const Matrix<T>& q, const Matrix<T>& k,
+                         bool through_log_scale, const char* name) {
+    for (const double decay : {1.0, 0.9}) {
+      for (const bool normalize : {true, false}) {
+        linattn::Options options;
+        options.decay = decay;
+        options.normalize = normalize;
+        INFO(name << ", decay " << decay << ", normalize " << normalize << ", log scale "
+                  << through_log_scale);
+        const Matrix<double> phi_q = map.queries(q.template cast<double>());
+        const Matrix<double> phi_k = map.keys(k.template cast<double>());
+        const Eigen::Index c = phi_q.cols();
+        // The sums of A, by the naive recurrence, then B continued from them.
+        const NaiveRun a = naive_recurrence(phi_q.topRows(n_a), phi_k.topRows(n_a),
+                                            v.topRows(n_a).template cast<double>(), options,
+                                            Matrix<double>::Zero(c, dv), Vector<double>::Zero(c));
+        const NaiveRun b =
+            naive_recurrence(phi_q.bottomRows(n_b), phi_k.bottomRows(n_b),
+                             v.bottomRows(n_b).template cast<double>(), options, a.s, a.z);
+        double log_scale = 0.0;
+        if (through_log_scale) log_scale = std::log(a.s.cwiseAbs().maxCoeff()) + 3.0;
+        const double shrink = std::exp(-log_scale);
+        RecurrentState<T> state =
+            RecurrentState<T>::from_sums((a.s * shrink).template cast<T>(),
+                                         (a.z * shrink).template cast<T>(), options, log_scale);
+        CHECK(state.tokens() == 0);
+        CHECK(state.log_scale() == log_scale);
+        const Matrix<T> out =
+            state.prefill(q.bottomRows(n_b), k.bottomRows(n_b), v.bottomRows(n_b), map);
+        const Matrix<T> whole = linattn::causal_linear_attention(q, k, v, map, options);
+        const double vs_naive = relative_error(out, b.out);
+        const double vs_call = relative_error(out, whole.bottomRows(n_b));
+        const double s_error = relative_error(
+            Matrix<double>(state.s().template cast<double>() * std::exp(state.log_scale())), b.s);
+        CHECK(vs_naive <= bound);
+        CHECK(vs_call <= bound);
+        CHECK(s_error <= bound);
+        worst = std::max({worst, vs_naive, vs_call, s_error});
+      }
+    }
+  };
+  check(linattn::Identity{}, f_q, f_k, false, "Identity");
+  check(linattn::EluPlusOne{}, x_q, x_k, false, "EluPlusOne");
+  const linattn::PositiveRandomFeatures favor(dk, 16, 21);
+  check(favor, x_q, x_k, true, "PositiveRandomFeatures");
+  check(favor, x_q, x_k, false, "PositiveRandomFeatures");
+  WARN("from_sums, worst max|a - b| / max|b| over maps, decays and normalize: " << worst);
+}
+
+TEMPLATE_TEST_CASE("from_sums takes any expression and validates what it is given",
+                   "[recurrent_state][from_sums][errors]", float, double) {
+  using T = TestType;
+  // Column-major S as a transposed expression, z as a row vector of another scalar type.
+  const Eigen::MatrixXd s_t = Eigen::MatrixXd::Constant(2, 3, 0.5);
+  const Eigen::RowVectorXf z_row = Eigen::RowVectorXf::Constant(3, 2.0f);
+  const RecurrentState<T> state = RecurrentState<T>::from_sums(s_t.transpose(), z_row);
+  CHECK(state.feature_dim() == 3);
+  CHECK(state.value_dim() == 2);
+  CHECK(state.s() == Matrix<T>::Constant(3, 2, T(0.5)));
+  CHECK(state.z() == Vector<T>::Constant(3, T(2)));
+  CHECK(state.log_scale() == 0.0);
+  // A double accumulator keeps double sums exactly.
+  const Matrix<double> fine = Matrix<double>::Constant(2, 2, 1.0 + 1e-12);
+  const auto wide = RecurrentState<T, double>::from_sums(fine, Vector<double>::Ones(2));
+  CHECK(wide.s() == fine);
+
+  const Matrix<T> s = Matrix<T>::Ones(3, 2);
+  const Vector<T> z = Vector<T>::Ones(3);
+  using State = RecurrentState<T>;
+  CHECK_THROWS_WITH(State::from_sums(Matrix<T>(0, 2), Vector<T>(0)),
+                    Contains("RecurrentState::from_sums: s0 is empty (0 x 2)"));
+  CHECK_THROWS_WITH(State::from_sums(s, Vector<T>::Ones(2)),
+                    Contains("z0 is 2 x 1, expected a vector of 3 entries"));
+  CHECK_THROWS_WITH(State::from_sums(s, Matrix<T>::Ones(3, 2)), Contains("z0 is 3 x 2"));
+  Matrix<T> bad_s = s;
+  bad_s(1, 1) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_WITH(State::from_sums(bad_s, z), Contains("s0 has a non-finite value"));
+  Vector<T> bad_z = z;
+  bad_z(2) = std::numeric_limits<T>::infinity();
+  CHECK_THROWS_WITH(State::from_sums(s, bad_z), Contains("z0 has a non-finite value"));
+  if constexpr (std::is_same_v<T, float>) {
+    // 1e300 does not fit the float state.
+    CHECK_THROWS_WITH(State::from_sums(Matrix<double>::Constant(3, 2, 1e300), z),
+                      Contains("s0 has a non-finite value"));
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH(State::from_sums(s, z, {}, std::nan("")), Contains("log_scale must be finite"));
+  CHECK_THROWS_WITH(State::from_sums(s, z, {}, inf), Contains("log_scale must be finite"));
+  CHECK_THROWS_WITH(
+      State::from_sums(s, z, {}, -inf),
+      Contains("log_scale is -infinity (no token yet) but s0 or z0 holds a non-zero"));
+  linattn::Options bad;
+  bad.decay = 0.0;
+  CHECK_THROWS_WITH(State::from_sums(s, z, bad), Contains("Options::decay"));
+  // -infinity with zero sums is a fresh state, and steps like one.
+  State from_zero = State::from_sums(Matrix<T>::Zero(3, 2), Vector<T>::Zero(3), {}, -inf);
+  State fresh(3, 2);
+  const Matrix<T> x = gaussian<T>(2, 3, 360), vals = gaussian<T>(2, 2, 361);
+  const linattn::PositiveRandomFeatures map(3, 3, 1);
+  CHECK(from_zero.prefill(x, x, vals, map) == fresh.prefill(x, x, vals, map));
+  CHECK(from_zero.log_scale() == fresh.log_scale());
 }

@@ -231,6 +231,52 @@ class RecurrentState {
     tokens_ = 0;
   }
 
+  /// A state holding the caller's sums, as if the tokens that made them had been added (FLA's
+  /// initial_state): the true sums are exp(log_scale) * s0 and exp(log_scale) * z0, and every
+  /// step or prefill continues from them. tokens() starts at 0. Throws Error for an empty s0,
+  /// a z0 that is not a vector of s0.rows() entries, a NaN or Inf in s0 or z0 (after the
+  /// conversion to Acc), or a log_scale that is NaN, +infinity, or -infinity while s0 or z0
+  /// holds a non-zero entry.
+  /// @param s0         C x Dv, S (any Eigen expression of float, double or a 16-bit type)
+  /// @param z0         C, z (a row or column vector expression); used when normalize is on
+  /// @param options    as for the constructor
+  /// @param log_scale  log of the factor s0 and z0 miss: 0 for plain sums (exponential maps
+  ///                   may use any finite value; -infinity only with all-zero sums, a fresh
+  ///                   state, as log_scale() reports it)
+  template <class DS, class DZ>
+  static RecurrentState from_sums(const Eigen::MatrixBase<DS>& s0, const Eigen::MatrixBase<DZ>& z0,
+                                  const Options& options = {}, double log_scale = 0.0) {
+    constexpr const char* where = "RecurrentState::from_sums";
+    static_assert(detail::is_input_scalar<typename DS::Scalar> &&
+                      detail::is_input_scalar<typename DZ::Scalar>,
+                  "RecurrentState::from_sums takes sums of float, double, Eigen::half or "
+                  "Eigen::bfloat16");
+    detail::validate_options(options, where);
+    if (s0.rows() < 1 || s0.cols() < 1) {
+      throw Error(std::string(where) + ": s0 is empty (" + detail::shape_string(s0) +
+                  "), expected C x Dv with C, Dv >= 1");
+    }
+    detail::require_vector(z0, s0.rows(), where, "z0");
+    const Matrix<Acc> s = s0.template cast<Acc>();
+    const Vector<Acc> z = z0.reshaped().template cast<Acc>();
+    detail::require_finite(s, where, "s0");
+    detail::require_finite(z, where, "z0");
+    if (std::isnan(log_scale) || log_scale == std::numeric_limits<double>::infinity()) {
+      throw Error(std::string(where) +
+                  ": log_scale must be finite (or -infinity for zero sums), got " +
+                  std::to_string(log_scale));
+    }
+    if (log_scale == -std::numeric_limits<double>::infinity() && !(s.isZero(0) && z.isZero(0))) {
+      throw Error(std::string(where) +
+                  ": log_scale is -infinity (no token yet) but s0 or z0 holds a non-zero entry");
+    }
+    RecurrentState state(s.rows(), s.cols(), options);
+    state.state_.s = s;
+    state.state_.z = z;
+    state.state_.log_scale = log_scale;
+    return state;
+  }
+
   /// Writes the state without a record of its feature map (the map kind "unknown"): only
   /// load_unchecked reads it back, since load(is, map, options) cannot check the map. Prefer
   /// save(os, map).
