@@ -14,10 +14,11 @@
 //   * a session's memory is constant: S (C x Dv) and z (C), whatever its context length,
 //     while a softmax KV cache of the same context grows by (Dk + Dv) scalars per token.
 //
-// The feature map is part of the model, not of the session: it is not saved (for FAVOR+,
-// rebuild PositiveRandomFeatures from the model's seed). The options (eps, decay, ...) are
-// saved with the state. To decode many sessions in one call, see RecurrentStateBatch (its
-// operator[] gives each session's state, to save and load the same way).
+// The feature map is part of the model, not of the session: the file records only its
+// fingerprint (for FAVOR+, a hash of W), and the options (eps, decay, ...) that change results;
+// load(in, map, options) refuses a file saved with another map or other options. To decode many
+// sessions in one call, see RecurrentStateBatch (its operator[] gives each session's state, to save
+// and load the same way).
 //
 // Usage: example_streaming_sessions [sessions]   (default 64; 20 requests per session)
 #include <algorithm>
@@ -87,10 +88,11 @@ Mat process(State& state, const Request& r, const linattn::EluPlusOne& map) {
   return state.prefill(r.q, r.k, r.v, map);
 }
 
-/// One file per session in a directory.
+/// One file per session in a directory, for one model (feature map and options).
 class SessionStore {
  public:
-  explicit SessionStore(fs::path dir) : dir_(std::move(dir)) {}
+  SessionStore(fs::path dir, const linattn::EluPlusOne& map, const linattn::Options& options)
+      : dir_(std::move(dir)), map_(map), options_(options) {}
 
   fs::path path(int session) const {
     return dir_ / ("session-" + std::to_string(session) + ".state");
@@ -103,23 +105,26 @@ class SessionStore {
     temp_path += ".tmp";
     {
       std::ofstream out(temp_path, std::ios::binary | std::ios::trunc);
-      state.save(out);  // throws linattn::Error if the stream fails
+      state.save(out, map_);  // throws linattn::Error if the stream fails
       out.close();
       if (!out) throw std::runtime_error("cannot write " + temp_path.string());
     }
     fs::rename(temp_path, final_path);
   }
 
-  /// The saved state, or nothing for a session never seen. A corrupt file throws
-  /// linattn::Error (load checks a CRC-32 and every field).
+  /// The saved state, or nothing for a session never seen. A corrupt file, or one saved with
+  /// another map or other options, throws linattn::Error (load checks a CRC-32 and every
+  /// field).
   std::optional<State> load(int session) const {
     std::ifstream in(path(session), std::ios::binary);
     if (!in) return std::nullopt;
-    return State::load(in);
+    return State::load(in, map_, options_);
   }
 
  private:
   fs::path dir_;
+  linattn::EluPlusOne map_;
+  linattn::Options options_;
 };
 
 /// The server: an LRU cache of hot sessions in front of the store.
@@ -225,13 +230,13 @@ int main(int argc, char** argv) {
   const int requests = 20 * sessions;
   const std::size_t cache_capacity = 16;  // hot sessions kept in memory
   linattn::Options options;
-  options.decay = 0.999;  // saved with each state, like every option
+  options.decay = 0.999;  // recorded with each state and checked when it loads
   const linattn::EluPlusOne map;
   bool ok = true;
 
   try {
     const TempDir dir;
-    const SessionStore store(dir.path());
+    const SessionStore store(dir.path(), map, options);
     std::optional<Server> server(std::in_place, store, map, options, cache_capacity);
 
     // The reference: every session in memory, never saved, plus the KV cache a softmax model

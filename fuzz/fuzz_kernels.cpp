@@ -284,17 +284,28 @@ std::optional<Matrix<T>> run_steps(const Input& in, const Eigen::MatrixBase<DQ>&
   for (Index i = 0; i < in.n; ++i) {
     if (i == in.split && i > 0) {
       // Round trip through save/load halfway; the copy must then step identically.
+      // Featurized steps save and load with linattn::Identity, the map of features.
+      const auto with_map = [&](const auto& f) {
+        if constexpr (std::is_same_v<Map, std::nullptr_t>) {
+          return f(linattn::Identity{});
+        } else {
+          return f(*map);
+        }
+      };
       std::ostringstream os;
-      state->save(os);
+      with_map([&](const auto& m) { state->save(os, m); });
       const std::string bytes = os.str();
       std::istringstream is(bytes);
       const bool loadable = state->s().allFinite() && state->z().allFinite() &&
                             !std::isnan(state->log_scale()) &&
                             state->log_scale() != std::numeric_limits<double>::infinity();
-      if (attempt("RecurrentState::load of a saved state", loadable,
-                  [&] { loaded.emplace(linattn::RecurrentState<T, Acc>::load(is)); })) {
+      if (attempt("RecurrentState::load of a saved state", loadable, [&] {
+            with_map([&](const auto& m) {
+              loaded.emplace(linattn::RecurrentState<T, Acc>::load(is, m, in.options));
+            });
+          })) {
         std::ostringstream again;
-        loaded->save(again);
+        with_map([&](const auto& m) { loaded->save(again, m); });
         if (again.str() != bytes) fail("save -> load -> save changed the bytes");
       }
     }

@@ -1,12 +1,19 @@
 // SPDX-License-Identifier: MIT
-// libFuzzer target: RecurrentState<float>::load, RecurrentState<double>::load and
-// RecurrentState<float, double>::load on arbitrary bytes. Properties checked:
-//   * only linattn::Error may escape load (anything else reaches libFuzzer as a crash);
-//   * a load that succeeds consumed exactly the bytes save writes back: re-saving the loaded
-//     state reproduces the consumed prefix of the input byte for byte;
-//   * a loaded state is usable: one step and a short prefill (through EluPlusOne) either work
-//     or throw linattn::Error leaving the state as it was, and the state then saves and loads
-//     again.
+// libFuzzer target: RecurrentState<T, Acc>::load_unchecked and load(is, map, options) for
+// <float>, <double> and <float, double> on arbitrary bytes (format 1 of linattn 0.1.0 and
+// format 2). Properties checked:
+//   * only linattn::Error may escape either load (anything else reaches libFuzzer as a
+//     crash), and a load that throws leaves no object behind;
+//   * load_unchecked that succeeds consumed exactly the bytes of one state: re-saving it
+//     (save(os), no map) reproduces the consumed input byte for byte outside the map record
+//     (format 2), or loads back to the same sums and options (format 1);
+//   * load(is, map, options) never accepts what load_unchecked refuses, and when it succeeds
+//     the state equals load_unchecked's but for the caller's options, and save(os, map)
+//     reproduces the input but for the fields that only say how W was drawn (seed,
+//     projection, row_norm: not compared); it is tried with the maps of the seed corpus, a
+//     map rebuilt from the record itself, and both the file's options and the defaults;
+//   * a loaded state is usable: one step and a short prefill either work or throw
+//     linattn::Error leaving the state as it was, and the state then saves and loads again.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -18,6 +25,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -26,11 +34,60 @@ namespace {
   std::abort();
 }
 
+/// The user maps of the seed corpus (make_corpus.cpp has the same two).
+struct TwiceFeatures {
+  Eigen::Index feature_dim(Eigen::Index input_dim) const { return input_dim; }
+  template <class D>
+  linattn::Matrix<typename D::Scalar> queries(const Eigen::MatrixBase<D>& x) const {
+    return x * typename D::Scalar(2);
+  }
+  template <class D>
+  linattn::Matrix<typename D::Scalar> keys(const Eigen::MatrixBase<D>& x) const {
+    return x * typename D::Scalar(2);
+  }
+};
+struct FingerprintedFeatures : TwiceFeatures {
+  std::uint64_t fingerprint() const { return 0x1234567890abcdefull; }
+};
+
+// Format-2 offsets (recurrent_state.hpp documents the layout).
+constexpr std::size_t kVersionAt = 8;
+constexpr std::size_t kMapAt = 57, kMapEnd = 101;
+constexpr std::size_t kProjectionAt = 58, kRowNormAt = 59, kSeedAt = 85, kSeedEnd = 93;
+constexpr std::size_t kHeaderV1 = 74, kHeaderV2 = 117;
+
 template <class T, class Acc>
 std::string save_bytes(const linattn::RecurrentState<T, Acc>& state) {
   std::ostringstream os;
   state.save(os);
   return os.str();
+}
+
+template <class T, class Acc, class Map>
+std::string save_bytes(const linattn::RecurrentState<T, Acc>& state, const Map& map) {
+  std::ostringstream os;
+  state.save(os, map);
+  return os.str();
+}
+
+template <class T, class Acc>
+bool same_sums(const linattn::RecurrentState<T, Acc>& a, const linattn::RecurrentState<T, Acc>& b) {
+  // Bit for bit (memcmp: -0.0 and 0.0 differ, as they do in the stream).
+  const double log_a = a.log_scale(), log_b = b.log_scale();
+  return a.feature_dim() == b.feature_dim() && a.value_dim() == b.value_dim() &&
+         std::memcmp(a.s().data(), b.s().data(), sizeof(Acc) * a.s().size()) == 0 &&
+         std::memcmp(a.z().data(), b.z().data(), sizeof(Acc) * a.z().size()) == 0 &&
+         a.tokens() == b.tokens() && std::memcmp(&log_a, &log_b, sizeof(double)) == 0;
+}
+
+bool same_result_options(const linattn::Options& a, const linattn::Options& b) {
+  return a.eps == b.eps && a.decay == b.decay && a.normalize == b.normalize;
+}
+
+/// True if bytes [from, to) of a and b agree (both long enough).
+bool same_range(const std::string& a, const std::string& b, std::size_t from, std::size_t to) {
+  return a.size() >= to && b.size() >= to &&
+         std::memcmp(a.data() + from, b.data() + from, to - from) == 0;
 }
 
 /// Steps and prefills a loaded state a little (small states only, to keep the fuzzer fast).
@@ -55,38 +112,182 @@ void exercise(linattn::RecurrentState<T, Acc>& state, std::size_t size) {
   } catch (const linattn::Error&) {
     if (save_bytes(state) != before) fail("a prefill that threw changed the state", size);
   }
-  // Whatever the steps did, the state must still save; if it holds finite sums it must load.
-  const std::string bytes = save_bytes(state);
+  // Whatever the steps did, the state must still save; if it holds finite sums it must load,
+  // unchecked and checked.
+  const bool finite =
+      state.s().allFinite() && state.z().allFinite() && !std::isnan(state.log_scale()) &&
+      state.log_scale() != std::numeric_limits<double>::infinity() && state.tokens() >= 0;
+  const std::string bytes = save_bytes(state, linattn::EluPlusOne{});
   std::istringstream is(bytes);
   try {
-    (void)linattn::RecurrentState<T, Acc>::load(is);
+    const auto again =
+        linattn::RecurrentState<T, Acc>::load(is, linattn::EluPlusOne{}, state.options());
+    if (!same_sums(again, state)) fail("a saved and loaded state differs from the original", size);
   } catch (const linattn::Error&) {
-    const double log_scale = state.log_scale();
-    if (state.s().allFinite() && state.z().allFinite() && !std::isnan(log_scale) &&
-        log_scale != std::numeric_limits<double>::infinity() && state.tokens() >= 0) {
-      fail("a state with finite S, z and log scale saved, then failed to load", size);
-    }
+    if (finite) fail("a state with finite S, z and log scale saved, then failed to load", size);
   }
 }
 
-template <class T, class Acc = T>
-void try_load(const std::string& input) {
+/// The checked load of `input` with `map` and `options`; `unchecked` is load_unchecked's state
+/// (nothing when it refused the input).
+template <class T, class Acc, class Map>
+void try_checked(const std::string& input, const Map& map, const linattn::Options& options,
+                 const std::optional<linattn::RecurrentState<T, Acc>>& unchecked) {
+  using State = linattn::RecurrentState<T, Acc>;
   std::istringstream is(input);
-  std::optional<linattn::RecurrentState<T, Acc>> state;
+  std::optional<State> state;
   try {
-    state.emplace(linattn::RecurrentState<T, Acc>::load(is));
+    state.emplace(State::load(is, map, options));
   } catch (const linattn::Error&) {
+    if (state) fail("a load that threw left an object behind", input.size());
     return;
   }
-  const std::streamoff consumed = is.tellg();
-  const std::string again = save_bytes(*state);
-  if (consumed < 0 || static_cast<std::size_t>(consumed) != again.size()) {
-    fail("load consumed a different number of bytes than save writes", input.size());
+  if (!unchecked) fail("load(is, map, options) accepted what load_unchecked refuses", input.size());
+  if (input.size() <= kVersionAt || input[kVersionAt] != 2) {
+    fail("load(is, map, options) accepted a stream that is not format 2", input.size());
   }
-  if (again.size() > input.size() || std::memcmp(again.data(), input.data(), again.size()) != 0) {
-    fail("re-saving a loaded state does not reproduce the input bytes", input.size());
+  if (!same_sums(*state, *unchecked)) fail("checked and unchecked loads differ", input.size());
+  if (!same_result_options(state->options(), unchecked->options())) {
+    fail("load(is, map, options) accepted other options", input.size());
   }
-  exercise(*state, input.size());
+  const linattn::Options& got = state->options();
+  if (got.chunk != options.chunk || got.check_finite != options.check_finite ||
+      got.threads != options.threads) {
+    fail("the checked load did not give the state the caller's options", input.size());
+  }
+  // save(os, map) writes the same record but for how W was drawn (not compared on load).
+  std::string again = save_bytes(*state, map);
+  if (again.size() > input.size()) fail("re-saving wrote more than the input", input.size());
+  std::string expected = input.substr(0, again.size());
+  for (std::size_t at : {kProjectionAt, kRowNormAt}) expected[at] = again[at];
+  std::memcpy(&expected[kSeedAt], &again[kSeedAt], kSeedEnd - kSeedAt);
+  if (!same_range(again, expected, 0, again.size() - 4)) {
+    fail("save(os, map) after load(is, map, options) does not reproduce the input", input.size());
+  }
+  std::istringstream reread(again);
+  if (!same_sums(State::load(reread, map, options), *state)) {
+    fail("save(os, map) -> load(is, map, options) changed the state", input.size());
+  }
+}
+
+/// A random-feature map rebuilt from a format-2 record, when it names one of a modest size.
+template <class Map>
+std::optional<Map> map_from_record(const std::string& input) {
+  if (input.size() < kMapEnd || input[kVersionAt] != 2) return std::nullopt;
+  const auto u64_at = [&](std::size_t at) {
+    std::uint64_t value = 0;
+    for (int i = 0; i < 8; ++i) {
+      value |= std::uint64_t{static_cast<unsigned char>(input[at + i])} << (8 * i);
+    }
+    return value;
+  };
+  const std::uint64_t dk = u64_at(kMapAt + 4), m = u64_at(kMapAt + 12);
+  const std::uint64_t tau_bits = u64_at(kMapAt + 20), seed = u64_at(kSeedAt);
+  if (dk < 1 || dk > 16 || m < 1 || m > 32) return std::nullopt;
+  linattn::RandomFeatureOptions options;
+  options.projection =
+      input[kProjectionAt] == 1 ? linattn::Projection::iid : linattn::Projection::orthogonal;
+  options.row_norm = input[kRowNormAt] == 1 ? linattn::RowNorm::fixed : linattn::RowNorm::chi;
+  options.hyperbolic = input[kMapAt + 3] == 1;
+  std::memcpy(&options.temperature, &tau_bits, sizeof(double));
+  try {
+    return Map(static_cast<Eigen::Index>(dk), static_cast<Eigen::Index>(m), seed, options);
+  } catch (const linattn::Error&) {
+    return std::nullopt;  // e.g. a temperature that is not positive and finite
+  }
+}
+
+/// The random maps make_corpus.cpp saves states with, drawn once.
+struct CorpusMaps {
+  std::vector<linattn::PositiveRandomFeatures> favor;
+  std::vector<linattn::RandomFourierFeatures> fourier;
+  CorpusMaps() {
+    linattn::RandomFeatureOptions hyperbolic;
+    hyperbolic.hyperbolic = true;
+    linattn::RandomFeatureOptions iid;
+    iid.projection = linattn::Projection::iid;
+    iid.row_norm = linattn::RowNorm::fixed;
+    favor.emplace_back(3, 6, 7);
+    favor.emplace_back(2, 4, 1);
+    favor.emplace_back(2, 3, 4, hyperbolic);
+    fourier.emplace_back(2, 2, 3);
+    fourier.emplace_back(3, 2, 5, iid);
+  }
+};
+const CorpusMaps corpus;
+
+template <class T, class Acc = T>
+void try_load(const std::string& input) {
+  using State = linattn::RecurrentState<T, Acc>;
+  std::istringstream is(input);
+  std::optional<State> state;
+  try {
+    state.emplace(State::load_unchecked(is));
+  } catch (const linattn::Error&) {
+    if (state) fail("a load that threw left an object behind", input.size());
+  }
+  if (state) {
+    const std::streamoff consumed = is.tellg();
+    const std::size_t payload =
+        sizeof(Acc) * static_cast<std::size_t>(state->s().size() + state->z().size());
+    const bool v2 = input[kVersionAt] == 2;
+    if (consumed < 0 ||
+        static_cast<std::size_t>(consumed) != (v2 ? kHeaderV2 : kHeaderV1) + payload + 4) {
+      fail("load_unchecked consumed a different number of bytes than one state", input.size());
+    }
+    const std::string again = save_bytes(*state);
+    if (v2) {
+      // save(os) writes the no-map record; everything else must be the input's bytes.
+      if (again.size() != static_cast<std::size_t>(consumed) ||
+          !same_range(again, input, 0, kMapAt) ||
+          !same_range(again, input, kMapEnd, again.size() - 4)) {
+        fail("re-saving a loaded state does not reproduce the input bytes", input.size());
+      }
+      if (input[kMapAt] == 0 && !same_range(again, input, 0, again.size())) {
+        fail("re-saving a state saved without a map changed its bytes", input.size());
+      }
+    }
+    std::istringstream reread(again);
+    const State loaded = State::load_unchecked(reread);
+    if (!same_sums(loaded, *state) || !same_result_options(loaded.options(), state->options())) {
+      fail("save -> load_unchecked changed the state", input.size());
+    }
+  }
+  // Checked loads with the corpus' maps, a map rebuilt from the record, and two sets of options.
+  linattn::Options decayed;  // make_corpus's
+  decayed.decay = 0.9;
+  decayed.eps = 1e-3;
+  decayed.chunk = 16;
+  linattn::Options plain;
+  plain.normalize = false;
+  plain.check_finite = false;
+  plain.eps = 0.0;
+  const linattn::Options defaults;
+  const linattn::Options* all_options[] = {&defaults, &decayed, &plain, nullptr};
+  linattn::Options own;
+  if (state) {
+    own = state->options();
+    own.chunk = 5;  // not compared: the state must take it
+    own.check_finite = !own.check_finite;
+    all_options[3] = &own;
+  }
+  const std::optional<linattn::PositiveRandomFeatures> favor =
+      map_from_record<linattn::PositiveRandomFeatures>(input);
+  const std::optional<linattn::RandomFourierFeatures> fourier =
+      map_from_record<linattn::RandomFourierFeatures>(input);
+  for (const linattn::Options* options : all_options) {
+    if (options == nullptr) continue;
+    try_checked<T, Acc>(input, linattn::Identity{}, *options, state);
+    try_checked<T, Acc>(input, linattn::EluPlusOne{}, *options, state);
+    try_checked<T, Acc>(input, linattn::Relu{}, *options, state);
+    try_checked<T, Acc>(input, TwiceFeatures{}, *options, state);
+    try_checked<T, Acc>(input, FingerprintedFeatures{}, *options, state);
+    for (const auto& map : corpus.favor) try_checked<T, Acc>(input, map, *options, state);
+    for (const auto& map : corpus.fourier) try_checked<T, Acc>(input, map, *options, state);
+    if (favor) try_checked<T, Acc>(input, *favor, *options, state);
+    if (fourier) try_checked<T, Acc>(input, *fourier, *options, state);
+  }
+  if (state) exercise(*state, input.size());
 }
 
 }  // namespace

@@ -1,9 +1,14 @@
 // SPDX-License-Identifier: MIT
 // Writes the seed corpora of the fuzzers (deterministic; the files in fuzz/corpus/ came from it):
 //   make_corpus <load dir> <kernels dir>
-// load/:    valid saved states of both scalar types (fresh, stepped with each kind of map, with
-//           options off their defaults), one followed by trailing bytes, a truncated one, a
-//           corrupted one, and two with token counts at and past the limit (regressions);
+// load/:    format-2 states (files v2_*) of both scalar types: fresh, saved without a map and
+//           with one, stepped with each kind of map (Identity, EluPlusOne, Relu, FAVOR+ plain
+//           and hyperbolic, Fourier orthogonal and iid, a user map with and without
+//           fingerprint()), with options off their defaults; one followed by trailing bytes, a
+//           truncated one, a corrupted one, one whose W hash is wrong under a valid checksum,
+//           an empty one, and two with token counts at and past the limit (regressions). The
+//           v1_* files are format 1, written by linattn 0.1.0 (this program then): they must
+//           keep loading through load_unchecked, and are never regenerated;
 // kernels/: a few inputs in the layout of kernel_input.hpp, one per feature map and type.
 #include <cstddef>
 #include <cstdint>
@@ -49,6 +54,22 @@ bool write_file(const std::string& path, const std::string& bytes) {
   return true;
 }
 
+/// The user maps fuzz_load.cpp tries (the same two).
+struct TwiceFeatures {
+  Index feature_dim(Index input_dim) const { return input_dim; }
+  template <class D>
+  linattn::Matrix<typename D::Scalar> queries(const Eigen::MatrixBase<D>& x) const {
+    return x * typename D::Scalar(2);
+  }
+  template <class D>
+  linattn::Matrix<typename D::Scalar> keys(const Eigen::MatrixBase<D>& x) const {
+    return x * typename D::Scalar(2);
+  }
+};
+struct FingerprintedFeatures : TwiceFeatures {
+  std::uint64_t fingerprint() const { return 0x1234567890abcdefull; }
+};
+
 template <class T>
 std::string saved(const linattn::RecurrentState<T>& state) {
   std::ostringstream os;
@@ -56,8 +77,14 @@ std::string saved(const linattn::RecurrentState<T>& state) {
   return os.str();
 }
 
-/// A state of C x Dv after `tokens` steps with `map` (featurized with raw positive values when
-/// map is null).
+template <class T, class Map>
+std::string saved(const linattn::RecurrentState<T>& state, const Map& map) {
+  std::ostringstream os;
+  state.save(os, map);
+  return os.str();
+}
+
+/// A state of C x Dv after `tokens` steps with `map`, saved with the map.
 template <class T, class Map>
 std::string stepped_state(Index dk, Index dv, const Map& map, Index tokens,
                           const linattn::Options& options) {
@@ -66,18 +93,11 @@ std::string stepped_state(Index dk, Index dv, const Map& map, Index tokens,
   const linattn::Matrix<T> k = random_matrix<T>(tokens, dk);
   const linattn::Matrix<T> v = random_matrix<T>(tokens, dv);
   for (Index i = 0; i < tokens; ++i) (void)state.step(q.row(i), k.row(i), v.row(i), map);
-  return saved(state);
+  return saved(state, map);
 }
 
-/// `state` (as save wrote it) with its token count replaced and the CRC-32 recomputed.
-std::string with_tokens(std::string state, std::int64_t tokens) {
-  // magic 8, version 4, scalar size 4, C 8, Dv 8, eps 8, decay 8, normalize 1, check_finite 1,
-  // chunk 8, then the token count (little-endian int64); the CRC-32 is the last 4 bytes.
-  constexpr std::size_t kTokensAt = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 1 + 1 + 8;
-  const auto bits = static_cast<std::uint64_t>(tokens);
-  for (std::size_t i = 0; i < 8; ++i) {
-    state[kTokensAt + i] = static_cast<char>((bits >> (8 * i)) & 0xFFu);
-  }
+/// `state` (format 2, as save wrote it) with the CRC-32 recomputed after an edit.
+std::string with_checksum(std::string state) {
   linattn::detail::Crc32 crc;
   crc.update(reinterpret_cast<const unsigned char*>(state.data()), state.size() - 4);
   const std::uint32_t sum = crc.value();
@@ -86,6 +106,19 @@ std::string with_tokens(std::string state, std::int64_t tokens) {
   }
   return state;
 }
+
+/// `state` with the little-endian uint64 at `at` replaced, the CRC-32 recomputed.
+std::string with_u64(std::string state, std::size_t at, std::uint64_t value) {
+  for (std::size_t i = 0; i < 8; ++i) {
+    state[at + i] = static_cast<char>((value >> (8 * i)) & 0xFFu);
+  }
+  return with_checksum(state);
+}
+
+// Format 2 (recurrent_state.hpp documents the layout): the token count at byte 101, the map
+// record's W hash at byte 93.
+constexpr std::size_t kTokensAt = 101;
+constexpr std::size_t kHashAt = 93;
 
 std::string kernel_input(std::uint8_t flags, int map, int n, int dk, int dv, int m, int seed,
                          int eps, int decay, int chunk, int scale, int window, int split,
@@ -126,31 +159,60 @@ int main(int argc, char** argv) {
   plain.check_finite = false;
   plain.eps = 0.0;
 
-  ok &= write_file(load + "float_fresh_4x3", saved(linattn::RecurrentState<float>(4, 3)));
-  ok &= write_file(load + "double_fresh_1x1", saved(linattn::RecurrentState<double>(1, 1)));
+  const std::string v2 = load + "v2_";
+  linattn::RandomFeatureOptions hyperbolic;
+  hyperbolic.hyperbolic = true;
+  linattn::RandomFeatureOptions iid;
+  iid.projection = linattn::Projection::iid;
+  iid.row_norm = linattn::RowNorm::fixed;
+  ok &= write_file(v2 + "float_fresh_4x3_no_map", saved(linattn::RecurrentState<float>(4, 3)));
+  ok &= write_file(v2 + "double_fresh_1x1_identity",
+                   saved(linattn::RecurrentState<double>(1, 1), linattn::Identity{}));
   const std::string float_elu = stepped_state<float>(4, 3, linattn::EluPlusOne{}, 5, decayed);
-  ok &= write_file(load + "float_elu_decay", float_elu);
-  ok &= write_file(load + "double_relu_unnormalized",
+  ok &= write_file(v2 + "float_elu_decay", float_elu);
+  ok &= write_file(v2 + "double_identity",
+                   stepped_state<double>(3, 2, linattn::Identity{}, 3, linattn::Options{}));
+  ok &= write_file(v2 + "double_relu_unnormalized",
                    stepped_state<double>(2, 5, linattn::Relu{}, 4, plain));
-  ok &= write_file(
-      load + "double_favor",
-      stepped_state<double>(3, 2, linattn::PositiveRandomFeatures(3, 6, 7), 6, linattn::Options{}));
+  const std::string double_favor =
+      stepped_state<double>(3, 2, linattn::PositiveRandomFeatures(3, 6, 7), 6, linattn::Options{});
+  ok &= write_file(v2 + "double_favor", double_favor);
   ok &=
-      write_file(load + "float_favor_decay",
+      write_file(v2 + "float_favor_decay",
                  stepped_state<float>(2, 2, linattn::PositiveRandomFeatures(2, 4, 1), 3, decayed));
+  ok &= write_file(v2 + "double_favor_hyperbolic",
+                   stepped_state<double>(2, 2, linattn::PositiveRandomFeatures(2, 3, 4, hyperbolic),
+                                         4, linattn::Options{}));
   ok &= write_file(
-      load + "double_fourier",
+      v2 + "double_fourier",
       stepped_state<double>(2, 3, linattn::RandomFourierFeatures(2, 2, 3), 4, linattn::Options{}));
-  ok &= write_file(load + "float_trailing_bytes", float_elu + "trailing");
+  ok &= write_file(
+      v2 + "float_fourier_iid",
+      stepped_state<float>(3, 2, linattn::RandomFourierFeatures(3, 2, 5, iid), 3, plain));
+  ok &= write_file(v2 + "float_user_map",
+                   stepped_state<float>(2, 2, TwiceFeatures{}, 2, linattn::Options{}));
+  ok &= write_file(v2 + "double_user_fingerprint",
+                   stepped_state<double>(2, 3, FingerprintedFeatures{}, 3, decayed));
+  ok &= write_file(v2 + "float_trailing_bytes", float_elu + "trailing");
   // Regressions: a token count at the limit (loads; the next step must throw linattn::Error)
   // and one past it (INT64_MAX: refused by load; once accepted, and ++tokens overflowed).
-  ok &= write_file(load + "float_tokens_limit", with_tokens(float_elu, std::int64_t{1} << 62));
-  ok &= write_file(load + "float_tokens_int64_max",
-                   with_tokens(float_elu, std::numeric_limits<std::int64_t>::max()));
-  ok &= write_file(load + "float_truncated", float_elu.substr(0, float_elu.size() - 7));
+  ok &=
+      write_file(v2 + "float_tokens_limit", with_u64(float_elu, kTokensAt, std::uint64_t{1} << 62));
+  ok &= write_file(v2 + "float_tokens_int64_max",
+                   with_u64(float_elu, kTokensAt,
+                            static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())));
+  ok &= write_file(v2 + "float_truncated", float_elu.substr(0, float_elu.size() - 7));
   std::string corrupted = float_elu;
   corrupted[corrupted.size() / 2] = static_cast<char>(corrupted[corrupted.size() / 2] ^ 0x10);
-  ok &= write_file(load + "float_corrupted", corrupted);
+  ok &= write_file(v2 + "float_corrupted", corrupted);
+  // Loads unchecked; a checked load with PositiveRandomFeatures(3, 6, 7) names the W hash.
+  ok &= write_file(v2 + "double_favor_wrong_hash", with_u64(double_favor, kHashAt, 0));
+  ok &= write_file(v2 + "empty", std::string());
+
+  // The kernels/ files were written after the 185 draws of 0.1.0's load/ section; replaying
+  // them from the seed keeps those files as committed.
+  g_rng = 0x9E3779B97F4A7C15ull;
+  for (int i = 0; i < 185; ++i) (void)next_random();
 
   // --- kernels/ --- (flags, map, N, Dk, Dv, m, seed, eps, decay, chunk, scale, window, split,
   //                    magnitude, temperature, value bytes)

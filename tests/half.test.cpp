@@ -497,7 +497,7 @@ TEMPLATE_TEST_CASE("RecurrentState<T>: prefill in pieces, then save and load",
   }
   const Eigen::Index split = begin;
   std::stringstream stream;
-  state.save(stream);
+  state.save(stream, map);
   const std::string bytes = stream.str();
   Eigen::Ref<Matrix<T>> rest = pieces.bottomRows(n - split);
   state.prefill_into(in.q.bottomRows(n - split), in.k.bottomRows(n - split),
@@ -508,7 +508,7 @@ TEMPLATE_TEST_CASE("RecurrentState<T>: prefill in pieces, then save and load",
 
   // Loaded, the state continues exactly as the saved one did.
   std::istringstream in_stream(bytes);
-  RecurrentState<T> loaded = RecurrentState<T>::load(in_stream);
+  RecurrentState<T> loaded = RecurrentState<T>::load(in_stream, map, options);
   CHECK(loaded.tokens() == split);
   Matrix<T> continued(n - split, kDv);
   loaded.prefill_into(in.q.bottomRows(n - split), in.k.bottomRows(n - split),
@@ -519,14 +519,15 @@ TEMPLATE_TEST_CASE("RecurrentState<T>: prefill in pieces, then save and load",
 
   // The stream holds float sums: any state accumulating in float reads it, double refuses.
   std::istringstream as_float(bytes);
-  const RecurrentState<float> float_state = RecurrentState<float>::load(as_float);
+  const RecurrentState<float> float_state = RecurrentState<float>::load_unchecked(as_float);
   CHECK(float_state.tokens() == split);
   std::istringstream as_double(bytes);
-  CHECK_THROWS_WITH((RecurrentState<T, double>::load(as_double)), Contains("4-byte scalars"));
+  CHECK_THROWS_WITH((RecurrentState<T, double>::load_unchecked(as_double)),
+                    Contains("4-byte scalars"));
   RecurrentState<T, double> wide(4, 3);
   std::stringstream wide_stream;
   wide.save(wide_stream);
-  CHECK_THROWS_WITH(RecurrentState<T>::load(wide_stream), Contains("8-byte scalars"));
+  CHECK_THROWS_WITH(RecurrentState<T>::load_unchecked(wide_stream), Contains("8-byte scalars"));
 }
 
 TEMPLATE_TEST_CASE("multi-head views of 16-bit memory", "[half][multi_head]", Eigen::half,

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <linattn/feature_maps.hpp>
 #include <linattn/linear_attention.hpp>
@@ -259,8 +260,8 @@ TEMPLATE_TEST_CASE("save and load round-trip bit for bit and continue the sequen
   original.prefill(q.topRows(200), k.topRows(200), v.topRows(200), map);
 
   std::stringstream stream;
-  original.save(stream);
-  RecurrentState<T> loaded = RecurrentState<T>::load(stream);
+  original.save(stream, map);
+  RecurrentState<T> loaded = RecurrentState<T>::load(stream, map, options);
   CHECK(loaded.s() == original.s());
   CHECK(loaded.z() == original.z());
   CHECK(loaded.log_scale() == original.log_scale());
@@ -289,17 +290,17 @@ TEMPLATE_TEST_CASE("load rejects every truncation and every flipped byte",
   for (std::size_t len = 0; len < bytes.size(); ++len) {
     std::istringstream truncated(bytes.substr(0, len));
     INFO("truncated to " << len << " bytes");
-    CHECK_THROWS_AS(RecurrentState<T>::load(truncated), linattn::Error);
+    CHECK_THROWS_AS(RecurrentState<T>::load_unchecked(truncated), linattn::Error);
   }
   for (std::size_t pos = 0; pos < bytes.size(); ++pos) {
     std::string corrupt = bytes;
     corrupt[pos] = static_cast<char>(corrupt[pos] ^ 0x10);
     std::istringstream in(corrupt);
     INFO("byte " << pos << " flipped");
-    CHECK_THROWS_AS(RecurrentState<T>::load(in), linattn::Error);
+    CHECK_THROWS_AS(RecurrentState<T>::load_unchecked(in), linattn::Error);
   }
   std::istringstream intact(bytes);
-  CHECK_NOTHROW(RecurrentState<T>::load(intact));
+  CHECK_NOTHROW(RecurrentState<T>::load_unchecked(intact));
 }
 
 TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persistence][errors]") {
@@ -312,27 +313,27 @@ TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persist
     std::string other = bytes;
     other[0] = 'X';
     std::istringstream in(other);
-    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("magic"));
+    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in), Contains("magic"));
   }
   {
     std::string future = bytes;
-    future[8] = 2;  // the format version follows the 8 magic bytes
+    future[8] = 3;  // the format version follows the 8 magic bytes
     std::istringstream in(future);
-    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("format version 2"));
+    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in), Contains("format version 3"));
   }
   {
     std::istringstream in(bytes);
-    CHECK_THROWS_WITH(RecurrentState<float>::load(in), Contains("8-byte scalars"));
+    CHECK_THROWS_WITH(RecurrentState<float>::load_unchecked(in), Contains("8-byte scalars"));
   }
   {
     std::string huge = bytes;
     for (int i = 16; i < 24; ++i) huge[i] = static_cast<char>(0xFF);  // feature_dim
     std::istringstream in(huge);
-    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("over the limit"));
+    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in), Contains("over the limit"));
   }
   {
     std::istringstream in(bytes.substr(0, 30));
-    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("truncated"));
+    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in), Contains("truncated"));
   }
   {
     // A header within the limits (2^20 x 64) over a short payload: read as far as the stream
@@ -342,26 +343,26 @@ TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persist
     claims_big[18] = 0x10;  // feature_dim = 2^20, little-endian
     claims_big[24] = 64;    // value_dim = 64
     std::istringstream in(claims_big);
-    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("truncated"));
+    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in), Contains("truncated"));
   }
   {
     // A token count near INT64_MAX (with a valid checksum) would overflow on the next step.
     std::string huge_count = bytes;
-    for (int i = 58; i < 66; ++i) huge_count[i] = static_cast<char>(0xFF);
-    huge_count[65] = 0x7F;
+    for (int i = 101; i < 109; ++i) huge_count[i] = static_cast<char>(0xFF);  // format 2
+    huge_count[108] = 0x7F;
     linattn::detail::Crc32 crc;
     crc.update(reinterpret_cast<const unsigned char*>(huge_count.data()), huge_count.size() - 4);
     for (int i = 0; i < 4; ++i) {
       huge_count[huge_count.size() - 4 + i] = static_cast<char>((crc.value() >> (8 * i)) & 0xFF);
     }
     std::istringstream in(huge_count);
-    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("token count"));
+    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in), Contains("token count"));
   }
   {
     std::string flipped = bytes;
     flipped[bytes.size() - 10] ^= 1;  // inside z
     std::istringstream in(flipped);
-    CHECK_THROWS_WITH(RecurrentState<double>::load(in), Contains("checksum"));
+    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in), Contains("checksum"));
   }
 }
 
@@ -516,4 +517,593 @@ TEST_CASE("threads sharing one const feature map, each with its own states, matc
     INFO("session " << s);
     CHECK(got[s] == expected[s]);  // bit for bit: no shared mutable state
   }
+}
+
+// --- Checked save/load (format 2), the format-1 golden files, states from given sums. ---
+
+namespace {
+
+using Catch::Matchers::Contains;
+
+/// A user map: phi(x) = factor * x, no fingerprint() (so a load cannot tell two apart).
+struct ScaledFeatures {
+  double factor = 2.0;
+  Eigen::Index feature_dim(Eigen::Index input_dim) const { return input_dim; }
+  template <class D>
+  Matrix<typename D::Scalar> queries(const Eigen::MatrixBase<D>& x) const {
+    return x * static_cast<typename D::Scalar>(factor);
+  }
+  template <class D>
+  Matrix<typename D::Scalar> keys(const Eigen::MatrixBase<D>& x) const {
+    return x * static_cast<typename D::Scalar>(factor);
+  }
+};
+
+/// The same user map with the extension point: a hash of its one setting.
+struct FingerprintedFeatures : ScaledFeatures {
+  std::uint64_t fingerprint() const {
+    std::uint64_t bits;
+    std::memcpy(&bits, &factor, sizeof bits);
+    return bits;
+  }
+};
+
+template <class T>
+std::string saved_bytes(const RecurrentState<T>& state) {
+  std::ostringstream os;
+  state.save(os);
+  return os.str();
+}
+
+template <class T, class Map>
+std::string saved_bytes(const RecurrentState<T>& state, const Map& map) {
+  std::ostringstream os;
+  state.save(os, map);
+  return os.str();
+}
+
+/// `bytes` with the CRC-32 (the last 4 bytes) recomputed, after an edit.
+std::string with_checksum(std::string bytes) {
+  linattn::detail::Crc32 crc;
+  crc.update(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size() - 4);
+  for (int i = 0; i < 4; ++i) {
+    bytes[bytes.size() - 4 + i] = static_cast<char>((crc.value() >> (8 * i)) & 0xFF);
+  }
+  return bytes;
+}
+
+/// The message load(bytes, map, options) throws ("" if it loads).
+template <class T, class Map>
+std::string load_error(const std::string& bytes, const Map& map, const linattn::Options& options) {
+  std::istringstream in(bytes);
+  try {
+    (void)RecurrentState<T>::load(in, map, options);
+  } catch (const linattn::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+/// A state of `map` after `n` tokens of seeded inputs.
+template <class T, class Map>
+RecurrentState<T> stepped(const Map& map, Eigen::Index dk, Eigen::Index dv, Eigen::Index n,
+                          const linattn::Options& options, std::uint64_t seed) {
+  RecurrentState<T> state(map.feature_dim(dk), dv, options);
+  (void)state.prefill(gaussian<T>(n, dk, seed, 0.5), gaussian<T>(n, dk, seed + 1, 0.5),
+                      gaussian<T>(n, dv, seed + 2), map);
+  return state;
+}
+
+std::string data_file(const char* name) {
+  const std::string here = __FILE__;
+  const std::string path = here.substr(0, here.find_last_of("/\\") + 1) + "data/" + name;
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  INFO("reading " << path);
+  REQUIRE(bytes.str().size() > 100);
+  return bytes.str();
+}
+
+/// The naive recurrence straight from DESIGN.md, in double, from given sums (s, z):
+/// S <- g S + phi(k) v^T, z <- g z + phi(k), out = phi(q)^T S / (phi(q) . z + eps).
+struct NaiveRun {
+  Matrix<double> out, s;
+  Vector<double> z;
+};
+NaiveRun naive_recurrence(const Matrix<double>& phi_q, const Matrix<double>& phi_k,
+                          const Matrix<double>& v, const linattn::Options& options,
+                          Matrix<double> s, Vector<double> z) {
+  NaiveRun run{Matrix<double>(phi_q.rows(), v.cols()), std::move(s), std::move(z)};
+  for (Eigen::Index t = 0; t < phi_q.rows(); ++t) {
+    run.s = options.decay * run.s + phi_k.row(t).transpose() * v.row(t);
+    run.z = options.decay * run.z + phi_k.row(t).transpose();
+    const Eigen::RowVectorXd num = phi_q.row(t) * run.s;
+    const double den = phi_q.row(t).dot(run.z) + options.eps;
+    run.out.row(t) = options.normalize ? Eigen::RowVectorXd(num / den) : num;
+  }
+  return run;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("save(os, map) and load(is, map, options) round-trip every kind of map",
+                   "[recurrent_state][persistence]", float, double) {
+  using T = TestType;
+  const Eigen::Index dk = 4, dv = 3, n = 23;
+  linattn::Options options;
+  options.decay = 0.95;
+  options.eps = 1e-5;
+  options.normalize = false;
+  linattn::RandomFeatureOptions hyperbolic;
+  hyperbolic.hyperbolic = true;
+  const auto check = [&](const auto& map, const char* name) {
+    INFO("map " << name);
+    RecurrentState<T> original = stepped<T>(map, dk, dv, n, options, 300);
+    const std::string bytes = saved_bytes(original, map);
+    CHECK(bytes.size() == 117 + (original.s().size() + original.z().size()) * sizeof(T) + 4);
+    linattn::Options server = options;
+    server.chunk = 7;  // not recorded: the loaded state takes the server's
+    server.check_finite = false;
+    std::istringstream in(bytes);
+    RecurrentState<T> loaded = RecurrentState<T>::load(in, map, server);
+    CHECK(in.peek() == std::char_traits<char>::eof());  // read to its last byte, no further
+    CHECK(loaded.s() == original.s());
+    CHECK(loaded.z() == original.z());
+    CHECK(loaded.log_scale() == original.log_scale());
+    CHECK(loaded.tokens() == n);
+    CHECK(loaded.options().chunk == 7);
+    CHECK_FALSE(loaded.options().check_finite);
+    CHECK(saved_bytes(loaded, map) == bytes);
+    const Matrix<T> q = gaussian<T>(1, dk, 310, 0.5), k = gaussian<T>(1, dk, 311, 0.5);
+    const Matrix<T> v = gaussian<T>(1, dv, 312);
+    CHECK(loaded.step(q.row(0), k.row(0), v.row(0), map) ==
+          original.step(q.row(0), k.row(0), v.row(0), map));
+  };
+  check(linattn::Identity{}, "Identity");
+  check(linattn::EluPlusOne{}, "EluPlusOne");
+  check(linattn::Relu{}, "Relu");
+  check(linattn::PositiveRandomFeatures(dk, 6, 5), "PositiveRandomFeatures");
+  check(linattn::PositiveRandomFeatures(dk, 3, 5, hyperbolic), "PositiveRandomFeatures hyp.");
+  check(linattn::RandomFourierFeatures(dk, 5, 9), "RandomFourierFeatures");
+  check(ScaledFeatures{}, "user map");
+  check(FingerprintedFeatures{}, "user map with fingerprint()");
+}
+
+TEMPLATE_TEST_CASE("load(is, map, options) names the option that differs",
+                   "[recurrent_state][persistence][errors]", float, double) {
+  using T = TestType;
+  linattn::Options saved;
+  saved.decay = 0.5;
+  saved.normalize = false;
+  const linattn::EluPlusOne map;
+  const std::string bytes = saved_bytes(stepped<T>(map, 3, 2, 5, saved, 320), map);
+  CHECK(load_error<T>(bytes, map, saved).empty());
+  linattn::Options other = saved;
+  other.decay = 0.99;
+  CHECK_THAT(load_error<T>(bytes, map, other),
+             Contains("the state was saved with decay 0.5 but options.decay is 0.99"));
+  other = saved;
+  other.eps = 1e-5;
+  CHECK_THAT(load_error<T>(bytes, map, other),
+             Contains("saved with eps 1e-06 but options.eps is 1e-05"));
+  other = saved;
+  other.normalize = true;
+  CHECK_THAT(load_error<T>(bytes, map, other),
+             Contains("saved with normalize off but options.normalize is on"));
+  other = saved;
+  other.decay = std::nextafter(0.5, 1.0);  // compared bit for bit
+  CHECK_THAT(load_error<T>(bytes, map, other), Contains("options.decay is 0.5000000000000001"));
+  // Options that do not change results are the server's business.
+  other = saved;
+  other.chunk = 3;
+  other.threads = 2;
+  other.check_finite = false;
+  CHECK(load_error<T>(bytes, map, other).empty());
+  // The server's own options are validated first.
+  other = saved;
+  other.decay = 2.0;
+  CHECK_THAT(load_error<T>(bytes, map, other), Contains("Options::decay"));
+  // The scale (DESIGN.md's Options::scale; recorded as 1 while Options has none).
+  std::string scaled = bytes;
+  const double two = 2.0;
+  std::memcpy(&scaled[49], &two, 8);  // little-endian hosts only; checked just below
+  REQUIRE(static_cast<unsigned char>(scaled[56]) == 0x40);
+  scaled = with_checksum(scaled);
+  CHECK_THAT(load_error<T>(scaled, map, saved), Contains("scale 2"));
+}
+
+TEMPLATE_TEST_CASE("load(is, map, options) names the map setting that differs",
+                   "[recurrent_state][persistence][errors]", float, double) {
+  using T = TestType;
+  const linattn::Options options;
+  const Eigen::Index dk = 4, dv = 2;
+  const linattn::PositiveRandomFeatures seed5(dk, 8, 5), seed6(dk, 8, 6);
+  const std::string favor = saved_bytes(stepped<T>(seed5, dk, dv, 9, options, 330), seed5);
+  CHECK(load_error<T>(favor, seed5, options).empty());
+  {
+    const std::string error = load_error<T>(favor, seed6, options);
+    INFO(error);
+    CHECK_THAT(error, Contains("saved with PositiveRandomFeatures W hash 0x"));
+    CHECK_THAT(error, Contains("(seed 5, orthogonal, chi rows) but the map's W differs"));
+    CHECK_THAT(error, Contains("(seed 6, orthogonal, chi rows)"));
+    const std::string hash =
+        linattn::detail::hex64(linattn::detail::projection_hash(seed5.projection()));
+    CHECK_THAT(error, Contains(hash));
+  }
+  linattn::PositiveRandomFeatures redrawn = seed6;
+  redrawn.redraw(5);  // the same W again: loads
+  CHECK(load_error<T>(favor, redrawn, options).empty());
+  CHECK_THAT(load_error<T>(favor, linattn::EluPlusOne{}, options),
+             Contains("saved with feature map PositiveRandomFeatures but the map given is "
+                      "EluPlusOne"));
+  CHECK_THAT(load_error<T>(favor, linattn::PositiveRandomFeatures(2, 8, 5), options),
+             Contains("PositiveRandomFeatures input_dim 4 but the map's input_dim is 2"));
+  linattn::RandomFeatureOptions hyperbolic;
+  hyperbolic.hyperbolic = true;
+  CHECK_THAT(load_error<T>(favor, linattn::PositiveRandomFeatures(dk, 4, 5, hyperbolic), options),
+             Contains("PositiveRandomFeatures num_features 8 but the map's num_features is 4"));
+  const linattn::PositiveRandomFeatures hyp(dk, 8, 5, hyperbolic);
+  const std::string favor_hyp = saved_bytes(stepped<T>(hyp, dk, dv, 3, options, 331), hyp);
+  CHECK_THAT(load_error<T>(favor_hyp, seed5, options),
+             Contains("PositiveRandomFeatures hyperbolic on but the map's options().hyperbolic "
+                      "is off"));
+  linattn::RandomFeatureOptions hot;
+  hot.temperature = 0.25;
+  CHECK_THAT(load_error<T>(favor, linattn::PositiveRandomFeatures(dk, 8, 5, hot), options),
+             Contains("PositiveRandomFeatures temperature 0.5 but the map's temperature is 0.25"));
+  // An explicit temperature equal to the default 1/sqrt(Dk) is the same map.
+  linattn::RandomFeatureOptions half;
+  half.temperature = 0.5;
+  CHECK(load_error<T>(favor, linattn::PositiveRandomFeatures(dk, 8, 5, half), options).empty());
+
+  const linattn::RandomFourierFeatures fourier(dk, 3, 7);
+  const std::string rff = saved_bytes(stepped<T>(fourier, dk, dv, 4, options, 332), fourier);
+  linattn::RandomFeatureOptions iid;
+  iid.projection = linattn::Projection::iid;
+  iid.row_norm = linattn::RowNorm::fixed;
+  {
+    const std::string error =
+        load_error<T>(rff, linattn::RandomFourierFeatures(dk, 3, 7, iid), options);
+    CHECK_THAT(error, Contains("saved with RandomFourierFeatures W hash"));
+    CHECK_THAT(error, Contains("(seed 7, orthogonal, chi rows) but the map's W differs"));
+    CHECK_THAT(error, Contains("(seed 7, iid, fixed rows)"));
+  }
+  CHECK_THAT(load_error<T>(rff, seed5, options),
+             Contains("saved with feature map RandomFourierFeatures but the map given is "
+                      "PositiveRandomFeatures"));
+  // RandomFourierFeatures ignores hyperbolic, so it is not part of its fingerprint.
+  CHECK(load_error<T>(rff, linattn::RandomFourierFeatures(dk, 3, 7, hyperbolic), options).empty());
+  {
+    std::string edited = rff;
+    edited[60] = 1;  // the record's hyperbolic byte
+    std::istringstream in(with_checksum(edited));
+    CHECK_THROWS_WITH(RecurrentState<T>::load_unchecked(in),
+                      Contains("hyperbolic on RandomFourierFeatures, which has no such setting"));
+  }
+
+  const RecurrentState<T> plain = stepped<T>(linattn::Identity{}, 3, dv, 4, options, 333);
+  const std::string identity = saved_bytes(plain, linattn::Identity{});
+  CHECK_THAT(load_error<T>(identity, linattn::Relu{}, options),
+             Contains("saved with feature map Identity but the map given is Relu"));
+  CHECK_THAT(load_error<T>(identity, ScaledFeatures{}, options),
+             Contains("saved with feature map Identity but the map given is a user map without "
+                      "fingerprint()"));
+  const std::string user = saved_bytes(plain, FingerprintedFeatures{});
+  FingerprintedFeatures other;
+  other.factor = 3.0;
+  CHECK(load_error<T>(user, FingerprintedFeatures{}, options).empty());
+  CHECK_THAT(load_error<T>(user, other, options),
+             Contains("saved with a user map of fingerprint() 0x4000000000000000 but the map's "
+                      "fingerprint() is 0x4008000000000000"));
+  CHECK_THAT(load_error<T>(user, ScaledFeatures{}, options),
+             Contains("saved with feature map a user map with fingerprint() but the map given is "
+                      "a user map without fingerprint()"));
+  // save(os) records no map: a checked load refuses it, load_unchecked reads it.
+  const std::string no_map = saved_bytes(plain);
+  CHECK_THAT(load_error<T>(no_map, linattn::Identity{}, options),
+             Contains("saved without its feature map (save(os))"));
+  std::istringstream in(no_map);
+  CHECK(RecurrentState<T>::load_unchecked(in).s() == plain.s());
+}
+
+TEMPLATE_TEST_CASE("save(os, map) refuses a map that does not fit the state, writing nothing",
+                   "[recurrent_state][persistence][errors]", float, double) {
+  using T = TestType;
+  const RecurrentState<T> state(5, 2);
+  std::ostringstream os;
+  CHECK_THROWS_WITH(state.save(os, linattn::PositiveRandomFeatures(3, 8)),
+                    Contains("RecurrentState::save: the feature map (PositiveRandomFeatures) "
+                             "gives 8 features but the state holds 5"));
+  CHECK_THROWS_WITH(state.save(os, linattn::RandomFourierFeatures(3, 2)),
+                    Contains("gives 4 features but the state holds 5"));
+  CHECK(os.str().empty());
+  CHECK_NOTHROW(state.save(os, ScaledFeatures{}));  // a user map's C is not known
+}
+
+TEMPLATE_TEST_CASE("format 2: the layout, and records save could not have written",
+                   "[recurrent_state][persistence][errors]", float, double) {
+  using T = TestType;
+  const Eigen::Index dk = 3, c = 6, dv = 2;
+  const linattn::PositiveRandomFeatures map(dk, c, 11);
+  const RecurrentState<T> state = stepped<T>(map, dk, dv, 5, linattn::Options{}, 340);
+  const std::string bytes = saved_bytes(state, map);
+  REQUIRE(bytes.size() == 117 + (c * dv + c) * sizeof(T) + 4);
+  const auto u64_at = [&](std::size_t at) {
+    std::uint64_t value = 0;
+    for (int i = 0; i < 8; ++i) {
+      value |= std::uint64_t{static_cast<unsigned char>(bytes[at + i])} << (8 * i);
+    }
+    return value;
+  };
+  CHECK(bytes.substr(0, 8) == std::string("LNATTNS\0", 8));
+  CHECK(bytes[8] == 2);
+  CHECK(bytes[12] == static_cast<char>(sizeof(T)));
+  CHECK(u64_at(16) == static_cast<std::uint64_t>(c));
+  CHECK(u64_at(24) == static_cast<std::uint64_t>(dv));
+  CHECK(bytes[48] == 1);  // normalize
+  CHECK(bytes[57] == 4);  // PositiveRandomFeatures
+  CHECK(u64_at(61) == static_cast<std::uint64_t>(dk));
+  CHECK(u64_at(69) == static_cast<std::uint64_t>(c));
+  CHECK(u64_at(85) == 11);  // seed
+  CHECK(u64_at(93) == linattn::detail::projection_hash(map.projection()));
+  CHECK(u64_at(101) == 5);  // tokens
+
+  // The hash: FNV-1a 64 of rows, cols and the entries' bits, all little-endian (known answers
+  // computed independently).
+  linattn::detail::Fnv1a64 empty;
+  CHECK(empty.value() == 0xcbf29ce484222325ull);
+  linattn::detail::Fnv1a64 a;
+  a.update(reinterpret_cast<const unsigned char*>("a"), 1);
+  CHECK(a.value() == 0xaf63dc4c8601ec8cull);
+  Matrix<double> w(2, 2);
+  w << 1.0, -0.5, 0.25, 2.0;
+  CHECK(linattn::detail::projection_hash(w) == 0x05ea1d364ba3d0a8ull);
+  CHECK(linattn::detail::projection_hash(Eigen::MatrixXd(w)) == 0x05ea1d364ba3d0a8ull);
+
+  // Each edit keeps a valid checksum: only the field check can refuse it.
+  const auto edited = [&](std::size_t at, unsigned char value) {
+    std::string e = bytes;
+    e[at] = static_cast<char>(value);
+    std::istringstream in(with_checksum(e));
+    try {
+      (void)RecurrentState<T>::load_unchecked(in);
+    } catch (const linattn::Error& error) {
+      return std::string(error.what());
+    }
+    return std::string();
+  };
+  CHECK_THAT(edited(57, 9), Contains("invalid feature map record (unknown kind)"));
+  CHECK_THAT(edited(58, 2), Contains("invalid feature map record (a flag over 1)"));
+  CHECK_THAT(edited(57, 2), Contains("random-map settings on EluPlusOne"));
+  CHECK_THAT(edited(69, 7), Contains("PositiveRandomFeatures giving 7 features on a state of 6"));
+  CHECK_THAT(edited(84, 0xFF), Contains("temperature that is not positive and finite"));
+  CHECK_THAT(edited(48, 2), Contains("invalid normalize byte 2"));
+  CHECK(edited(60, 0).empty());  // hyperbolic off as saved: the untouched record loads
+  // Fields that Identity and user maps do not have.
+  const RecurrentState<T> plain = stepped<T>(linattn::Identity{}, 2, dv, 2, {}, 341);
+  for (const bool user : {false, true}) {
+    std::string e =
+        user ? saved_bytes(plain, ScaledFeatures{}) : saved_bytes(plain, linattn::Identity{});
+    e[user ? 61 : 93] = 1;  // input_dim of the user map, hash of Identity
+    std::istringstream in(with_checksum(e));
+    CHECK_THROWS_WITH(
+        RecurrentState<T>::load_unchecked(in),
+        Contains(user ? "an input_dim on a user map without fingerprint()" : "a hash on Identity"));
+  }
+}
+
+TEMPLATE_TEST_CASE("an empty or unreadable stream says so",
+                   "[recurrent_state][persistence][errors]", float, double) {
+  using T = TestType;
+  std::istringstream empty;
+  CHECK_THROWS_WITH(RecurrentState<T>::load_unchecked(empty),
+                    Contains("RecurrentState::load_unchecked: the stream is empty"));
+  std::istringstream empty_too;
+  CHECK_THROWS_WITH(RecurrentState<T>::load(empty_too, linattn::Identity{}, linattn::Options{}),
+                    Contains("RecurrentState::load: the stream is empty"));
+  std::ifstream missing("/nonexistent/linattn-state-file", std::ios::binary);
+  CHECK_THROWS_WITH(RecurrentState<T>::load_unchecked(missing),
+                    Contains("the stream could not be read"));
+  std::istringstream short_magic("LNAT");
+  CHECK_THROWS_WITH(RecurrentState<T>::load_unchecked(short_magic),
+                    Contains("stream ends inside the magic bytes (truncated state)"));
+}
+
+TEST_CASE("format-1 golden files of linattn 0.1.0 load with their exact sums",
+          "[recurrent_state][persistence]") {
+  {
+    const std::string bytes = data_file("state_v1_double_identity.bin");
+    REQUIRE(bytes.size() == 150);
+    std::istringstream in(bytes);
+    RecurrentState<double> state = RecurrentState<double>::load_unchecked(in);
+    // What make_state_v1.cpp stepped: S = sum_t 0.5^(2 - t) k_t v_t^T, exact in binary.
+    Matrix<double> k(3, 3), v(3, 2);
+    k << 1.0, 0.5, -2.0, 0.25, 3.0, 1.0, -1.5, 0.75, 2.0;
+    v << 2.0, -1.0, 0.5, 4.0, -3.0, 0.125;
+    Matrix<double> s = Matrix<double>::Zero(3, 2);
+    Vector<double> z = Vector<double>::Zero(3);
+    for (int t = 0; t < 3; ++t) {
+      s = 0.5 * s + k.row(t).transpose() * v.row(t);
+      z = 0.5 * z + k.row(t).transpose();
+    }
+    CHECK(s(0, 0) == 5.0625);
+    CHECK(state.s() == s);
+    CHECK(state.z() == z);
+    CHECK(state.tokens() == 3);
+    CHECK(state.log_scale() == 0.0);
+    CHECK(state.options().eps == 1e-5);
+    CHECK(state.options().decay == 0.5);
+    CHECK_FALSE(state.options().normalize);
+    CHECK(state.options().chunk == 16);
+    CHECK(state.options().check_finite);
+    // It continues as the recurrence does (exactly: dyadic values).
+    Vector<double> q(3), k4(3), v4(2);
+    q << 0.5, -1.0, 2.0;
+    k4 << 1.0, 1.0, -0.5;
+    v4 << 0.25, -2.0;
+    const Vector<double> out = state.step(q, k4, v4, linattn::Identity{});
+    s = 0.5 * s + k4 * v4.transpose();
+    CHECK(out == Vector<double>(s.transpose() * q));
+    // A checked load refuses it: format 1 records no map.
+    std::istringstream again(bytes);
+    linattn::Options options = state.options();
+    CHECK_THROWS_WITH(RecurrentState<double>::load(again, linattn::Identity{}, options),
+                      Contains("format version 1 (linattn 0.1.0), which records no feature map"));
+    // ... but the options are compared first.
+    std::istringstream third(bytes);
+    options.decay = 0.25;
+    CHECK_THROWS_WITH(RecurrentState<double>::load(third, linattn::Identity{}, options),
+                      Contains("saved with decay 0.5 but options.decay is 0.25"));
+    // Upgrading: load_unchecked, then save with the map the caller vouches for.
+    std::istringstream fourth(bytes);
+    const std::string upgraded =
+        saved_bytes(RecurrentState<double>::load_unchecked(fourth), linattn::Identity{});
+    CHECK(upgraded[8] == 2);
+    CHECK(load_error<double>(upgraded, linattn::Identity{}, state.options()).empty());
+  }
+  {
+    const std::string bytes = data_file("state_v1_float_favor.bin");
+    REQUIRE(bytes.size() == 142);
+    std::istringstream in(bytes);
+    RecurrentState<float> state = RecurrentState<float>::load_unchecked(in);
+    Matrix<float> s(4, 3);
+    s << 0x1.8844fp+0f, 0x1.a4c1eap+0f, -0x1.122724p-1f, 0x1.c26c5cp+1f, 0x1.28046ep-1f,
+        -0x1.710fp-5f, 0x1.a8547p+0f, 0x1.719e7p+0f, -0x1.96d91ap-2f, 0x1.1db53ap+2f,
+        0x1.8776dap-2f, -0x1.c4bbp-3f;
+    Vector<float> z(4);
+    z << 0x1.4a72ccp+0f, 0x1.09aaecp+1f, 0x1.524426p+0f, 0x1.3ad22cp+1f;
+    CHECK(state.s() == s);
+    CHECK(state.z() == z);
+    CHECK(state.tokens() == 4);
+    CHECK(state.log_scale() == -0x1.b78f4f7d1cf78p-4);
+    CHECK(state.options().decay == 1.0);
+    CHECK(state.options().eps == 1e-6);
+    CHECK(state.options().normalize);
+    // The file's sums are the sums of its four tokens (recomputed here in double).
+    const linattn::PositiveRandomFeatures map(2, 4, 3);
+    Matrix<double> x(4, 2), v(4, 3);
+    x << 0.5, -1.0, 1.5, 0.25, -0.75, 2.0, 1.0, 1.0;
+    v << 1.0, 2.0, -1.0, 0.5, -0.5, 3.0, -2.0, 1.0, 0.25, 4.0, 0.0, -3.0;
+    const Matrix<double> phi = map.keys(x);
+    const Matrix<double> true_s = phi.transpose() * v;
+    const double scale = std::exp(state.log_scale());
+    CHECK(relative_error(Matrix<double>(state.s().cast<double>() * scale), true_s) <= 2e-6);
+    CHECK(relative_error(Vector<double>(state.z().cast<double>() * scale),
+                         Vector<double>(phi.colwise().sum().transpose())) <= 2e-6);
+  }
+}
+
+TEMPLATE_TEST_CASE("from_sums: prefilling B after the sums of A is one call over A then B",
+                   "[recurrent_state][from_sums]", float, double) {
+  using T = TestType;
+  const Eigen::Index dk = 4, dv = 3, n_a = 37, n_b = 45, n = n_a + n_b;
+  const Matrix<T> x_q = gaussian<T>(n, dk, 350, 0.5), x_k = gaussian<T>(n, dk, 351, 0.5);
+  const Matrix<T> v = gaussian<T>(n, dv, 352);
+  // Positive features for Identity, so the normalised outputs are well conditioned.
+  const Matrix<T> f_q = (x_q.array().abs() + T(0.1)).matrix();
+  const Matrix<T> f_k = (x_k.array().abs() + T(0.1)).matrix();
+  const double bound = agreement_tolerance<T>();
+  double worst = 0.0;
+  const auto check = [&](const auto& map, const Matrix<T>& q, const Matrix<T>& k,
+                         bool through_log_scale, const char* name) {
+    for (const double decay : {1.0, 0.9}) {
+      for (const bool normalize : {true, false}) {
+        linattn::Options options;
+        options.decay = decay;
+        options.normalize = normalize;
+        INFO(name << ", decay " << decay << ", normalize " << normalize << ", log scale "
+                  << through_log_scale);
+        const Matrix<double> phi_q = map.queries(q.template cast<double>());
+        const Matrix<double> phi_k = map.keys(k.template cast<double>());
+        const Eigen::Index c = phi_q.cols();
+        // The sums of A, by the naive recurrence, then B continued from them.
+        const NaiveRun a = naive_recurrence(phi_q.topRows(n_a), phi_k.topRows(n_a),
+                                            v.topRows(n_a).template cast<double>(), options,
+                                            Matrix<double>::Zero(c, dv), Vector<double>::Zero(c));
+        const NaiveRun b =
+            naive_recurrence(phi_q.bottomRows(n_b), phi_k.bottomRows(n_b),
+                             v.bottomRows(n_b).template cast<double>(), options, a.s, a.z);
+        double log_scale = 0.0;
+        if (through_log_scale) log_scale = std::log(a.s.cwiseAbs().maxCoeff()) + 3.0;
+        const double shrink = std::exp(-log_scale);
+        RecurrentState<T> state =
+            RecurrentState<T>::from_sums((a.s * shrink).template cast<T>(),
+                                         (a.z * shrink).template cast<T>(), options, log_scale);
+        CHECK(state.tokens() == 0);
+        CHECK(state.log_scale() == log_scale);
+        const Matrix<T> out =
+            state.prefill(q.bottomRows(n_b), k.bottomRows(n_b), v.bottomRows(n_b), map);
+        const Matrix<T> whole = linattn::causal_linear_attention(q, k, v, map, options);
+        const double vs_naive = relative_error(out, b.out);
+        const double vs_call = relative_error(out, whole.bottomRows(n_b));
+        const double s_error = relative_error(
+            Matrix<double>(state.s().template cast<double>() * std::exp(state.log_scale())), b.s);
+        CHECK(vs_naive <= bound);
+        CHECK(vs_call <= bound);
+        CHECK(s_error <= bound);
+        worst = std::max({worst, vs_naive, vs_call, s_error});
+      }
+    }
+  };
+  check(linattn::Identity{}, f_q, f_k, false, "Identity");
+  check(linattn::EluPlusOne{}, x_q, x_k, false, "EluPlusOne");
+  const linattn::PositiveRandomFeatures favor(dk, 16, 21);
+  check(favor, x_q, x_k, true, "PositiveRandomFeatures");
+  check(favor, x_q, x_k, false, "PositiveRandomFeatures");
+  WARN("from_sums, worst max|a - b| / max|b| over maps, decays and normalize: " << worst);
+}
+
+TEMPLATE_TEST_CASE("from_sums takes any expression and validates what it is given",
+                   "[recurrent_state][from_sums][errors]", float, double) {
+  using T = TestType;
+  // Column-major S as a transposed expression, z as a row vector of another scalar type.
+  const Eigen::MatrixXd s_t = Eigen::MatrixXd::Constant(2, 3, 0.5);
+  const Eigen::RowVectorXf z_row = Eigen::RowVectorXf::Constant(3, 2.0f);
+  const RecurrentState<T> state = RecurrentState<T>::from_sums(s_t.transpose(), z_row);
+  CHECK(state.feature_dim() == 3);
+  CHECK(state.value_dim() == 2);
+  CHECK(state.s() == Matrix<T>::Constant(3, 2, T(0.5)));
+  CHECK(state.z() == Vector<T>::Constant(3, T(2)));
+  CHECK(state.log_scale() == 0.0);
+  // A double accumulator keeps double sums exactly.
+  const Matrix<double> fine = Matrix<double>::Constant(2, 2, 1.0 + 1e-12);
+  const auto wide = RecurrentState<T, double>::from_sums(fine, Vector<double>::Ones(2));
+  CHECK(wide.s() == fine);
+
+  const Matrix<T> s = Matrix<T>::Ones(3, 2);
+  const Vector<T> z = Vector<T>::Ones(3);
+  using State = RecurrentState<T>;
+  CHECK_THROWS_WITH(State::from_sums(Matrix<T>(0, 2), Vector<T>(0)),
+                    Contains("RecurrentState::from_sums: s0 is empty (0 x 2)"));
+  CHECK_THROWS_WITH(State::from_sums(s, Vector<T>::Ones(2)),
+                    Contains("z0 is 2 x 1, expected a vector of 3 entries"));
+  CHECK_THROWS_WITH(State::from_sums(s, Matrix<T>::Ones(3, 2)), Contains("z0 is 3 x 2"));
+  Matrix<T> bad_s = s;
+  bad_s(1, 1) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_WITH(State::from_sums(bad_s, z), Contains("s0 has a non-finite value"));
+  Vector<T> bad_z = z;
+  bad_z(2) = std::numeric_limits<T>::infinity();
+  CHECK_THROWS_WITH(State::from_sums(s, bad_z), Contains("z0 has a non-finite value"));
+  if constexpr (std::is_same_v<T, float>) {
+    // 1e300 does not fit the float state.
+    CHECK_THROWS_WITH(State::from_sums(Matrix<double>::Constant(3, 2, 1e300), z),
+                      Contains("s0 has a non-finite value"));
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH(State::from_sums(s, z, {}, std::nan("")), Contains("log_scale must be finite"));
+  CHECK_THROWS_WITH(State::from_sums(s, z, {}, inf), Contains("log_scale must be finite"));
+  CHECK_THROWS_WITH(
+      State::from_sums(s, z, {}, -inf),
+      Contains("log_scale is -infinity (no token yet) but s0 or z0 holds a non-zero"));
+  linattn::Options bad;
+  bad.decay = 0.0;
+  CHECK_THROWS_WITH(State::from_sums(s, z, bad), Contains("Options::decay"));
+  // -infinity with zero sums is a fresh state, and steps like one.
+  State from_zero = State::from_sums(Matrix<T>::Zero(3, 2), Vector<T>::Zero(3), {}, -inf);
+  State fresh(3, 2);
+  const Matrix<T> x = gaussian<T>(2, 3, 360), vals = gaussian<T>(2, 2, 361);
+  const linattn::PositiveRandomFeatures map(3, 3, 1);
+  CHECK(from_zero.prefill(x, x, vals, map) == fresh.prefill(x, x, vals, map));
+  CHECK(from_zero.log_scale() == fresh.log_scale());
 }

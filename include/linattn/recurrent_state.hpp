@@ -11,6 +11,7 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/convert.hpp>
+#include <linattn/detail/fingerprint.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
 #include <linattn/detail/stream.hpp>
@@ -190,9 +191,184 @@ class RecurrentState {
     tokens_ = 0;
   }
 
-  /// Writes the state (dims, options, token count, log scale, S, z) in a little-endian binary
-  /// format with a CRC-32; load reads it back bit for bit.
-  void save(std::ostream& os) const {
+  /// A state holding the caller's sums, as if the tokens that made them had been added (FLA's
+  /// initial_state): the true sums are exp(log_scale) * s0 and exp(log_scale) * z0, and every
+  /// step or prefill continues from them. tokens() starts at 0. Throws Error for an empty s0,
+  /// a z0 that is not a vector of s0.rows() entries, a NaN or Inf in s0 or z0 (after the
+  /// conversion to Acc), or a log_scale that is NaN, +infinity, or -infinity while s0 or z0
+  /// holds a non-zero entry.
+  /// @param s0         C x Dv, S (any Eigen expression of float, double or a 16-bit type)
+  /// @param z0         C, z (a row or column vector expression); used when normalize is on
+  /// @param options    as for the constructor
+  /// @param log_scale  log of the factor s0 and z0 miss: 0 for plain sums (exponential maps
+  ///                   may use any finite value; -infinity only with all-zero sums, a fresh
+  ///                   state, as log_scale() reports it)
+  template <class DS, class DZ>
+  static RecurrentState from_sums(const Eigen::MatrixBase<DS>& s0, const Eigen::MatrixBase<DZ>& z0,
+                                  const Options& options = {}, double log_scale = 0.0) {
+    constexpr const char* where = "RecurrentState::from_sums";
+    static_assert(detail::is_input_scalar<typename DS::Scalar> &&
+                      detail::is_input_scalar<typename DZ::Scalar>,
+                  "RecurrentState::from_sums takes sums of float, double, Eigen::half or "
+                  "Eigen::bfloat16");
+    detail::validate_options(options, where);
+    if (s0.rows() < 1 || s0.cols() < 1) {
+      throw Error(std::string(where) + ": s0 is empty (" + detail::shape_string(s0) +
+                  "), expected C x Dv with C, Dv >= 1");
+    }
+    detail::require_vector(z0, s0.rows(), where, "z0");
+    const Matrix<Acc> s = s0.template cast<Acc>();
+    const Vector<Acc> z = z0.reshaped().template cast<Acc>();
+    detail::require_finite(s, where, "s0");
+    detail::require_finite(z, where, "z0");
+    if (std::isnan(log_scale) || log_scale == std::numeric_limits<double>::infinity()) {
+      throw Error(std::string(where) +
+                  ": log_scale must be finite (or -infinity for zero sums), got " +
+                  std::to_string(log_scale));
+    }
+    if (log_scale == -std::numeric_limits<double>::infinity() && !(s.isZero(0) && z.isZero(0))) {
+      throw Error(std::string(where) +
+                  ": log_scale is -infinity (no token yet) but s0 or z0 holds a non-zero entry");
+    }
+    RecurrentState state(s.rows(), s.cols(), options);
+    state.state_.s = s;
+    state.state_.z = z;
+    state.state_.log_scale = log_scale;
+    return state;
+  }
+
+  /// Writes the state without a record of its feature map (the map kind "unknown"): only
+  /// load_unchecked reads it back, since load(is, map, options) cannot check the map. Prefer
+  /// save(os, map).
+  void save(std::ostream& os) const { write(os, detail::MapFingerprint{}); }
+
+  /// Writes the state (format 2: dims, eps, decay, normalize, scale, a fingerprint of `map`,
+  /// the token count, log scale, S and z) little-endian with a CRC-32; load(is, map, options)
+  /// reads it back bit for bit and checks both. The fingerprint names the map's kind
+  /// (Identity, EluPlusOne, Relu, PositiveRandomFeatures, RandomFourierFeatures, or a user
+  /// map), its input and feature counts, and for the random maps their settings and an FNV-1a
+  /// hash of W; a user map can add `std::uint64_t fingerprint() const`, a hash of its own
+  /// settings, which is then recorded and compared. Throws Error, writing nothing, if the map
+  /// gives another number of features than the state holds, and if the stream fails.
+  /// @param os   binary stream
+  /// @param map  the feature map the state was stepped with
+  template <class Map>
+  void save(std::ostream& os, const Map& map) const {
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      const detail::MapFingerprint print = detail::fingerprint_of(map, feature_dim());
+      const std::uint64_t gives = detail::recorded_feature_dim(print);
+      if (gives != 0 && gives != static_cast<std::uint64_t>(feature_dim())) {
+        throw Error(std::string("RecurrentState::save: the feature map (") +
+                    detail::map_kind_name(print.kind) + ") gives " + std::to_string(gives) +
+                    " features but the state holds " + std::to_string(feature_dim()));
+      }
+      write(os, print);
+    }
+  }
+
+  /// Reads a state written by save and checks that it fits the server that loads it: the
+  /// options that change results (eps, decay, normalize, scale) must equal `options`, bit for
+  /// bit, and the map recorded by save(os, map) must be `map` (same kind, input_dim,
+  /// num_features, hyperbolic, temperature and hash of W, or a user map's fingerprint()).
+  /// The state gets `options` (chunk, threads, check_finite included). Throws Error naming the
+  /// first setting that differs, and refuses states whose map cannot be checked: saved by
+  /// save(os) without a map, or in format 1 (linattn 0.1.0, which records no map). Read those
+  /// with load_unchecked, then compare options() with yours and save(os, map) to upgrade them.
+  /// Also throws, returning nothing, for everything load_unchecked refuses.
+  /// @param is       binary stream positioned at a saved state; read up to its last byte
+  /// @param map      the feature map this server steps with
+  /// @param options  the options this server runs with
+  template <class Map>
+  static RecurrentState load(std::istream& is, const Map& map, const Options& options) {
+    constexpr const char* where = "RecurrentState::load";
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      detail::validate_options(options, where);
+      Stored stored = read_stored(is, where);
+      require_same_options(stored, options, where);
+      if (stored.version == 1) {
+        throw Error(std::string(where) +
+                    ": the stream is format version 1 (linattn 0.1.0), which records no feature "
+                    "map, so the map cannot be checked; read it with load_unchecked(is), compare "
+                    "its options() with yours and save it again with save(os, map)");
+      }
+      if (stored.map.kind == detail::MapKind::unknown) {
+        throw Error(std::string(where) +
+                    ": the state was saved without its feature map (save(os)), so the map "
+                    "cannot be checked; save it with save(os, map), or read it with "
+                    "load_unchecked(is)");
+      }
+      detail::require_same_map(stored.map, detail::fingerprint_of(map, stored_dim(stored)), where);
+      return build(stored, options);
+    } else {
+      return load_unchecked(is);  // not reached: check_feature_map failed to compile
+    }
+  }
+
+  /// Reads a state written by save (format 2, or format 1 of linattn 0.1.0) checking nothing
+  /// against the caller: the state gets the options it was saved with (eps, decay, normalize,
+  /// scale; format 1 also chunk and check_finite; the rest default), and nothing about the map
+  /// is checked. For tools that inspect or convert files; a server loads with
+  /// load(is, map, options). Throws Error, and returns nothing, for an empty, failed,
+  /// truncated or corrupt stream, a wrong magic, format version or scalar type, dims over
+  /// 2^26 entries, invalid options or map record, or non-finite sums.
+  /// @param is  binary stream positioned at a saved state; read up to its last byte
+  static RecurrentState load_unchecked(std::istream& is) {
+    const Stored stored = read_stored(is, "RecurrentState::load_unchecked");
+    return build(stored, stored.options);
+  }
+
+  /// load(is) without the map and the options no longer exists: it loaded states saved with
+  /// other options or another map without a word. This overload only explains that.
+  template <class Stream>
+  static RecurrentState load(Stream& is) {
+    static_assert(detail::always_false<Stream>,
+                  "linattn: RecurrentState::load(is) needs the feature map and the options the "
+                  "server runs with: load(is, map, options) checks that the state was saved with "
+                  "them; tools that only read a file use load_unchecked(is)");
+    return load_unchecked(is);
+  }
+
+  /// As load(is): the options are needed too.
+  template <class Stream, class Map>
+  static RecurrentState load(Stream& is, const Map&) {
+    static_assert(detail::always_false<Stream, Map>,
+                  "linattn: RecurrentState::load(is, map) needs the options the server runs "
+                  "with as well: load(is, map, options)");
+    return load_unchecked(is);
+  }
+
+ private:
+  static constexpr char kMagic[8] = {'L', 'N', 'A', 'T', 'T', 'N', 'S', '\0'};
+  static constexpr std::uint32_t kFormatVersion = 2;
+  /// Dims past this many entries are refused by load.
+  static constexpr std::uint64_t kMaxEntries = std::uint64_t{1} << 26;
+
+  /// Everything a stream holds, read and verified (checksum, ranges) but not yet a state.
+  struct Stored {
+    std::uint32_t version = kFormatVersion;
+    /// eps, decay, normalize, scale; format 1 also chunk and check_finite; the rest default.
+    Options options;
+    detail::MapFingerprint map;  ///< kind unknown for format 1
+    std::int64_t tokens = 0;
+    double log_scale = 0.0;
+    std::uint64_t feature_dim = 0, value_dim = 0;
+    std::vector<Acc> payload;  ///< S row-major, then z
+  };
+
+  static Eigen::Index stored_dim(const Stored& stored) {
+    return static_cast<Eigen::Index>(stored.feature_dim);
+  }
+
+  /// Format 2, in this order (little-endian; offsets in bytes):
+  ///   0 magic "LNATTNS\0" (8) | 8 version u32 = 2 | 12 sizeof(Acc) u32 | 16 C u64 | 24 Dv u64
+  ///   32 eps f64 | 40 decay f64 | 48 normalize u8 | 49 scale f64
+  ///   57 map record (44, detail::MapFingerprint): kind u8, projection u8, row_norm u8,
+  ///      hyperbolic u8, input_dim u64, num_features u64, temperature f64, seed u64, hash u64
+  ///   101 tokens i64 | 109 log scale f64 | 117 S (C x Dv, row-major, Acc) | z (C, Acc)
+  ///   CRC-32 u32 of every byte before it.
+  /// Format 1 (0.1.0) had, after Dv: eps f64, decay f64, normalize u8, check_finite u8,
+  /// chunk u64, tokens i64, log scale f64, S, z, CRC-32 (no scale, no map record).
+  void write(std::ostream& os, const detail::MapFingerprint& print) const {
     detail::LittleEndianWriter out(os);
     out.put_bytes(magic(), sizeof(kMagic));
     out.put<std::uint32_t>(kFormatVersion);
@@ -202,8 +378,8 @@ class RecurrentState {
     out.put<double>(options_.eps);
     out.put<double>(options_.decay);
     out.put<std::uint8_t>(options_.normalize ? 1 : 0);
-    out.put<std::uint8_t>(options_.check_finite ? 1 : 0);
-    out.put<std::uint64_t>(static_cast<std::uint64_t>(options_.chunk));
+    out.put<double>(detail::options_scale(options_));
+    detail::write_fingerprint(out, print);
     out.put<std::int64_t>(tokens_);
     out.put<double>(state_.log_scale);
     for (Eigen::Index r = 0; r < feature_dim(); ++r) {
@@ -215,20 +391,20 @@ class RecurrentState {
     if (!os) throw Error("RecurrentState::save: the stream failed while writing");
   }
 
-  /// Reads a state written by save. Throws Error, and returns nothing, for a truncated or
-  /// corrupt stream, a wrong magic, format version or scalar type, or dims over 2^26 entries.
-  static RecurrentState load(std::istream& is) {
-    constexpr const char* where = "RecurrentState::load";
-    detail::LittleEndianReader in(is);
+  /// Reads and verifies a stream of format 1 or 2; allocates no more than about twice the
+  /// bytes the stream really holds (a hostile header cannot force a huge allocation).
+  static Stored read_stored(std::istream& is, const char* where) {
+    detail::LittleEndianReader in(is, where);
     unsigned char magic_bytes[sizeof(kMagic)];
-    in.get_bytes(magic_bytes, sizeof(kMagic), "the magic bytes");
+    in.get_first_bytes(magic_bytes, sizeof(kMagic), "the magic bytes");
     if (std::memcmp(magic_bytes, magic(), sizeof(kMagic)) != 0) {
       throw Error(std::string(where) + ": wrong magic bytes, not a linattn state");
     }
-    const auto version = in.get<std::uint32_t>("the format version");
-    if (version != kFormatVersion) {
-      throw Error(std::string(where) + ": format version " + std::to_string(version) +
-                  ", this build reads version " + std::to_string(kFormatVersion));
+    Stored stored;
+    stored.version = in.get<std::uint32_t>("the format version");
+    if (stored.version != 1 && stored.version != kFormatVersion) {
+      throw Error(std::string(where) + ": format version " + std::to_string(stored.version) +
+                  ", this build reads versions 1 to " + std::to_string(kFormatVersion));
     }
     const auto scalar_size = in.get<std::uint32_t>("the scalar type");
     if (scalar_size != sizeof(Acc)) {
@@ -238,56 +414,98 @@ class RecurrentState {
     }
     const auto feature_dim = in.get<std::uint64_t>("feature_dim");
     const auto value_dim = in.get<std::uint64_t>("value_dim");
-    constexpr std::uint64_t kMaxEntries = std::uint64_t{1} << 26;
     if (feature_dim < 1 || value_dim < 1 || feature_dim > kMaxEntries || value_dim > kMaxEntries ||
         feature_dim * value_dim > kMaxEntries) {
       throw Error(std::string(where) + ": dims " + std::to_string(feature_dim) + " x " +
                   std::to_string(value_dim) + " are empty or over the limit of 2^26 entries");
     }
-    Options options;
+    stored.feature_dim = feature_dim;
+    stored.value_dim = value_dim;
+    Options& options = stored.options;
     options.eps = in.get<double>("eps");
     options.decay = in.get<double>("decay");
-    options.normalize = in.get<std::uint8_t>("normalize") != 0;
-    options.check_finite = in.get<std::uint8_t>("check_finite") != 0;
-    options.chunk = static_cast<Eigen::Index>(in.get<std::uint64_t>("chunk"));
-    const auto tokens = in.get<std::int64_t>("the token count");
-    const auto log_scale = in.get<double>("the log scale");
-    // Read the payload before allocating the state, growing with what the stream really holds:
-    // a hostile header cannot make us allocate more than about twice the bytes it sends.
+    double scale = 1.0;
+    std::uint8_t normalize = 0;
+    if (stored.version == 1) {
+      options.normalize = in.get<std::uint8_t>("normalize") != 0;
+      options.check_finite = in.get<std::uint8_t>("check_finite") != 0;
+      options.chunk = static_cast<Eigen::Index>(in.get<std::uint64_t>("chunk"));
+    } else {
+      normalize = in.get<std::uint8_t>("normalize");
+      options.normalize = normalize != 0;
+      scale = in.get<double>("scale");
+      stored.map = detail::read_fingerprint(in);
+    }
+    stored.tokens = in.get<std::int64_t>("the token count");
+    stored.log_scale = in.get<double>("the log scale");
     const std::uint64_t s_entries = feature_dim * value_dim;
-    std::vector<Acc> payload;
-    payload.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(s_entries, 4096)));
+    stored.payload.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(s_entries, 4096)));
     for (std::uint64_t i = 0; i < s_entries + feature_dim; ++i) {
-      payload.push_back(in.get<Acc>(i < s_entries ? "S" : "z"));
+      stored.payload.push_back(in.get<Acc>(i < s_entries ? "S" : "z"));
     }
     const std::uint32_t computed = in.checksum();
-    const auto stored = in.get<std::uint32_t>("the checksum");
-    if (stored != computed) {
+    const auto checksum = in.get<std::uint32_t>("the checksum");
+    if (checksum != computed) {
       throw Error(std::string(where) + ": checksum mismatch, the state is corrupt");
     }
     detail::validate_options(options, where);
-    if (tokens < 0 || tokens > kMaxTokens || std::isnan(log_scale) ||
-        log_scale == std::numeric_limits<double>::infinity()) {
+    if (normalize > 1) {
+      // Format 2 is canonical (one byte value per setting): equal states save equal bytes.
+      throw Error(std::string(where) + ": invalid normalize byte " + std::to_string(normalize));
+    }
+    if (!(std::isfinite(scale) && scale > 0.0) || !detail::set_options_scale(options, scale)) {
+      throw Error(std::string(where) + ": the state was saved with scale " +
+                  detail::format_double(scale) +
+                  ", which this build's Options cannot hold (positive and finite, and 1 while "
+                  "Options has no scale)");
+    }
+    if (stored.version != 1) detail::validate_fingerprint(stored.map, feature_dim, where);
+    if (stored.tokens < 0 || stored.tokens > kMaxTokens || std::isnan(stored.log_scale) ||
+        stored.log_scale == std::numeric_limits<double>::infinity()) {
       throw Error(std::string(where) + ": invalid token count or log scale");
     }
-    const Eigen::Map<const Matrix<Acc>> s(payload.data(), static_cast<Eigen::Index>(feature_dim),
-                                          static_cast<Eigen::Index>(value_dim));
-    const Eigen::Map<const Vector<Acc>> z(payload.data() + s_entries,
-                                          static_cast<Eigen::Index>(feature_dim));
-    if (!s.allFinite() || !z.allFinite()) {
-      throw Error(std::string(where) + ": S or z holds a non-finite value");
+    for (const Acc x : stored.payload) {
+      if (!std::isfinite(x)) throw Error(std::string(where) + ": S or z holds a non-finite value");
     }
-    RecurrentState state(s.rows(), s.cols(), options);
-    state.state_.s = s;
-    state.state_.z = z;
-    state.tokens_ = tokens;
-    state.state_.log_scale = log_scale;
-    return state;
+    return stored;
   }
 
- private:
-  static constexpr char kMagic[8] = {'L', 'N', 'A', 'T', 'T', 'N', 'S', '\0'};
-  static constexpr std::uint32_t kFormatVersion = 1;
+  /// Throws Error naming the first result-changing option that differs from the saved one.
+  static void require_same_options(const Stored& stored, const Options& options,
+                                   const char* where) {
+    const std::string head = std::string(where) + ": the state was saved with ";
+    const Options& saved = stored.options;
+    if (!(saved.eps == options.eps)) {
+      throw Error(head + "eps " + detail::format_double(saved.eps) + " but options.eps is " +
+                  detail::format_double(options.eps));
+    }
+    if (!(saved.decay == options.decay)) {
+      throw Error(head + "decay " + detail::format_double(saved.decay) + " but options.decay is " +
+                  detail::format_double(options.decay));
+    }
+    if (saved.normalize != options.normalize) {
+      throw Error(head + "normalize " + (saved.normalize ? "on" : "off") +
+                  " but options.normalize is " + (options.normalize ? "on" : "off"));
+    }
+    const double saved_scale = detail::options_scale(saved);
+    const double scale = detail::options_scale(options);
+    if (!(saved_scale == scale)) {
+      throw Error(head + "scale " + detail::format_double(saved_scale) + " but options.scale is " +
+                  detail::format_double(scale));
+    }
+  }
+
+  /// The state a verified stream holds, with the given options.
+  static RecurrentState build(const Stored& stored, const Options& options) {
+    const auto c = static_cast<Eigen::Index>(stored.feature_dim);
+    const auto dv = static_cast<Eigen::Index>(stored.value_dim);
+    RecurrentState state(c, dv, options);
+    state.state_.s = Eigen::Map<const Matrix<Acc>>(stored.payload.data(), c, dv);
+    state.state_.z = Eigen::Map<const Vector<Acc>>(stored.payload.data() + c * dv, c);
+    state.tokens_ = stored.tokens;
+    state.state_.log_scale = stored.log_scale;
+    return state;
+  }
   /// Token counts past this are refused (load) or would overflow (step, prefill).
   static constexpr std::int64_t kMaxTokens = std::int64_t{1} << 62;
 

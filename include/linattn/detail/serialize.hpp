@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Little-endian binary encoding with a running CRC-32, for RecurrentState::save/load.
+// Little-endian binary encoding with a running CRC-32, for RecurrentState::save/load, and
+// the Options fields a saved state records.
 #pragma once
 
 #include <array>
@@ -10,6 +11,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 namespace linattn::detail {
 
@@ -76,7 +78,25 @@ class LittleEndianWriter {
 /// Reads what LittleEndianWriter wrote; throws Error on a short stream.
 class LittleEndianReader {
  public:
-  explicit LittleEndianReader(std::istream& is) : is_(is) {}
+  /// `where` starts every message (the calling function).
+  explicit LittleEndianReader(std::istream& is, const char* where = "RecurrentState::load")
+      : is_(is), where_(where) {}
+
+  /// The first read of a stream: as get_bytes, but a stream that is already failed, or gives
+  /// no byte at all, gets its own message (not "truncated").
+  void get_first_bytes(unsigned char* data, std::size_t size, const char* what) {
+    if (is_.fail()) {
+      throw Error(std::string(where_) +
+                  ": the stream could not be read (it was already in a failed state: a file "
+                  "that did not open?)");
+    }
+    is_.read(reinterpret_cast<char*>(data), static_cast<std::streamsize>(size));
+    if (is_.gcount() == 0) {
+      throw Error(std::string(where_) + ": the stream is empty (no byte could be read)");
+    }
+    check_count(size, what);
+    crc_.update(data, size);
+  }
 
   template <class T>
   T get(const char* what) {
@@ -93,17 +113,51 @@ class LittleEndianReader {
   }
   void get_bytes(unsigned char* data, std::size_t size, const char* what) {
     is_.read(reinterpret_cast<char*>(data), static_cast<std::streamsize>(size));
-    if (static_cast<std::size_t>(is_.gcount()) != size) {
-      throw Error(std::string("RecurrentState::load: stream ends inside ") + what +
-                  " (truncated state)");
-    }
+    check_count(size, what);
     crc_.update(data, size);
   }
   std::uint32_t checksum() const { return crc_.value(); }
 
  private:
+  void check_count(std::size_t size, const char* what) const {
+    if (static_cast<std::size_t>(is_.gcount()) != size) {
+      throw Error(std::string(where_) + ": stream ends inside " + what + " (truncated state)");
+    }
+  }
+
   std::istream& is_;
+  const char* where_;
   Crc32 crc_;
 };
+
+/// Options::scale where Options has one (DESIGN.md lists it), 1 (its meaning: no scaling)
+/// where it does not yet: format 2 always records a scale, so adding the member later changes
+/// no stream.
+template <class O, class = void>
+struct has_scale_member : std::false_type {};
+template <class O>
+struct has_scale_member<O, std::void_t<decltype(std::declval<O&>().scale)>> : std::true_type {};
+
+template <class O>
+double options_scale(const O& options) {
+  if constexpr (has_scale_member<O>::value) {
+    return static_cast<double>(options.scale);
+  } else {
+    static_cast<void>(options);
+    return 1.0;
+  }
+}
+
+/// Sets options.scale; false when O has no scale member and `scale` is not 1.
+template <class O>
+bool set_options_scale(O& options, double scale) {
+  if constexpr (has_scale_member<O>::value) {
+    options.scale = scale;
+    return true;
+  } else {
+    static_cast<void>(options);
+    return scale == 1.0;
+  }
+}
 
 }  // namespace linattn::detail

@@ -1,0 +1,12 @@
+// expect: RecurrentState::load\(is\) needs the feature map and the options
+// RecurrentState::load(is) without a map and options must not compile: it used to load a state
+// saved with other options or another feature map without a word. The static_assert names
+// load(is, map, options) and load_unchecked(is).
+#include <linattn/recurrent_state.hpp>
+#include <sstream>
+
+int main() {
+  std::istringstream is;
+  const linattn::RecurrentState<float> state = linattn::RecurrentState<float>::load(is);
+  return static_cast<int>(state.tokens());
+}
