@@ -8,6 +8,32 @@
 #include <type_traits>
 #include <utility>
 
+/// # The feature-map concept
+///
+/// Every kernel, state and layer takes a feature map phi: R^Dk -> R^C as an argument. A map is
+/// a small copyable object; const objects may be shared by any number of threads. Required
+/// (D is any Eigen expression; a template or overloads for Matrix<float>, Matrix<double>):
+///
+///     Eigen::Index feature_dim(Eigen::Index input_dim) const;          // C for width Dk
+///     Matrix<typename D::Scalar> queries(const MatrixBase<D>& x) const;  // N x Dk -> N x C
+///     Matrix<typename D::Scalar> keys(const MatrixBase<D>& x) const;     // N x Dk -> N x C
+///
+/// The kernels call them on chunks of rows converted to the accumulation type. Optional, each
+/// used when present:
+///
+/// - `void queries_into(x, Eigen::Ref<Matrix<Scalar>> out) const` and `keys_into`: write into
+///   a preallocated N x C `out`; with them RecurrentState::step_into allocates nothing.
+/// - `Matrix backward(x, grad_phi) const`: d loss / d x (N x Dk) from d loss / d phi(x), for
+///   the backward overloads.
+/// - `std::uint64_t fingerprint() const`: saved with a state and compared on load, so a state
+///   is never stepped with another map's weights.
+/// - `static constexpr bool log_scaled = true` with `scaled_features(x, log_scale)` (rows
+///   divided by exp(log_scale(r))): exponential maps, carried in log space so nothing
+///   overflows (see PositiveRandomFeatures).
+///
+/// A map missing a required member is a compile error that names the member
+/// (detail::check_feature_map). Identity below is the smallest complete map;
+/// examples/custom_feature_map.cpp writes a second-order Taylor map.
 namespace linattn {
 
 /// phi(x) = x, C = Dk: the map to pass when q and k are already features (computed by the

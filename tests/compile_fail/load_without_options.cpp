@@ -7,7 +7,12 @@
 
 int main() {
   std::istringstream is;
+#ifdef LINATTN_COMPILE_FAIL_CONTROL
+  const linattn::RecurrentState<double> state =
+      linattn::RecurrentState<double>::load(is, linattn::EluPlusOne{}, linattn::Options{});
+#else
   const linattn::RecurrentState<double> state =
       linattn::RecurrentState<double>::load(is, linattn::EluPlusOne{});
+#endif
   return static_cast<int>(state.tokens());
 }
