@@ -10,6 +10,7 @@
 #include <linattn/feature_map.hpp>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 namespace linattn {
 
@@ -135,16 +136,37 @@ class RandomProjection {
       throw Error(std::string(owner) + ": input_dim and num_features must be >= 1, got " +
                   std::to_string(input_dim) + " and " + std::to_string(num_features));
     }
-    const bool default_temperature = options.temperature < 0.0;
-    if (!default_temperature &&
-        !(options.temperature > 0.0 && std::isfinite(options.temperature))) {
-      throw Error(std::string(owner) + ": temperature must be positive and finite, got " +
-                  std::to_string(options.temperature));
-    }
-    temperature_ =
-        default_temperature ? 1.0 / std::sqrt(static_cast<double>(input_dim)) : options.temperature;
+    temperature_ = resolve_temperature(options, input_dim, owner);
     w_.resize(num_features, input_dim);
     redraw(seed);
+  }
+
+  /// A caller's W, validated: non-empty, input_dim columns when `check_width`, finite.
+  template <class Derived>
+  RandomProjection(const Eigen::MatrixBase<Derived>& w, bool check_width, Eigen::Index input_dim,
+                   const RandomFeatureOptions& options, const char* owner)
+      : options_(options) {
+    using Given = typename Derived::Scalar;
+    static_assert(is_input_scalar<Given>,
+                  "linattn: a projection W must have float, double, Eigen::half or "
+                  "Eigen::bfloat16 entries");
+    require_nonempty(w, owner, "projection");
+    if (check_width && w.cols() != input_dim) {
+      throw Error(std::string(owner) + ": projection is " + shape_string(w) + " but input_dim is " +
+                  std::to_string(input_dim) + "; W must be num_features x input_dim (m x Dk)");
+    }
+    // Every float, double and 16-bit value is a double exactly, so projection() is W itself.
+    Matrix<double> given;
+    if constexpr (is_half_scalar<Given>) {
+      given = w.template cast<float>().template cast<double>();
+    } else {
+      given = w.template cast<double>();
+    }
+    require_finite(given, owner, "projection");
+    temperature_ = resolve_temperature(options, given.cols(), owner);
+    w_ = std::move(given);
+    w_float_ = w_.cast<float>();
+    seeded_ = false;
   }
 
   void redraw(std::uint64_t seed) {
@@ -175,6 +197,7 @@ class RandomProjection {
     }
     w_float_ = w_.cast<float>();
     seed_ = seed;
+    seeded_ = true;
   }
 
   template <class Scalar>
@@ -207,6 +230,7 @@ class RandomProjection {
   Eigen::Index num_features() const { return w_.rows(); }
   double temperature() const { return temperature_; }
   std::uint64_t seed() const { return seed_; }
+  bool seeded() const { return seeded_; }
   const RandomFeatureOptions& options() const { return options_; }
   const Matrix<double>& matrix() const { return w_; }
 
@@ -220,9 +244,21 @@ class RandomProjection {
   }
 
  private:
+  /// tau: the option, or 1/sqrt(Dk) when it is negative; throws unless positive and finite.
+  static double resolve_temperature(const RandomFeatureOptions& options, Eigen::Index input_dim,
+                                    const char* owner) {
+    if (options.temperature < 0.0) return 1.0 / std::sqrt(static_cast<double>(input_dim));
+    if (!(options.temperature > 0.0 && std::isfinite(options.temperature))) {
+      throw Error(std::string(owner) + ": temperature must be positive and finite, got " +
+                  std::to_string(options.temperature));
+    }
+    return options.temperature;
+  }
+
   RandomFeatureOptions options_;
   double temperature_ = 1.0;
   std::uint64_t seed_ = 0;
+  bool seeded_ = true;
   Matrix<double> w_;
   Matrix<float> w_float_;
 };
@@ -232,6 +268,15 @@ class RandomProjection {
 /// FAVOR+ positive random features (Performer): phi(x) = exp(W u - |u|^2 / 2) / sqrt(m),
 /// u = sqrt(tau) x, so E[phi(q) . phi(k)] = exp(tau q . k) and attention with it estimates
 /// softmax attention at scale tau (default 1/sqrt(Dk)).
+///
+/// W (m x Dk) is drawn from a seed, or given: a trained Performer's projection. For
+/// performer-pytorch, pass its `projection_matrix` buffer (m x Dk) with the default options:
+/// its softmax_kernel computes ratio * exp(data_dash - diag - stabiliser) with
+/// data_normalizer = Dk^(-1/4) (our u), ratio = m^(-1/2), data_dash = W u and diag = |u|^2 / 2,
+/// which is phi(x) times exp(-stabiliser); the stabilisers (a per-query row maximum, one maximum
+/// over all keys) cancel in normalised attention. It also adds eps = 1e-4 to every feature
+/// before the ratio, which this map does not (the kernels' Options::eps guards the
+/// denominator instead), so outputs differ from its by that bias, O(1e-4 m / (phi(q) . z)).
 ///
 /// The kernels use `scaled_features`, which returns each row divided by its largest entry and
 /// the log of that factor; the state carries a running log-scale, so nothing overflows and the
@@ -252,7 +297,30 @@ class PositiveRandomFeatures {
                          const RandomFeatureOptions& options = {})
       : projection_(input_dim, num_features, seed, options, "PositiveRandomFeatures") {}
 
-  /// Draws a new W from `seed`, keeping every other setting.
+  /// A map over a caller's W, e.g. a trained model's projection; it computes exactly what a
+  /// seeded map with that W would (stabiliser, hyperbolic, temperature included).
+  /// @param projection  W, m x Dk: any Eigen expression of float, double, Eigen::half or
+  ///                    Eigen::bfloat16 entries, copied into double (exactly), so projection()
+  ///                    returns it; Dk is its number of columns
+  /// @param options     temperature (negative: 1/sqrt(Dk)) and hyperbolic apply; projection and
+  ///                    row_norm only say how redraw() draws a replacement
+  /// @throws Error      if W is empty or has a NaN or Inf, or the temperature is not valid
+  template <class Derived>
+  explicit PositiveRandomFeatures(const Eigen::MatrixBase<Derived>& projection,
+                                  const RandomFeatureOptions& options = {})
+      : projection_(projection, false, 0, options, "PositiveRandomFeatures") {}
+
+  /// As PositiveRandomFeatures(projection, options), and checks that W is m x input_dim.
+  /// @throws Error  also if W does not have input_dim columns
+  template <class Derived>
+  PositiveRandomFeatures(Eigen::Index input_dim, const Eigen::MatrixBase<Derived>& projection,
+                         const RandomFeatureOptions& options = {})
+      : projection_(projection, true, input_dim, options, "PositiveRandomFeatures") {}
+
+  /// Draws a new W from `seed`, keeping every other setting: afterwards the map equals
+  /// PositiveRandomFeatures(input_dim(), num_features(), seed, options()). A map built from a
+  /// caller's W gets a drawn W of the same shape in its place (as performer-pytorch's feature
+  /// redraw does) and seeded() becomes true.
   void redraw(std::uint64_t seed) { projection_.redraw(seed); }
 
   /// @return C = m, or 2m when hyperbolic; throws if input_dim is not the one it was built for
@@ -349,7 +417,7 @@ class PositiveRandomFeatures {
     return grad;
   }
 
-  /// W, m x Dk, in double.
+  /// W, m x Dk, in double: the drawn one, or the caller's (the same values exactly).
   const Matrix<double>& projection() const { return projection_.matrix(); }
   /// tau: E[phi(q) . phi(k)] = exp(tau q . k).
   double temperature() const { return projection_.temperature(); }
@@ -357,8 +425,10 @@ class PositiveRandomFeatures {
   Eigen::Index input_dim() const { return projection_.input_dim(); }
   /// m, rows of W.
   Eigen::Index num_features() const { return projection_.num_features(); }
-  /// The seed of the current W (the constructor's or the last redraw's).
+  /// The seed of the current W (the constructor's or the last redraw's); 0 for a caller's W.
   std::uint64_t seed() const { return projection_.seed(); }
+  /// false while W is a caller's (built from a projection and not redrawn since).
+  bool seeded() const { return projection_.seeded(); }
   /// The options as given; temperature() is the resolved tau.
   const RandomFeatureOptions& options() const { return projection_.options(); }
 
@@ -420,7 +490,29 @@ class RandomFourierFeatures {
                         const RandomFeatureOptions& options = {})
       : projection_(input_dim, num_features, seed, options, "RandomFourierFeatures") {}
 
-  /// Draws a new W from `seed`, keeping every other setting.
+  /// A map over a caller's W (e.g. a trained model's); it computes exactly what a seeded map
+  /// with that W would.
+  /// @param projection  W, m x Dk: any Eigen expression of float, double, Eigen::half or
+  ///                    Eigen::bfloat16 entries, copied into double (exactly), so projection()
+  ///                    returns it; Dk is its number of columns
+  /// @param options     temperature (negative: 1/sqrt(Dk)) applies; projection and row_norm only
+  ///                    say how redraw() draws a replacement (hyperbolic is ignored)
+  /// @throws Error      if W is empty or has a NaN or Inf, or the temperature is not valid
+  template <class Derived>
+  explicit RandomFourierFeatures(const Eigen::MatrixBase<Derived>& projection,
+                                 const RandomFeatureOptions& options = {})
+      : projection_(projection, false, 0, options, "RandomFourierFeatures") {}
+
+  /// As RandomFourierFeatures(projection, options), and checks that W is m x input_dim.
+  /// @throws Error  also if W does not have input_dim columns
+  template <class Derived>
+  RandomFourierFeatures(Eigen::Index input_dim, const Eigen::MatrixBase<Derived>& projection,
+                        const RandomFeatureOptions& options = {})
+      : projection_(projection, true, input_dim, options, "RandomFourierFeatures") {}
+
+  /// Draws a new W from `seed`, keeping every other setting: afterwards the map equals
+  /// RandomFourierFeatures(input_dim(), num_features(), seed, options()). A map built from a
+  /// caller's W gets a drawn W of the same shape in its place and seeded() becomes true.
   void redraw(std::uint64_t seed) { projection_.redraw(seed); }
 
   /// @return C = 2m; throws if input_dim is not the one it was built for
@@ -465,7 +557,7 @@ class RandomFourierFeatures {
     return grad;
   }
 
-  /// W, m x Dk, in double.
+  /// W, m x Dk, in double: the drawn one, or the caller's (the same values exactly).
   const Matrix<double>& projection() const { return projection_.matrix(); }
   /// tau: E[phi(q) . phi(k)] = exp(-tau |q - k|^2 / 2).
   double temperature() const { return projection_.temperature(); }
@@ -473,8 +565,10 @@ class RandomFourierFeatures {
   Eigen::Index input_dim() const { return projection_.input_dim(); }
   /// m, rows of W.
   Eigen::Index num_features() const { return projection_.num_features(); }
-  /// The seed of the current W (the constructor's or the last redraw's).
+  /// The seed of the current W (the constructor's or the last redraw's); 0 for a caller's W.
   std::uint64_t seed() const { return projection_.seed(); }
+  /// false while W is a caller's (built from a projection and not redrawn since).
+  bool seeded() const { return projection_.seeded(); }
   /// The options as given; temperature() is the resolved tau.
   const RandomFeatureOptions& options() const { return projection_.options(); }
 
