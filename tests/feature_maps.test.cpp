@@ -2,6 +2,8 @@
 // the random maps' projection (reproducibility, orthogonal blocks, row norms), the estimators'
 // expectations, the approximation of softmax attention, and the log-scale stabiliser where float
 // exp overflows. Every expected value is computed here from the formulas in DESIGN.md.
+// EIGEN_RUNTIME_NO_MALLOC lets a test forbid heap allocation inside Eigen.
+#define EIGEN_RUNTIME_NO_MALLOC
 #include <algorithm>
 #include <array>
 #include <catch2/catch.hpp>
@@ -1437,4 +1439,318 @@ TEST_CASE("A bad given W is refused with linattn::Error naming the argument and 
   check_bad_projections<PositiveRandomFeatures, double>("PositiveRandomFeatures");
   check_bad_projections<RandomFourierFeatures, float>("RandomFourierFeatures");
   check_bad_projections<RandomFourierFeatures, double>("RandomFourierFeatures");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The _into forms
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+/// Bit-for-bit equality of two matrices of the same scalar type (so -0 differs from +0).
+template <class DA, class DB>
+bool same_entries(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b) {
+  static_assert(std::is_same_v<typename DA::Scalar, typename DB::Scalar>);
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  for (Index r = 0; r < a.rows(); ++r) {
+    for (Index c = 0; c < a.cols(); ++c) {
+      const typename DA::Scalar x = a(r, c);
+      const typename DB::Scalar y = b(r, c);
+      if (std::memcmp(&x, &y, sizeof x) != 0) return false;
+    }
+  }
+  return true;
+}
+
+/// The maps with _into forms, each with its name, for inputs of width dk.
+struct IntoMaps {
+  linattn::EluPlusOne elu;
+  linattn::Relu relu;
+  PositiveRandomFeatures prf;
+  PositiveRandomFeatures hyperbolic;
+  RandomFourierFeatures fourier;
+
+  IntoMaps(Index dk, Index m)
+      : prf(dk, m, 61), hyperbolic(dk, m, 62, hyperbolic_options()), fourier(dk, m, 63) {}
+
+  static RandomFeatureOptions hyperbolic_options() {
+    RandomFeatureOptions options;
+    options.hyperbolic = true;
+    return options;
+  }
+
+  /// Calls f(name, map) for every map.
+  template <class F>
+  void each(const F& f) const {
+    f("EluPlusOne", elu);
+    f("Relu", relu);
+    f("PositiveRandomFeatures", prf);
+    f("PositiveRandomFeatures (hyperbolic)", hyperbolic);
+    f("RandomFourierFeatures", fourier);
+  }
+};
+
+template <class Map>
+constexpr bool is_prf = std::is_same_v<Map, PositiveRandomFeatures>;
+
+/// The _into forms of `map` on x equal its allocating forms bit for bit: into a plain matrix,
+/// into a block of a wider buffer (every row unaligned; the rest of the buffer untouched),
+/// through the kernels' dispatch helpers, and, row by row, as a recurrent step asks for them.
+/// A matrix of any of the input types in double.
+template <class T>
+Matrix<double> in_double(const Matrix<T>& m) {
+  if constexpr (linattn::detail::is_half_scalar<T>) {
+    return m.template cast<float>().template cast<double>();
+  } else {
+    return m.template cast<double>();
+  }
+}
+
+template <class Map, class T>
+void check_into_equals_allocating(const Map& map, const Matrix<T>& x, bool row_by_row = true) {
+  const Index n = x.rows();
+  const Index c = map.feature_dim(x.cols());
+  const Matrix<T> q = map.queries(x);
+  const Matrix<T> k = map.keys(x);
+  Matrix<T> out(n, c);
+  map.queries_into(x, out);
+  CHECK(same_entries(out, q));
+  map.keys_into(x, out);
+  CHECK(same_entries(out, k));
+
+  const T fill = T(7);
+  Matrix<T> buffer = Matrix<T>::Constant(n + 2, c + 3, fill);
+  map.queries_into(x, buffer.block(1, 1, n, c));
+  CHECK(same_entries(buffer.block(1, 1, n, c), q));
+  map.keys_into(x, buffer.block(1, 1, n, c));
+  CHECK(same_entries(buffer.block(1, 1, n, c), k));
+  buffer.block(1, 1, n, c).setConstant(fill);
+  CHECK((buffer.array() == fill).all());  // nothing was written outside the block
+
+  out.setZero();
+  linattn::detail::map_queries_into<Map, T>(map, x, out);
+  CHECK(same_entries(out, q));
+  out.setZero();
+  linattn::detail::map_keys_into<Map, T>(map, x, out);
+  CHECK(same_entries(out, k));
+
+  if constexpr (is_prf<Map>) {
+    Vector<double> log_scale;
+    const Matrix<T> scaled = map.scaled_features(x, log_scale);
+    Vector<double> log_into = Vector<double>::Constant(n, 99.0);
+    map.scaled_features_into(x, buffer.block(1, 1, n, c), log_into);
+    CHECK(same_entries(buffer.block(1, 1, n, c), scaled));
+    CHECK(same_entries(log_into, log_scale));
+    out.setZero();
+    log_into.setZero();
+    linattn::detail::map_scaled_features_into<Map, T>(map, x, out, log_into);
+    CHECK(same_entries(out, scaled));
+    CHECK(same_entries(log_into, log_scale));
+  }
+
+  // One row at a time (a 1 x Dk input, as RecurrentState::step_into passes). The exact maps
+  // give the same bits; the random maps' logits come from a vector product instead of a matrix
+  // product, which may round differently (FAVOR+ is compared on its scaled features).
+  if (!row_by_row) return;
+  Matrix<T> rows(n, c);
+  Matrix<T> one(1, c);
+  Vector<double> one_log(1);
+  for (Index i = 0; i < n; ++i) {
+    if constexpr (is_prf<Map>) {
+      map.scaled_features_into(x.row(i), one, one_log);
+      rows.row(i) = one;
+    } else {
+      map.queries_into(x.row(i), one);
+      rows.row(i) = one;
+    }
+  }
+  if constexpr (std::is_same_v<Map, linattn::EluPlusOne> || std::is_same_v<Map, linattn::Relu>) {
+    CHECK(same_entries(rows, q));
+  } else {
+    Matrix<T> whole = q;
+    if constexpr (is_prf<Map>) {
+      Vector<double> log_scale;
+      whole = map.scaled_features(x, log_scale);
+    }
+    const double err = relative_error(in_double(rows), in_double(whole));
+    const double tol = std::is_same_v<T, double>        ? 1e-13
+                       : std::is_same_v<T, float>       ? 1e-5
+                       : std::is_same_v<T, Eigen::half> ? 4e-3
+                                                        : 2e-2;
+    CAPTURE(err);
+    CHECK(err <= tol);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("The _into forms equal the allocating forms bit for bit", "[feature_maps][into]",
+                   float, double) {
+  using T = TestType;
+  struct Shape {
+    Index n, dk, m;
+  };
+  // One token, a few, a chunk (matrix products), tiny sizes (Eigen's coefficient-wise
+  // product); odd widths leave partial blocks.
+  for (const Shape shape :
+       {Shape{1, 13, 37}, Shape{7, 13, 37}, Shape{130, 16, 64}, Shape{3, 4, 5}, Shape{2, 1, 1}}) {
+    const IntoMaps maps(shape.dk, shape.m);
+    Matrix<T> x = gaussian<T>(shape.n, shape.dk, 901 + std::uint64_t(shape.n), 1.5);
+    x(0, 0) = -T(0);  // elu(-0) + 1 and relu(-0) keep their exact bits through both forms
+    maps.each([&](const char* name, const auto& map) {
+      INFO(name << ", N = " << shape.n << ", Dk = " << shape.dk << ", m = " << shape.m);
+      check_into_equals_allocating(map, x);
+    });
+  }
+  // Float rows past kFloatLogitLimit (recomputed in double), mixed with ordinary rows; and any
+  // Eigen expression as x.
+  {
+    const Index dk = 16, m = 40;
+    const IntoMaps maps(dk, m);
+    Matrix<T> x = gaussian<T>(9, dk, 911);
+    x.row(2) *= T(40);
+    x.row(5) *= T(25);
+    const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> col_major = x;
+    maps.each([&](const char* name, const auto& map) {
+      INFO(name << ", rows of norm 100 and 160");
+      check_into_equals_allocating(map, x, false);
+      const Index c = map.feature_dim(dk);
+      Matrix<T> out(x.rows(), c);
+      map.queries_into(col_major, out);
+      CHECK(same_entries(out, map.queries(col_major)));
+      map.keys_into(x * T(0.5), out);
+      CHECK(same_entries(out, map.keys(Matrix<T>(x * T(0.5)))));
+      Matrix<T> wide = gaussian<T>(x.rows() + 1, dk + 2, 912);
+      wide.block(1, 2, x.rows(), dk) = x;
+      map.queries_into(wide.block(1, 2, x.rows(), dk), out);
+      CHECK(same_entries(out, map.queries(x)));
+    });
+    // The tall rows do go through double.
+    const double top = (maps.prf.projection() * x.row(2).transpose().template cast<double>())
+                           .cwiseAbs()
+                           .maxCoeff() *
+                       std::sqrt(maps.prf.temperature());
+    CAPTURE(top);
+    REQUIRE(top > 2.0 * PositiveRandomFeatures::kFloatLogitLimit);
+  }
+}
+
+TEST_CASE("The _into forms take 16-bit inputs and equal the allocating forms bit for bit",
+          "[feature_maps][into][half]") {
+  using H = Eigen::half;
+  const IntoMaps maps(12, 20);
+  const Matrix<H> x = gaussian<float>(5, 12, 921, 1.5).cast<H>();
+  maps.each([&](const char* name, const auto& map) {
+    INFO(name);
+    check_into_equals_allocating(map, x);
+  });
+  const Matrix<Eigen::bfloat16> b = gaussian<float>(4, 12, 922).cast<Eigen::bfloat16>();
+  check_into_equals_allocating(maps.elu, b);
+  check_into_equals_allocating(maps.prf, b);
+}
+
+TEMPLATE_TEST_CASE("The _into forms allocate nothing for a single row", "[feature_maps][into]",
+                   float, double) {
+  using T = TestType;
+  const Index dk = 16, m = 40;
+  const IntoMaps maps(dk, m);
+  const Matrix<T> xs = gaussian<T>(6, dk, 931);
+  const Matrix<T> x = xs.row(0);                              // a 1 x Dk matrix
+  std::vector<T> buffer(xs.data() + dk, xs.data() + 2 * dk);  // a caller's buffer
+  const Eigen::Map<const Matrix<T>> mapped(buffer.data(), 1, dk);
+  const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> col_major = xs;
+  Matrix<T> out(1, 2 * m), expected(1, 2 * m);
+  Vector<double> log_scale(1);
+  maps.each([&](const char* name, const auto& map) {
+    INFO(name);
+    using MapType = std::decay_t<decltype(map)>;
+    const Index c = map.feature_dim(dk);
+    auto dst = out.leftCols(c);
+    const auto run = [&](const auto& input) {
+      Eigen::internal::set_is_malloc_allowed(false);
+      map.queries_into(input, dst);
+      Eigen::internal::set_is_malloc_allowed(true);
+      expected.leftCols(c) = map.queries(input);
+      CHECK(same_entries(dst, expected.leftCols(c)));
+      Eigen::internal::set_is_malloc_allowed(false);
+      map.keys_into(input, dst);
+      Eigen::internal::set_is_malloc_allowed(true);
+      expected.leftCols(c) = map.keys(input);
+      CHECK(same_entries(dst, expected.leftCols(c)));
+      if constexpr (is_prf<MapType>) {
+        Eigen::internal::set_is_malloc_allowed(false);
+        map.scaled_features_into(input, dst, log_scale);
+        Eigen::internal::set_is_malloc_allowed(true);
+        Vector<double> log_expected;
+        expected.leftCols(c) = map.scaled_features(input, log_expected);
+        CHECK(same_entries(dst, expected.leftCols(c)));
+        CHECK(log_scale(0) == log_expected(0));
+      }
+    };
+    run(x);
+    run(mapped);
+    run(xs.row(3));
+    run(col_major.row(4));
+    // The dispatch helpers RecurrentState::step_into calls.
+    Eigen::internal::set_is_malloc_allowed(false);
+    linattn::detail::map_queries_into<MapType, T>(map, x, dst);
+    linattn::detail::map_keys_into<MapType, T>(map, x, dst);
+    if constexpr (is_prf<MapType>) {
+      linattn::detail::map_scaled_features_into<MapType, T>(map, x, dst, log_scale);
+    }
+    Eigen::internal::set_is_malloc_allowed(true);
+    CHECK(dst.allFinite());
+  });
+  // Not vacuous: the largest logit of these rows is well inside the float range limit.
+  CHECK((maps.prf.projection() * xs.transpose().template cast<double>()).cwiseAbs().maxCoeff() *
+            std::sqrt(maps.prf.temperature()) <
+        PositiveRandomFeatures::kFloatLogitLimit);
+}
+
+TEST_CASE("The _into forms reject bad shapes with linattn::Error and leave out unchanged",
+          "[feature_maps][into][errors]") {
+  const Index dk = 8, m = 12;
+  const IntoMaps maps(dk, m);
+  const Matrix<double> x = gaussian<double>(3, dk, 941);
+  const Matrix<double> wide = gaussian<double>(3, dk + 1, 942);
+
+  Matrix<double> out = Matrix<double>::Constant(3, dk - 1, 5.0);
+  std::string what = error_message([&] { maps.elu.queries_into(x, out); });
+  CHECK(contains(what, "EluPlusOne::queries_into: out is 3 x 7 but must be 3 x 8"));
+  what = error_message([&] { maps.relu.keys_into(x, out); });
+  CHECK(contains(what, "Relu::keys_into: out is 3 x 7 but must be 3 x 8"));
+  CHECK((out.array() == 5.0).all());
+
+  // x of the wrong width, out of the wrong shape (the hyperbolic map needs 2m columns), and
+  // log_scale of the wrong size.
+  Matrix<double> out_m = Matrix<double>::Constant(3, m, 5.0);
+  Matrix<double> out_short = Matrix<double>::Constant(2, m, 5.0);
+  Matrix<double> out_2m = Matrix<double>::Constant(3, 2 * m, 5.0);
+  Vector<double> log_scale = Vector<double>::Constant(3, 5.0);
+  Vector<double> log_short = Vector<double>::Constant(2, 5.0);
+  what = error_message([&] { maps.prf.queries_into(wide, out_m); });
+  CHECK(contains(what,
+                 "PositiveRandomFeatures::queries_into: x is 3 x 9 but the map was built "
+                 "for 8 input columns"));
+  what = error_message([&] { maps.prf.keys_into(x, out_short); });
+  CHECK(contains(what, "PositiveRandomFeatures::keys_into: out is 2 x 12 but must be 3 x 12"));
+  what = error_message([&] { maps.hyperbolic.queries_into(x, out_m); });
+  CHECK(contains(what, "out is 3 x 12 but must be 3 x 24"));
+  what = error_message([&] { maps.prf.scaled_features_into(x, out_m, log_short); });
+  CHECK(contains(what,
+                 "PositiveRandomFeatures::scaled_features_into: log_scale has 2 entries "
+                 "but x has 3 rows"));
+  what = error_message([&] { maps.prf.scaled_features_into(wide, out_m, log_scale); });
+  CHECK(contains(what, "x is 3 x 9"));
+  what = error_message([&] { maps.prf.scaled_features_into(x, out_2m, log_scale); });
+  CHECK(contains(what, "out is 3 x 24 but must be 3 x 12"));
+  what = error_message([&] { maps.fourier.queries_into(x, out_m); });
+  CHECK(contains(what, "RandomFourierFeatures::queries_into: out is 3 x 12 but must be 3 x 24"));
+  what = error_message([&] { maps.fourier.keys_into(wide, out_2m); });
+  CHECK(contains(what, "RandomFourierFeatures::keys_into: x is 3 x 9"));
+  CHECK((out_m.array() == 5.0).all());
+  CHECK((out_short.array() == 5.0).all());
+  CHECK((out_2m.array() == 5.0).all());
+  CHECK((log_scale.array() == 5.0).all());
+  CHECK((log_short.array() == 5.0).all());
 }
