@@ -2,6 +2,8 @@
 // the random maps' projection (reproducibility, orthogonal blocks, row norms), the estimators'
 // expectations, the approximation of softmax attention, and the log-scale stabiliser where float
 // exp overflows. Every expected value is computed here from the formulas in DESIGN.md.
+// EIGEN_RUNTIME_NO_MALLOC lets a test forbid heap allocation inside Eigen.
+#define EIGEN_RUNTIME_NO_MALLOC
 #include <algorithm>
 #include <array>
 #include <catch2/catch.hpp>
@@ -1048,4 +1050,707 @@ TEST_CASE("FAVOR+ in float with inputs of norm 10 to 100 matches a log-space ref
     CHECK(relative_error(parallel, ref) <= 1e-4);
     CHECK(relative_error(recurrent, ref) <= 1e-4);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A caller's W (a trained model's projection)
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+/// performer-pytorch's softmax_kernel without its "+ eps", in double, step by step as it is
+/// written there: data_normalizer = Dk^-0.25, ratio = m^-0.5, data_dash = (x data_normalizer)
+/// W^T, diag = |x|^2 / 2 data_normalizer^2, phi = ratio exp(data_dash - diag - stab), where stab
+/// is each row's max of data_dash for queries and the max over every row for keys. `stab`
+/// returns the stabiliser each row was shifted by.
+Matrix<double> performer_pytorch_features(const Matrix<double>& data,
+                                          const Matrix<double>& projection_matrix, bool is_query,
+                                          Vector<double>& stab) {
+  const Index n = data.rows();
+  const Index d = data.cols();
+  const Index m = projection_matrix.rows();
+  const double data_normalizer = std::pow(double(d), -0.25);
+  const double ratio = std::pow(double(m), -0.5);
+  Matrix<double> data_dash(n, m);
+  for (Index i = 0; i < n; ++i) {
+    for (Index j = 0; j < m; ++j) {
+      double sum = 0.0;
+      for (Index c = 0; c < d; ++c) sum += data_normalizer * data(i, c) * projection_matrix(j, c);
+      data_dash(i, j) = sum;
+    }
+  }
+  stab.resize(n);
+  for (Index i = 0; i < n; ++i) {
+    stab(i) = is_query ? data_dash.row(i).maxCoeff() : data_dash.maxCoeff();
+  }
+  Matrix<double> phi(n, m);
+  for (Index i = 0; i < n; ++i) {
+    double sq = 0.0;
+    for (Index c = 0; c < d; ++c) sq += data(i, c) * data(i, c);
+    const double diag = sq / 2.0 * data_normalizer * data_normalizer;
+    for (Index j = 0; j < m; ++j) phi(i, j) = ratio * std::exp(data_dash(i, j) - diag - stab(i));
+  }
+  return phi;
+}
+
+/// performer-pytorch's linear attention from features: out_i = phi_q_i . sum_j phi_k_j v_j /
+/// phi_q_i . sum_j phi_k_j over j <= i (causal) or all j; no eps in the denominator.
+Matrix<double> feature_attention(const Matrix<double>& phi_q, const Matrix<double>& phi_k,
+                                 const Matrix<double>& v, bool causal) {
+  Matrix<double> out(phi_q.rows(), v.cols());
+  for (Index i = 0; i < phi_q.rows(); ++i) {
+    Eigen::RowVectorXd num = Eigen::RowVectorXd::Zero(v.cols());
+    double den = 0.0;
+    const Index last = causal ? i : phi_k.rows() - 1;
+    for (Index j = 0; j <= last; ++j) {
+      const double w = phi_q.row(i).dot(phi_k.row(j));
+      num += w * v.row(j);
+      den += w;
+    }
+    out.row(i) = num / den;
+  }
+  return out;
+}
+
+/// The message of the linattn::Error that f throws ("" if it throws none).
+template <class F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const linattn::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("PositiveRandomFeatures from a Performer's W gives performer-pytorch's features",
+                   "[feature_maps][favor][given]", float, double) {
+  using T = TestType;
+  constexpr bool is_float = std::is_same_v<T, float>;
+  // performer-pytorch's default nb_features for dim_head 16: int(16 ln 16) = 44 (not a multiple
+  // of Dk). W is the projection_matrix buffer as a checkpoint holds it, in T.
+  const Index dk = 16, m = 44, n = 40, dv = 5;
+  const Matrix<T> w = gaussian<T>(m, dk, 801);
+  Matrix<T> q = gaussian<T>(n, dk, 802, 0.5);
+  Matrix<T> k = gaussian<T>(n, dk, 803, 0.5);
+  // A few large rows, so the stabilisers are far from zero and differ between rows.
+  q.row(3) *= T(6);
+  k.row(7) *= T(6);
+  const Matrix<T> v = gaussian<T>(n, dv, 804);
+
+  const PositiveRandomFeatures map(dk, w);
+  REQUIRE(map.projection().rows() == m);
+  REQUIRE(map.projection().cols() == dk);
+  CHECK(map.projection() == w.template cast<double>());  // exactly the given W
+  CHECK_FALSE(map.seeded());
+  CHECK(map.seed() == 0);
+  CHECK(map.input_dim() == dk);
+  CHECK(map.num_features() == m);
+  CHECK(map.feature_dim(dk) == m);
+  CHECK(map.temperature() == 0.25);  // 1/sqrt(16): u = x Dk^-1/4, performer's data_normalizer
+
+  const Matrix<double> wd = w.template cast<double>();
+  Vector<double> stab_q, stab_k;
+  const Matrix<double> pt_q =
+      performer_pytorch_features(q.template cast<double>(), wd, true, stab_q);
+  const Matrix<double> pt_k =
+      performer_pytorch_features(k.template cast<double>(), wd, false, stab_k);
+  REQUIRE(stab_q.maxCoeff() - stab_q.minCoeff() > 5.0);
+  REQUIRE(stab_k(0) > 5.0);
+
+  // Ours = performer's times exp(stab), entry by entry (relative), in both directions.
+  const Matrix<T> phi_q = map.queries(q);
+  const Matrix<T> phi_k = map.keys(k);
+  Vector<double> log_q, log_k;
+  const Matrix<T> scaled_q = map.scaled_features(q, log_q);
+  const Matrix<T> scaled_k = map.scaled_features(k, log_k);
+  double err_q = 0.0, err_k = 0.0, err_scaled = 0.0;
+  for (Index i = 0; i < n; ++i) {
+    for (Index j = 0; j < m; ++j) {
+      err_q =
+          std::max(err_q, std::abs(double(phi_q(i, j)) * std::exp(-stab_q(i)) / pt_q(i, j) - 1));
+      err_k =
+          std::max(err_k, std::abs(double(phi_k(i, j)) * std::exp(-stab_k(i)) / pt_k(i, j) - 1));
+      // log of (scaled entry) + log-scale - stabiliser = log of performer's entry.
+      err_scaled = std::max(err_scaled, std::abs(std::log(double(scaled_q(i, j))) + log_q(i) -
+                                                 stab_q(i) - std::log(pt_q(i, j))));
+      err_scaled = std::max(err_scaled, std::abs(std::log(double(scaled_k(i, j))) + log_k(i) -
+                                                 stab_k(i) - std::log(pt_k(i, j))));
+    }
+  }
+  // Logits reach ~12 here: float rounds them to ~1e-6 absolute, i.e. relative in the features.
+  const double feature_tol = is_float ? 1e-5 : 1e-13;
+  WARN("given W vs performer-pytorch (" << (is_float ? "float" : "double")
+                                        << "): features rel. error " << err_q << " (q), " << err_k
+                                        << " (k), log of scaled features " << err_scaled);
+  CHECK(err_q <= feature_tol);
+  CHECK(err_k <= feature_tol);
+  CHECK(err_scaled <= feature_tol);
+
+  // The stabilisers cancel in normalised attention: with eps = 0 our outputs are performer's.
+  linattn::Options opts;
+  opts.eps = 0.0;
+  const Matrix<double> ref = feature_attention(pt_q, pt_k, v.template cast<double>(), false);
+  const Matrix<double> ref_causal = feature_attention(pt_q, pt_k, v.template cast<double>(), true);
+  const Matrix<T> out = linattn::linear_attention(q, k, v, map, opts);
+  const Matrix<T> out_causal = linattn::causal_linear_attention(q, k, v, map, opts);
+  const double err = relative_error(out, ref);
+  const double err_causal = relative_error(out_causal, ref_causal);
+  WARN("given W vs performer-pytorch attention: " << err << " (non-causal), " << err_causal
+                                                  << " (causal)");
+  const double attention_tol = is_float ? 3e-6 : 1e-14;
+  CHECK(err <= attention_tol);
+  CHECK(err_causal <= attention_tol);
+  // Not vacuous: the outputs vary across rows.
+  CHECK(ref_causal.cwiseAbs().maxCoeff() > 0.3);
+}
+
+TEMPLATE_TEST_CASE("A map from a given W computes exactly what the seeded map with that W does",
+                   "[feature_maps][given]", float, double) {
+  using T = TestType;
+  const Index dk = 12, m = 40, n = 30, dv = 4;
+  struct Case {
+    const char* name;
+    RandomFeatureOptions options;
+  };
+  std::vector<Case> cases(4);
+  cases[0].name = "default";
+  cases[1].name = "hyperbolic";
+  cases[1].options.hyperbolic = true;
+  cases[2].name = "iid, temperature 0.4";
+  cases[2].options.projection = Projection::iid;
+  cases[2].options.temperature = 0.4;
+  cases[3].name = "fixed row norm";
+  cases[3].options.row_norm = RowNorm::fixed;
+  // Ordinary rows, then rows of norm 40: logits past kFloatLogitLimit and exp past float's range,
+  // so the stabiliser and the double path are exercised too.
+  Matrix<T> x = gaussian<T>(n, dk, 811);
+  x.bottomRows(10) *= T(40);
+  const Matrix<T> v = gaussian<T>(n, dv, 812);
+  const Matrix<T> grad = gaussian<T>(n, 2 * m, 813);
+  for (const Case& c : cases) {
+    INFO(c.name);
+    const PositiveRandomFeatures seeded(dk, m, 7, c.options);
+    const PositiveRandomFeatures given(seeded.projection(), c.options);
+    const PositiveRandomFeatures given_checked(dk, seeded.projection(), c.options);
+    CHECK(given.temperature() == seeded.temperature());
+    CHECK(given.feature_dim(dk) == seeded.feature_dim(dk));
+    CHECK(same_bits(given.projection(), seeded.projection()));
+    CHECK(same_bits(given_checked.projection(), seeded.projection()));
+    CHECK(given.queries(x) == seeded.queries(x));
+    CHECK(given.keys(x) == seeded.keys(x));
+    Vector<double> log_a, log_b;
+    CHECK(given.scaled_features(x, log_a) == seeded.scaled_features(x, log_b));
+    CHECK(log_a == log_b);
+    const Index c_dim = seeded.feature_dim(dk);
+    CHECK(given.backward(x, grad.leftCols(c_dim)) == seeded.backward(x, grad.leftCols(c_dim)));
+    const Matrix<T> out = linattn::causal_linear_attention(x, x, v, given);
+    CHECK(out.allFinite());
+    CHECK(out == linattn::causal_linear_attention(x, x, v, seeded));
+    CHECK(linattn::linear_attention(x, x, v, given) == linattn::linear_attention(x, x, v, seeded));
+    linattn::RecurrentState<T> a(c_dim, dv), b(c_dim, dv);
+    for (Index i = 0; i < n; ++i) {
+      CHECK(a.step(x.row(i), x.row(i), v.row(i), given) ==
+            b.step(x.row(i), x.row(i), v.row(i), seeded));
+    }
+
+    const RandomFourierFeatures fourier_seeded(dk, m, 9, c.options);
+    const RandomFourierFeatures fourier_given(dk, fourier_seeded.projection(), c.options);
+    CHECK(fourier_given.temperature() == fourier_seeded.temperature());
+    CHECK(fourier_given.queries(x) == fourier_seeded.queries(x));
+    CHECK(fourier_given.keys(x) == fourier_seeded.keys(x));
+    CHECK(fourier_given.backward(x, grad) == fourier_seeded.backward(x, grad));
+  }
+}
+
+TEST_CASE("A given W is taken from any Eigen expression of float, double or 16-bit entries",
+          "[feature_maps][given]") {
+  const Index dk = 8, m = 20;
+  const Matrix<double> w = gaussian<double>(m, dk, 821);
+  const Matrix<float> wf = w.cast<float>();
+  // A row-major float buffer, as a checkpoint loader hands it over.
+  std::vector<float> buffer(wf.data(), wf.data() + wf.size());
+  const Eigen::Map<const Matrix<float>> mapped(buffer.data(), m, dk);
+  const Eigen::MatrixXd col_major = w;
+  Matrix<double> wide = gaussian<double>(m + 3, dk + 5, 822);
+  wide.block(2, 3, m, dk) = w;
+  const Matrix<Eigen::bfloat16> wb = w.cast<Eigen::bfloat16>();
+
+  CHECK(PositiveRandomFeatures(mapped).projection() == wf.cast<double>());
+  CHECK(PositiveRandomFeatures(dk, wf).projection() == wf.cast<double>());
+  CHECK(same_bits(PositiveRandomFeatures(col_major).projection(), w));
+  CHECK(same_bits(PositiveRandomFeatures(dk, wide.block(2, 3, m, dk)).projection(), w));
+  CHECK(same_bits(RandomFourierFeatures(w.transpose().transpose()).projection(), w));
+  CHECK(same_bits(RandomFourierFeatures(dk, 2.0 * w).projection(), Matrix<double>(2.0 * w)));
+  const Matrix<double> from_bf16 = wb.cast<float>().cast<double>();
+  CHECK(same_bits(PositiveRandomFeatures(wb).projection(), from_bf16));
+  CHECK(same_bits(RandomFourierFeatures(dk, wb).projection(), from_bf16));
+  // Dk comes from W: the default temperature is 1/sqrt(Dk), and other widths are refused.
+  const PositiveRandomFeatures map(wf);
+  CHECK(map.temperature() == Approx(1.0 / std::sqrt(8.0)).epsilon(1e-15));
+  CHECK(map.feature_dim(dk) == m);
+  REQUIRE_THROWS_AS(map.feature_dim(dk + 1), linattn::Error);
+  REQUIRE_THROWS_AS(map.queries(gaussian<double>(2, dk + 1, 823)), linattn::Error);
+}
+
+TEMPLATE_TEST_CASE("RandomFourierFeatures from a given W are [sin(W u), cos(W u)] / sqrt(m)",
+                   "[feature_maps][fourier][given]", float, double) {
+  using T = TestType;
+  constexpr bool is_float = std::is_same_v<T, float>;
+  const Index dk = 10, m = 24;
+  const Matrix<T> w = gaussian<T>(m, dk, 831);
+  RandomFeatureOptions options;
+  options.temperature = 0.3;
+  const RandomFourierFeatures map(dk, w, options);
+  CHECK(map.projection() == w.template cast<double>());
+  CHECK(map.feature_dim(dk) == 2 * m);
+  CHECK(map.temperature() == 0.3);
+  CHECK(RandomFourierFeatures(w).temperature() == Approx(1.0 / std::sqrt(10.0)).epsilon(1e-15));
+  const Matrix<T> x = gaussian<T>(50, dk, 832, 3.0);
+  const Matrix<T> phi = map.queries(x);
+  REQUIRE(phi.rows() == x.rows());
+  REQUIRE(phi.cols() == 2 * m);
+  CHECK(map.keys(x) == phi);
+  // Naive: u = sqrt(tau) x, t_f = w_f . u, [sin(t), cos(t)] / sqrt(m), in double.
+  const double inv = 1.0 / std::sqrt(double(m));
+  double err = 0.0;
+  double largest_t = 0.0;
+  for (Index r = 0; r < x.rows(); ++r) {
+    for (Index f = 0; f < m; ++f) {
+      double t = 0.0;
+      for (Index c = 0; c < dk; ++c) t += double(w(f, c)) * std::sqrt(0.3) * double(x(r, c));
+      largest_t = std::max(largest_t, std::abs(t));
+      err = std::max(err, std::abs(double(phi(r, f)) - std::sin(t) * inv));
+      err = std::max(err, std::abs(double(phi(r, m + f)) - std::cos(t) * inv));
+    }
+  }
+  WARN("Fourier features from a given W (" << (is_float ? "float" : "double") << "): max error "
+                                           << err << " (" << err / inv
+                                           << " of 1/sqrt(m)), |W u| up to " << largest_t);
+  REQUIRE(largest_t > 10.0);
+  // |W u| reaches ~20: a float argument is rounded by ~1e-6, and so is its sin and cos.
+  CHECK(err <= (is_float ? 1e-5 : 1e-13) * inv);
+}
+
+TEST_CASE("A given W is redrawn as a seeded W of the same shape and options",
+          "[feature_maps][given]") {
+  const Index dk = 8, m = 20;
+  RandomFeatureOptions options;
+  options.hyperbolic = true;
+  options.temperature = 0.5;
+  options.projection = Projection::iid;
+  const Matrix<double> w = gaussian<double>(m, dk, 841);
+  PositiveRandomFeatures map(w, options);
+  map.redraw(5);
+  const PositiveRandomFeatures drawn(dk, m, 5, options);
+  CHECK(map.seeded());
+  CHECK(map.seed() == 5);
+  CHECK(same_bits(map.projection(), drawn.projection()));
+  CHECK(map.temperature() == 0.5);
+  const Matrix<double> x = gaussian<double>(4, dk, 842);
+  CHECK(map.queries(x) == drawn.queries(x));
+  CHECK(map.feature_dim(dk) == 2 * m);
+
+  RandomFourierFeatures fourier(w.cast<float>());
+  CHECK_FALSE(fourier.seeded());
+  fourier.redraw(6);
+  CHECK(fourier.seeded());
+  CHECK(same_bits(fourier.projection(), RandomFourierFeatures(dk, m, 6).projection()));
+}
+
+namespace {
+
+/// Every way a given W is refused, for one map type and one W scalar type; each message names
+/// the map, "projection" and the shape or the bad entry, and nothing changes on a throw.
+template <class Map, class T>
+void check_bad_projections(const std::string& name) {
+  INFO(name << " with a " << (std::is_same_v<T, float> ? "float" : "double") << " W");
+  const Index dk = 8, m = 16;
+  const Matrix<T> good = gaussian<T>(m, dk, 851);
+
+  // Wrong width.
+  const Matrix<T> wide = gaussian<T>(m, dk + 1, 852);
+  std::string what = error_message([&] { (void)Map(dk, wide); });
+  CAPTURE(what);
+  CHECK(contains(what, "linattn: " + name + ": projection is 16 x 9 but input_dim is 8"));
+  what = error_message([&] { (void)Map(dk, good.leftCols(dk - 1)); });
+  CHECK(contains(what, name + ": projection is 16 x 7 but input_dim is 8"));
+  what = error_message([&] { (void)Map(dk, good.transpose()); });
+  CHECK(contains(what, name + ": projection is 8 x 16 but input_dim is 8"));
+
+  // NaN and +-Inf, named by row and column.
+  Matrix<T> bad = good;
+  bad(2, 3) = std::numeric_limits<T>::quiet_NaN();
+  what = error_message([&] { (void)Map(bad); });
+  CHECK(contains(what, name + ": projection has a non-finite value (nan) at row 2, column 3"));
+  what = error_message([&] { (void)Map(dk, bad); });
+  CHECK(contains(what, "(nan) at row 2, column 3"));
+  bad = good;
+  bad(15, 0) = std::numeric_limits<T>::infinity();
+  what = error_message([&] { (void)Map(bad); });
+  CHECK(contains(what, name + ": projection has a non-finite value (inf) at row 15, column 0"));
+  bad(15, 0) = -std::numeric_limits<T>::infinity();
+  what = error_message([&] { (void)Map(dk, bad); });
+  CHECK(contains(what, "(-inf) at row 15, column 0"));
+
+  // Empty, either way, with or without input_dim.
+  what = error_message([&] { (void)Map(Matrix<T>(0, dk)); });
+  CHECK(contains(what, name + ": projection is empty (0 x 8)"));
+  what = error_message([&] { (void)Map(Matrix<T>(m, 0)); });
+  CHECK(contains(what, name + ": projection is empty (16 x 0)"));
+  what = error_message([&] { (void)Map(dk, Matrix<T>(0, dk)); });
+  CHECK(contains(what, name + ": projection is empty (0 x 8)"));
+
+  // The options are checked as for a seeded map.
+  RandomFeatureOptions zero;
+  zero.temperature = 0.0;
+  what = error_message([&] { (void)Map(good, zero); });
+  CHECK(contains(what, name + ": temperature must be positive and finite"));
+
+  // Nothing changes on a throw: a map assigned from a failed construction keeps its W and
+  // features, and the caller's matrix is untouched.
+  Map map(good);
+  const Matrix<double> before = map.projection();
+  const Matrix<double> x = gaussian<double>(3, dk, 853);
+  const Matrix<double> features = map.queries(x);
+  bad = good;
+  bad(2, 3) = std::numeric_limits<T>::quiet_NaN();
+  const Matrix<T> bad_copy = bad;
+  REQUIRE_THROWS_AS(map = Map(bad), linattn::Error);
+  REQUIRE_THROWS_AS(map = Map(dk, wide), linattn::Error);
+  REQUIRE_THROWS_AS(map = Map(Matrix<T>(0, dk)), linattn::Error);
+  CHECK(same_bits(map.projection(), before));
+  CHECK(map.queries(x) == features);
+  CHECK_FALSE(map.seeded());
+  CHECK(std::memcmp(bad.data(), bad_copy.data(), sizeof(T) * std::size_t(bad.size())) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("A bad given W is refused with linattn::Error naming the argument and shape",
+          "[feature_maps][given][errors]") {
+  check_bad_projections<PositiveRandomFeatures, float>("PositiveRandomFeatures");
+  check_bad_projections<PositiveRandomFeatures, double>("PositiveRandomFeatures");
+  check_bad_projections<RandomFourierFeatures, float>("RandomFourierFeatures");
+  check_bad_projections<RandomFourierFeatures, double>("RandomFourierFeatures");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The _into forms
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+/// Bit-for-bit equality of two matrices of the same scalar type (so -0 differs from +0).
+template <class DA, class DB>
+bool same_entries(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b) {
+  static_assert(std::is_same_v<typename DA::Scalar, typename DB::Scalar>);
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  for (Index r = 0; r < a.rows(); ++r) {
+    for (Index c = 0; c < a.cols(); ++c) {
+      const typename DA::Scalar x = a(r, c);
+      const typename DB::Scalar y = b(r, c);
+      if (std::memcmp(&x, &y, sizeof x) != 0) return false;
+    }
+  }
+  return true;
+}
+
+/// The maps with _into forms, each with its name, for inputs of width dk.
+struct IntoMaps {
+  linattn::EluPlusOne elu;
+  linattn::Relu relu;
+  PositiveRandomFeatures prf;
+  PositiveRandomFeatures hyperbolic;
+  RandomFourierFeatures fourier;
+
+  IntoMaps(Index dk, Index m)
+      : prf(dk, m, 61), hyperbolic(dk, m, 62, hyperbolic_options()), fourier(dk, m, 63) {}
+
+  static RandomFeatureOptions hyperbolic_options() {
+    RandomFeatureOptions options;
+    options.hyperbolic = true;
+    return options;
+  }
+
+  /// Calls f(name, map) for every map.
+  template <class F>
+  void each(const F& f) const {
+    f("EluPlusOne", elu);
+    f("Relu", relu);
+    f("PositiveRandomFeatures", prf);
+    f("PositiveRandomFeatures (hyperbolic)", hyperbolic);
+    f("RandomFourierFeatures", fourier);
+  }
+};
+
+template <class Map>
+constexpr bool is_prf = std::is_same_v<Map, PositiveRandomFeatures>;
+
+/// The _into forms of `map` on x equal its allocating forms bit for bit: into a plain matrix,
+/// into a block of a wider buffer (every row unaligned; the rest of the buffer untouched),
+/// through the kernels' dispatch helpers, and, row by row, as a recurrent step asks for them.
+/// A matrix of any of the input types in double.
+template <class T>
+Matrix<double> in_double(const Matrix<T>& m) {
+  if constexpr (linattn::detail::is_half_scalar<T>) {
+    return m.template cast<float>().template cast<double>();
+  } else {
+    return m.template cast<double>();
+  }
+}
+
+template <class Map, class T>
+void check_into_equals_allocating(const Map& map, const Matrix<T>& x, bool row_by_row = true) {
+  const Index n = x.rows();
+  const Index c = map.feature_dim(x.cols());
+  const Matrix<T> q = map.queries(x);
+  const Matrix<T> k = map.keys(x);
+  Matrix<T> out(n, c);
+  map.queries_into(x, out);
+  CHECK(same_entries(out, q));
+  map.keys_into(x, out);
+  CHECK(same_entries(out, k));
+
+  const T fill = T(7);
+  Matrix<T> buffer = Matrix<T>::Constant(n + 2, c + 3, fill);
+  map.queries_into(x, buffer.block(1, 1, n, c));
+  CHECK(same_entries(buffer.block(1, 1, n, c), q));
+  map.keys_into(x, buffer.block(1, 1, n, c));
+  CHECK(same_entries(buffer.block(1, 1, n, c), k));
+  buffer.block(1, 1, n, c).setConstant(fill);
+  CHECK((buffer.array() == fill).all());  // nothing was written outside the block
+
+  out.setZero();
+  linattn::detail::map_queries_into(map, x, out);
+  CHECK(same_entries(out, q));
+  out.setZero();
+  linattn::detail::map_keys_into(map, x, out);
+  CHECK(same_entries(out, k));
+
+  if constexpr (is_prf<Map>) {
+    Vector<double> log_scale;
+    const Matrix<T> scaled = map.scaled_features(x, log_scale);
+    Vector<double> log_into = Vector<double>::Constant(n, 99.0);
+    map.scaled_features_into(x, buffer.block(1, 1, n, c), log_into);
+    CHECK(same_entries(buffer.block(1, 1, n, c), scaled));
+    CHECK(same_entries(log_into, log_scale));
+    out.setZero();
+    log_into.setZero();
+    linattn::detail::map_scaled_features_into(map, x, out, log_into);
+    CHECK(same_entries(out, scaled));
+    CHECK(same_entries(log_into, log_scale));
+  }
+
+  // One row at a time (a 1 x Dk input, as RecurrentState::step_into passes). The exact maps
+  // give the same bits; the random maps' logits come from a vector product instead of a matrix
+  // product, which may round differently (FAVOR+ is compared on its scaled features).
+  if (!row_by_row) return;
+  Matrix<T> rows(n, c);
+  Matrix<T> one(1, c);
+  Vector<double> one_log(1);
+  for (Index i = 0; i < n; ++i) {
+    if constexpr (is_prf<Map>) {
+      map.scaled_features_into(x.row(i), one, one_log);
+      rows.row(i) = one;
+    } else {
+      map.queries_into(x.row(i), one);
+      rows.row(i) = one;
+    }
+  }
+  if constexpr (std::is_same_v<Map, linattn::EluPlusOne> || std::is_same_v<Map, linattn::Relu>) {
+    CHECK(same_entries(rows, q));
+  } else {
+    Matrix<T> whole = q;
+    if constexpr (is_prf<Map>) {
+      Vector<double> log_scale;
+      whole = map.scaled_features(x, log_scale);
+    }
+    const double err = relative_error(in_double(rows), in_double(whole));
+    const double tol = std::is_same_v<T, double>        ? 1e-13
+                       : std::is_same_v<T, float>       ? 1e-5
+                       : std::is_same_v<T, Eigen::half> ? 4e-3
+                                                        : 2e-2;
+    CAPTURE(err);
+    CHECK(err <= tol);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("The _into forms equal the allocating forms bit for bit", "[feature_maps][into]",
+                   float, double) {
+  using T = TestType;
+  struct Shape {
+    Index n, dk, m;
+  };
+  // One token, a few, a chunk (matrix products), tiny sizes (Eigen's coefficient-wise
+  // product); odd widths leave partial blocks.
+  for (const Shape shape :
+       {Shape{1, 13, 37}, Shape{7, 13, 37}, Shape{130, 16, 64}, Shape{3, 4, 5}, Shape{2, 1, 1}}) {
+    const IntoMaps maps(shape.dk, shape.m);
+    Matrix<T> x = gaussian<T>(shape.n, shape.dk, 901 + std::uint64_t(shape.n), 1.5);
+    x(0, 0) = -T(0);  // elu(-0) + 1 and relu(-0) keep their exact bits through both forms
+    maps.each([&](const char* name, const auto& map) {
+      INFO(name << ", N = " << shape.n << ", Dk = " << shape.dk << ", m = " << shape.m);
+      check_into_equals_allocating(map, x);
+    });
+  }
+  // Float rows past kFloatLogitLimit (recomputed in double), mixed with ordinary rows; and any
+  // Eigen expression as x.
+  {
+    const Index dk = 16, m = 40;
+    const IntoMaps maps(dk, m);
+    Matrix<T> x = gaussian<T>(9, dk, 911);
+    x.row(2) *= T(40);
+    x.row(5) *= T(25);
+    const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> col_major = x;
+    maps.each([&](const char* name, const auto& map) {
+      INFO(name << ", rows of norm 100 and 160");
+      check_into_equals_allocating(map, x, false);
+      const Index c = map.feature_dim(dk);
+      Matrix<T> out(x.rows(), c);
+      map.queries_into(col_major, out);
+      CHECK(same_entries(out, map.queries(col_major)));
+      map.keys_into(x * T(0.5), out);
+      CHECK(same_entries(out, map.keys(Matrix<T>(x * T(0.5)))));
+      Matrix<T> wide = gaussian<T>(x.rows() + 1, dk + 2, 912);
+      wide.block(1, 2, x.rows(), dk) = x;
+      map.queries_into(wide.block(1, 2, x.rows(), dk), out);
+      CHECK(same_entries(out, map.queries(x)));
+    });
+    // The tall rows do go through double.
+    const double top = (maps.prf.projection() * x.row(2).transpose().template cast<double>())
+                           .cwiseAbs()
+                           .maxCoeff() *
+                       std::sqrt(maps.prf.temperature());
+    CAPTURE(top);
+    REQUIRE(top > 2.0 * PositiveRandomFeatures::kFloatLogitLimit);
+  }
+}
+
+TEST_CASE("The _into forms take 16-bit inputs and equal the allocating forms bit for bit",
+          "[feature_maps][into][half]") {
+  using H = Eigen::half;
+  const IntoMaps maps(12, 20);
+  const Matrix<H> x = gaussian<float>(5, 12, 921, 1.5).cast<H>();
+  maps.each([&](const char* name, const auto& map) {
+    INFO(name);
+    check_into_equals_allocating(map, x);
+  });
+  const Matrix<Eigen::bfloat16> b = gaussian<float>(4, 12, 922).cast<Eigen::bfloat16>();
+  check_into_equals_allocating(maps.elu, b);
+  check_into_equals_allocating(maps.prf, b);
+}
+
+TEMPLATE_TEST_CASE("The _into forms allocate nothing for a single row", "[feature_maps][into]",
+                   float, double) {
+  using T = TestType;
+  const Index dk = 16, m = 40;
+  const IntoMaps maps(dk, m);
+  const Matrix<T> xs = gaussian<T>(6, dk, 931);
+  const Matrix<T> x = xs.row(0);                              // a 1 x Dk matrix
+  std::vector<T> buffer(xs.data() + dk, xs.data() + 2 * dk);  // a caller's buffer
+  const Eigen::Map<const Matrix<T>> mapped(buffer.data(), 1, dk);
+  const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> col_major = xs;
+  Matrix<T> out(1, 2 * m), expected(1, 2 * m);
+  Vector<double> log_scale(1);
+  maps.each([&](const char* name, const auto& map) {
+    INFO(name);
+    using MapType = std::decay_t<decltype(map)>;
+    const Index c = map.feature_dim(dk);
+    auto dst = out.leftCols(c);
+    const auto run = [&](const auto& input) {
+      Eigen::internal::set_is_malloc_allowed(false);
+      map.queries_into(input, dst);
+      Eigen::internal::set_is_malloc_allowed(true);
+      expected.leftCols(c) = map.queries(input);
+      CHECK(same_entries(dst, expected.leftCols(c)));
+      Eigen::internal::set_is_malloc_allowed(false);
+      map.keys_into(input, dst);
+      Eigen::internal::set_is_malloc_allowed(true);
+      expected.leftCols(c) = map.keys(input);
+      CHECK(same_entries(dst, expected.leftCols(c)));
+      if constexpr (is_prf<MapType>) {
+        Eigen::internal::set_is_malloc_allowed(false);
+        map.scaled_features_into(input, dst, log_scale);
+        Eigen::internal::set_is_malloc_allowed(true);
+        Vector<double> log_expected;
+        expected.leftCols(c) = map.scaled_features(input, log_expected);
+        CHECK(same_entries(dst, expected.leftCols(c)));
+        CHECK(log_scale(0) == log_expected(0));
+      }
+    };
+    run(x);
+    run(mapped);
+    run(xs.row(3));
+    run(col_major.row(4));
+    // The dispatch helpers RecurrentState::step_into calls.
+    Eigen::internal::set_is_malloc_allowed(false);
+    linattn::detail::map_queries_into(map, x, dst);
+    linattn::detail::map_keys_into(map, x, dst);
+    if constexpr (is_prf<MapType>) {
+      linattn::detail::map_scaled_features_into(map, x, dst, log_scale);
+    }
+    Eigen::internal::set_is_malloc_allowed(true);
+    CHECK(dst.allFinite());
+  });
+  // Not vacuous: the largest logit of these rows is well inside the float range limit.
+  CHECK((maps.prf.projection() * xs.transpose().template cast<double>()).cwiseAbs().maxCoeff() *
+            std::sqrt(maps.prf.temperature()) <
+        PositiveRandomFeatures::kFloatLogitLimit);
+}
+
+TEST_CASE("The _into forms reject bad shapes with linattn::Error and leave out unchanged",
+          "[feature_maps][into][errors]") {
+  const Index dk = 8, m = 12;
+  const IntoMaps maps(dk, m);
+  const Matrix<double> x = gaussian<double>(3, dk, 941);
+  const Matrix<double> wide = gaussian<double>(3, dk + 1, 942);
+
+  Matrix<double> out = Matrix<double>::Constant(3, dk - 1, 5.0);
+  std::string what = error_message([&] { maps.elu.queries_into(x, out); });
+  CHECK(contains(what, "EluPlusOne::queries_into: out is 3 x 7 but must be 3 x 8"));
+  what = error_message([&] { maps.relu.keys_into(x, out); });
+  CHECK(contains(what, "Relu::keys_into: out is 3 x 7 but must be 3 x 8"));
+  CHECK((out.array() == 5.0).all());
+
+  // x of the wrong width, out of the wrong shape (the hyperbolic map needs 2m columns), and
+  // log_scale of the wrong size.
+  Matrix<double> out_m = Matrix<double>::Constant(3, m, 5.0);
+  Matrix<double> out_short = Matrix<double>::Constant(2, m, 5.0);
+  Matrix<double> out_2m = Matrix<double>::Constant(3, 2 * m, 5.0);
+  Vector<double> log_scale = Vector<double>::Constant(3, 5.0);
+  Vector<double> log_short = Vector<double>::Constant(2, 5.0);
+  what = error_message([&] { maps.prf.queries_into(wide, out_m); });
+  CHECK(contains(what,
+                 "PositiveRandomFeatures::queries_into: x is 3 x 9 but the map was built "
+                 "for 8 input columns"));
+  what = error_message([&] { maps.prf.keys_into(x, out_short); });
+  CHECK(contains(what, "PositiveRandomFeatures::keys_into: out is 2 x 12 but must be 3 x 12"));
+  what = error_message([&] { maps.hyperbolic.queries_into(x, out_m); });
+  CHECK(contains(what, "out is 3 x 12 but must be 3 x 24"));
+  what = error_message([&] { maps.prf.scaled_features_into(x, out_m, log_short); });
+  CHECK(contains(what,
+                 "PositiveRandomFeatures::scaled_features_into: log_scale has 2 entries "
+                 "but x has 3 rows"));
+  what = error_message([&] { maps.prf.scaled_features_into(wide, out_m, log_scale); });
+  CHECK(contains(what, "x is 3 x 9"));
+  what = error_message([&] { maps.prf.scaled_features_into(x, out_2m, log_scale); });
+  CHECK(contains(what, "out is 3 x 24 but must be 3 x 12"));
+  what = error_message([&] { maps.fourier.queries_into(x, out_m); });
+  CHECK(contains(what, "RandomFourierFeatures::queries_into: out is 3 x 12 but must be 3 x 24"));
+  what = error_message([&] { maps.fourier.keys_into(wide, out_2m); });
+  CHECK(contains(what, "RandomFourierFeatures::keys_into: x is 3 x 9"));
+  CHECK((out_m.array() == 5.0).all());
+  CHECK((out_short.array() == 5.0).all());
+  CHECK((out_2m.array() == 5.0).all());
+  CHECK((log_scale.array() == 5.0).all());
+  CHECK((log_short.array() == 5.0).all());
 }
