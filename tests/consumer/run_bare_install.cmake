@@ -3,7 +3,8 @@
 # Google Benchmark and Threads are hidden (CMAKE_DISABLE_FIND_PACKAGE_*), checks that the tests
 # and the benchmarks are skipped with one message each, installs it (nothing is built) into a
 # prefix other than the configured CMAKE_INSTALL_PREFIX, then builds and runs tests/consumer/
-# against that prefix with find_package(linattn), and with pkg-config when there is one.
+# against that prefix with find_package(linattn) (linattn::linattn and linattn::native), and
+# with pkg-config when there is one.
 # Extra input (-D): LINATTN_SOURCE_DIR, the linattn source tree.
 include("${CMAKE_CURRENT_LIST_DIR}/common.cmake")
 
@@ -62,7 +63,9 @@ if(EXISTS "${configured_prefix}")
                       "${configured_prefix}, not only into --prefix ${prefix}")
 endif()
 
-linattn_consumer_build_and_run(package "-DCMAKE_PREFIX_PATH=${prefix}")
+# linattn_consumer_native: the installed package's opt-in target linattn::native.
+linattn_consumer_build_and_run(package "-DCMAKE_PREFIX_PATH=${prefix}"
+                               -DLINATTN_CONSUMER_NATIVE=ON)
 linattn_consumer_check_found_under("${prefix}")
 
 linattn_consumer_pkg_config("${prefix}")
