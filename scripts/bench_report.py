@@ -15,12 +15,20 @@ UNIT_TO_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 NAME = re.compile(r"^(BM_\w+)<(\w+)>(?:/(\d+))?(?:/min_time:[\d.]+)?$")
 
 
+def read_json(path):
+    """The benchmark JSON at path, or None if it is missing or empty (a binary whose
+    --benchmark_filter matched nothing leaves an empty file)."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def load(path):
     """{(family, scalar, arg): entry} for one benchmark JSON file, or {} if it is missing."""
-    if not os.path.exists(path):
+    data = read_json(path)
+    if data is None:
         return {}
-    with open(path) as f:
-        data = json.load(f)
     out = {}
     for b in data.get("benchmarks", []):
         if b.get("run_type", "iteration") != "iteration":
@@ -243,10 +251,9 @@ THREADS_NAME = re.compile(r"^(BM_\w+)<(\w+)>/(\d+)/(\d+)/real_time$")
 def threads_section(path):
     """Thread scaling from bench_threads: each row's rate against the same kernel on one
     thread and against Eigen's single-thread GEMM from the same run."""
-    if not os.path.exists(path):
+    data = read_json(path)
+    if data is None:
         return ""
-    with open(path) as f:
-        data = json.load(f)
     runs, gemm = {}, {}
     for b in data.get("benchmarks", []):
         if b.get("run_type", "iteration") != "iteration":

@@ -2,6 +2,9 @@
 # Shared by scripts/test and scripts/bench: install the Debian packages a build needs.
 #   source scripts/lib/deps.sh; linattn_install_deps pkg...
 # Only absent packages are installed; `apt-get update` runs only when something is missing.
+# scripts/test also installs pkg-config: its consumer tests build against the installed
+# linattn.pc (and skip that part, with a message, where pkg-config is missing). Installing
+# linattn itself needs only libeigen3-dev, cmake and a compiler.
 
 linattn_nproc() {
   nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2

@@ -5,6 +5,7 @@ int main() {
   linattn::Options opts;
   linattn::Matrix<double> m(2, 2);
   m.setOnes();
-  const linattn::Matrix<double> out = linattn::causal_linear_attention(m, m, m, opts);
+  const linattn::Matrix<double> out =
+      linattn::causal_linear_attention(m, m, m, linattn::Identity{}, opts);
   return (out.rows() == 2 && out.allFinite()) ? 0 : 1;
 }

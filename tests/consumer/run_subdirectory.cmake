@@ -7,4 +7,8 @@ if(NOT LINATTN_SOURCE_DIR)
   message(FATAL_ERROR "consumer_subdirectory: -DLINATTN_SOURCE_DIR=... is required")
 endif()
 
-linattn_consumer_build_and_run(subdirectory "-DLINATTN_SOURCE_DIR=${LINATTN_SOURCE_DIR}")
+# With LINATTN_NATIVE=ON, so linattn::linattn carries -march=native in the build tree, and
+# linattn_consumer_native linked to linattn::native besides (consumer_strict builds the plain
+# subdirectory).
+linattn_consumer_build_and_run(subdirectory "-DLINATTN_SOURCE_DIR=${LINATTN_SOURCE_DIR}"
+                               -DLINATTN_NATIVE=ON -DLINATTN_CONSUMER_NATIVE=ON)

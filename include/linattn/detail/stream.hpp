@@ -157,7 +157,10 @@ void for_each_column_tile(Eigen::Index value_dim, Visit&& visit) {
   if (packets == 2) visit(Packet{}, std::integral_constant<int, 2>{}, col);
   if (packets == 1) visit(Packet{}, std::integral_constant<int, 1>{}, col);
   col += packets * Shape::kPacket;
-  for (; col < value_dim; ++col) visit(T{}, std::integral_constant<int, 1>{}, col);
+  // Fewer than kPacket columns are left: an int count bounds the loop, so GCC's loop analysis
+  // sees no path with ~2^63 iterations (its -Waggressive-loop-optimizations false positive).
+  const int scalars = static_cast<int>(value_dim - col);
+  for (int i = 0; i < scalars; ++i) visit(T{}, std::integral_constant<int, 1>{}, col + i);
 }
 
 /// All columns of R rows of S.
@@ -226,9 +229,11 @@ void stream_denominator(const T* q, Eigen::Index ldq, const T* k, Eigen::Index l
       acc = pmadd(ploadu<Packet>(q + c), zc, acc);
     }
     T sum = predux(acc);
-    for (; c < feature_dim; ++c) {
-      z[c] += k[c];
-      sum += q[c] * z[c];
+    // Fewer than P features are left: an int count, as in for_each_column_tile.
+    const int tail = static_cast<int>(feature_dim - c);
+    for (int i = 0; i < tail; ++i) {
+      z[c + i] += k[c + i];
+      sum += q[c + i] * z[c + i];
     }
     den[t] = sum;
   }
