@@ -412,3 +412,61 @@ TEMPLATE_TEST_CASE("prefill_into rejects v of the wrong width", "[state_batch][e
       Contains("v is [1, 2, 5, 2]"));
   CHECK(batch[0].tokens() == 0);
 }
+
+namespace {
+/// A user map whose features of a token with q[0] > 100 are NaN: a failure only the map can
+/// see, after every input passed its checks.
+struct NanAboveHundred {
+  Eigen::Index feature_dim(Eigen::Index input_dim) const { return input_dim; }
+  template <class D>
+  Matrix<typename D::Scalar> queries(const Eigen::MatrixBase<D>& x) const {
+    Matrix<typename D::Scalar> phi = x.cwiseAbs();
+    for (Eigen::Index r = 0; r < x.rows(); ++r) {
+      if (x(r, 0) > 100) phi(r, 1) = std::numeric_limits<typename D::Scalar>::quiet_NaN();
+    }
+    return phi;
+  }
+  template <class D>
+  Matrix<typename D::Scalar> keys(const Eigen::MatrixBase<D>& x) const {
+    return x.cwiseAbs();
+  }
+};
+}  // namespace
+
+TEMPLATE_TEST_CASE("a batch step checks every state and every feature before any state moves",
+                   "[state_batch][errors]", float, double) {
+  using T = TestType;
+  const Eigen::Index count = 4, c = 6, dv = 3;
+  const Matrix<T> q = gaussian<T>(count, c, 501), k = gaussian<T>(count, c, 502);
+  const Matrix<T> v = gaussian<T>(count, dv, 503);
+  Matrix<T> out = Matrix<T>::Constant(count, dv, T(5));
+  using Catch::Matchers::Contains;
+  for (const int threads : {1, 2}) {
+    linattn::Options options;
+    options.threads = threads;
+    RecurrentStateBatch<T> batch(count, c, dv, options);
+    batch.step_into(q, k, v, linattn::EluPlusOne{}, out);  // one token everywhere
+    // A state of other dimensions assigned into the batch: the step throws before state 0 moves.
+    batch[2] = RecurrentState<T>(c + 1, dv, options);
+    CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::EluPlusOne{}, out),
+                      Contains("state 2 is 7 x 3 (C x Dv) but state 0 is 6 x 3"));
+    CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::Identity{}, out), Contains("state 2"));
+    CHECK(batch[0].tokens() == 1);
+    CHECK(batch[1].tokens() == 1);
+    CHECK(batch[3].tokens() == 1);
+    CHECK((out.array() != T(5)).all());  // out still holds the first step's outputs
+
+    // Non-finite features of the last row only: no state moves, out is not written.
+    RecurrentStateBatch<T> fresh(count, c, dv, options);
+    Matrix<T> q_bad = q;
+    q_bad(count - 1, 0) = T(1000);
+    Matrix<T> untouched = Matrix<T>::Constant(count, dv, T(9));
+    CHECK_THROWS_WITH(fresh.step_into(q_bad, k, v, NanAboveHundred{}, untouched),
+                      Contains("phi(q)") && Contains("non-finite"));
+    for (Eigen::Index i = 0; i < count; ++i) {
+      CHECK(fresh[i].tokens() == 0);
+      CHECK(fresh[i].s().isZero(0));
+    }
+    CHECK((untouched.array() == T(9)).all());
+  }
+}

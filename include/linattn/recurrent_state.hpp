@@ -549,17 +549,31 @@ class RecurrentState {
     }
   }
 
-  /// One raw token through `map`: featurized into the step workspace (no allocation once
-  /// sized), validated, then advanced.
+  /// One raw token through `map`: featurized into the step workspace, then advanced.
   template <class DQ, class DK, class DV, class Map>
   void step_mapped(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                    const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Vector<T>> out,
                    const char* where) {
+    featurize_token(q, k, v, map, out.size(), where);
+    advance_featurized(v, detail::is_log_scaled<Map>::value, out);
+  }
+
+  /// The first half of a mapped step: validates the token and writes phi(q), phi(k) (and
+  /// their log scales) into the step workspace, sized by the first token and then reused
+  /// (no allocation). S, z and the token count do not move, so a batch can featurize every
+  /// state before it advances any.
+  template <class DQ, class DK, class DV, class Map>
+  void featurize_token(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                       const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Index out_size,
+                       const char* where) {
     require_token_room(1, where);
     require_token(q, 0, where, "q");
     require_token(k, q.size(), where, "k");
     require_token(v, value_dim(), where, "v");
-    detail::require_output_size(out, value_dim(), where);
+    if (out_size != value_dim()) {
+      throw Error(std::string(where) + ": out has " + std::to_string(out_size) +
+                  " entries, expected " + std::to_string(value_dim()));
+    }
     const Eigen::Index dim = map.feature_dim(q.size());
     if (dim != feature_dim()) {
       throw Error(std::string(where) + ": the feature map gives " + std::to_string(dim) +
@@ -580,11 +594,12 @@ class RecurrentState {
     }
     Eigen::Map<Matrix<Acc>> phi_q(query_.data(), 1, feature_dim());
     Eigen::Map<Matrix<Acc>> phi_k(key_.data(), 1, feature_dim());
-    double log_q = 0.0, log_k = 0.0;
+    token_log_q_ = 0.0;
+    token_log_k_ = 0.0;
     if constexpr (detail::is_log_scaled<Map>::value) {
-      Eigen::Map<Vector<double>> log_q_ref(&log_q, 1), log_k_ref(&log_k, 1);
-      detail::map_scaled_features_into(map, raw_q_.transpose(), phi_q, log_q_ref);
-      detail::map_scaled_features_into(map, raw_k_.transpose(), phi_k, log_k_ref);
+      Eigen::Map<Vector<double>> log_q(&token_log_q_, 1), log_k(&token_log_k_, 1);
+      detail::map_scaled_features_into(map, raw_q_.transpose(), phi_q, log_q);
+      detail::map_scaled_features_into(map, raw_k_.transpose(), phi_k, log_k);
     } else {
       detail::map_queries_into(map, raw_q_.transpose(), phi_q);
       detail::map_keys_into(map, raw_k_.transpose(), phi_k);
@@ -593,20 +608,15 @@ class RecurrentState {
       detail::require_finite(query_, where, "phi(q)");
       detail::require_finite(key_, where, "phi(k)");
     }
-    detail::load_vector(v, value_);
-    advance(log_q, log_k, detail::is_log_scaled<Map>::value || !state_.unscaled(), out);
   }
 
-  /// Advances by one token already featurized in Acc (the second phase of a batch step,
-  /// whose inputs were all checked before any state moved).
-  template <class DP, class DV>
-  void step_features(const Eigen::MatrixBase<DP>& phi_q, const Eigen::MatrixBase<DP>& phi_k,
-                     const Eigen::MatrixBase<DV>& v, double log_q, double log_k, bool log_scaled,
-                     Eigen::Ref<Vector<T>> out) {
-    query_ = phi_q.transpose();
-    key_ = phi_k.transpose();
+  /// The second half of a mapped step: advances by the token featurize_token left in the
+  /// workspace. Throws nothing.
+  template <class DV>
+  void advance_featurized(const Eigen::MatrixBase<DV>& v, bool log_scaled,
+                          Eigen::Ref<Vector<T>> out) {
     detail::load_vector(v, value_);
-    advance(log_q, log_k, log_scaled || !state_.unscaled(), out);
+    advance(token_log_q_, token_log_k_, log_scaled || !state_.unscaled(), out);
   }
 
   /// Validates one token and copies it into the step workspace (no allocation).
@@ -704,7 +714,8 @@ class RecurrentState {
   std::int64_t tokens_ = 0;
   Vector<Acc> query_, key_, value_;
   Vector<Acc> raw_q_, raw_k_;  ///< Dk: a mapped step's token in Acc, sized by the first one
-  Vector<Acc> output_;         ///< Dv; used when Acc differs from T
+  double token_log_q_ = 0.0, token_log_k_ = 0.0;  ///< its features' log scales
+  Vector<Acc> output_;                            ///< Dv; used when Acc differs from T
 };
 
 }  // namespace linattn

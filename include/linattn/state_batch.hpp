@@ -57,8 +57,8 @@ class RecurrentStateBatch {
   }
 
   /// One token for every state through a feature map (Identity{} for precomputed features).
-  /// Every state and every input is checked, and the map applied to all rows at once, before
-  /// any state moves: a throwing call changes nothing.
+  /// Every state and every input is checked, and every token featurized, before any state
+  /// moves: a throwing call changes nothing.
   /// @param q    size() x Dk queries, row i for state i
   /// @param k    size() x Dk keys
   /// @param v    size() x Dv values
@@ -69,18 +69,21 @@ class RecurrentStateBatch {
                  const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Matrix<T>> out) {
     constexpr const char* where = "RecurrentStateBatch::step";
     if constexpr (detail::check_feature_map<Map, Acc>()) {
-      check_rows(q, k, v, out, detail::is_identity_map<Map> ? feature_dim() : q.cols(), where, "q",
-                 "k");
+      constexpr bool features = detail::is_identity_map<Map>;
+      check_rows(q, k, v, out, features ? feature_dim() : q.cols(), where, features ? "phi_q" : "q",
+                 features ? "phi_k" : "k");
       if constexpr (detail::is_identity_map<Map>) {
         for_each_state([&](Eigen::Index i) {
           states_[i].step_into(q.row(i), k.row(i), v.row(i), map, out.row(i).transpose());
         });
       } else {
-        featurize(q, k, map, where);
+        // Every state featurizes its token (which can throw) before any state advances.
+        for_each_state([&](Eigen::Index i) {
+          states_[i].featurize_token(q.row(i), k.row(i), v.row(i), map, value_dim(), where);
+        });
         constexpr bool log_scaled = detail::is_log_scaled<Map>::value;
         for_each_state([&](Eigen::Index i) {
-          states_[i].step_features(features_q_.row(i), features_k_.row(i), v.row(i), log_q_(i),
-                                   log_k_(i), log_scaled, out.row(i).transpose());
+          states_[i].advance_featurized(v.row(i), log_scaled, out.row(i).transpose());
         });
       }
     }
@@ -109,7 +112,7 @@ class RecurrentStateBatch {
                     const Map& map, const HeadsView<O>& out) {
     if constexpr (detail::check_feature_map<Map, Acc>()) {
       if constexpr (detail::is_identity_map<Map>) {
-        prefill_heads(q, k, v, static_cast<const void*>(nullptr), out, "q", "k");
+        prefill_heads(q, k, v, static_cast<const void*>(nullptr), out, "phi_q", "phi_k");
       } else {
         prefill_heads(q, k, v, &map, out, "q", "k");
       }
@@ -158,42 +161,6 @@ class RecurrentStateBatch {
                     " (C x Dv) but state 0 is " + detail::shape_string(feature_dim(), value_dim()) +
                     "; every state of a batch must have the same dimensions");
       }
-    }
-  }
-
-  /// Applies `map` to every row of q and k into the batch's feature workspace (sized on the
-  /// first call), and checks the features, before any state moves.
-  template <class DQ, class DK, class Map>
-  void featurize(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Map& map,
-                 const char* where) {
-    const Eigen::Index dim = map.feature_dim(q.cols());
-    if (dim != feature_dim()) {
-      throw Error(std::string(where) + ": the feature map gives " + std::to_string(dim) +
-                  " features for q of width " + std::to_string(q.cols()) + " but the states hold " +
-                  std::to_string(feature_dim()));
-    }
-    if (raw_q_.rows() != q.rows() || raw_q_.cols() != q.cols()) {
-      raw_q_.resize(q.rows(), q.cols());
-      raw_k_.resize(q.rows(), q.cols());
-    }
-    if (features_q_.rows() != size()) {
-      features_q_.resize(size(), feature_dim());
-      features_k_.resize(size(), feature_dim());
-      log_q_.setZero(size());
-      log_k_.setZero(size());
-    }
-    detail::load_rows(q, raw_q_);
-    detail::load_rows(k, raw_k_);
-    if constexpr (detail::is_log_scaled<Map>::value) {
-      detail::map_scaled_features_into(map, raw_q_, features_q_, log_q_);
-      detail::map_scaled_features_into(map, raw_k_, features_k_, log_k_);
-    } else {
-      detail::map_queries_into(map, raw_q_, features_q_);
-      detail::map_keys_into(map, raw_k_, features_k_);
-    }
-    if (options().check_finite) {
-      detail::require_finite(features_q_, where, "phi(q)");
-      detail::require_finite(features_k_, where, "phi(k)");
     }
   }
 
@@ -254,9 +221,6 @@ class RecurrentStateBatch {
   }
 
   std::vector<State> states_;
-  Matrix<Acc> raw_q_, raw_k_;            ///< size() x Dk: a mapped step's rows in Acc
-  Matrix<Acc> features_q_, features_k_;  ///< size() x C: their features
-  Vector<double> log_q_, log_k_;         ///< size(): their log scales (exponential maps)
 };
 
 }  // namespace linattn
