@@ -7,9 +7,11 @@ int main() {
   const linattn::Matrix<float> k = linattn::Matrix<float>::Random(8, 4);
   const linattn::Matrix<float> v = linattn::Matrix<float>::Random(8, 3);
 #ifdef LINATTN_COMPILE_FAIL_CONTROL
-  std::vector<float> data(2 * 3 * 4 * 5); (void)linattn::HeadsView<const float>::bnhd(data.data(), {2, 4, 3, 5});
+  std::vector<float> data(2 * 3 * 4 * 5);
+  (void)linattn::HeadsView<const float>::bnhd(data.data(), {2, 4, 3, 5});
 #else
-  std::vector<float> data(2 * 3 * 4 * 5); (void)linattn::HeadsView<const float>::bnhd(data.data(), 2, 3, 4, 5);
+  std::vector<float> data(2 * 3 * 4 * 5);
+  (void)linattn::HeadsView<const float>::bnhd(data.data(), 2, 3, 4, 5);
 #endif
   return 0;
 }

@@ -3,10 +3,16 @@
 #include <linattn/linattn.hpp>
 struct NoKeys {
   Eigen::Index feature_dim(Eigen::Index d) const { return d; }
-  template <class X> linattn::Matrix<typename X::Scalar> queries(const Eigen::MatrixBase<X>& x) const { return x; }
+  template <class X>
+  linattn::Matrix<typename X::Scalar> queries(const Eigen::MatrixBase<X>& x) const {
+    return x;
+  }
 };
 struct Complete : NoKeys {
-  template <class X> linattn::Matrix<typename X::Scalar> keys(const Eigen::MatrixBase<X>& x) const { return x; }
+  template <class X>
+  linattn::Matrix<typename X::Scalar> keys(const Eigen::MatrixBase<X>& x) const {
+    return x;
+  }
 };
 int main() {
   const linattn::Matrix<float> q = linattn::Matrix<float>::Random(8, 4);

@@ -7,9 +7,11 @@ int main() {
   const linattn::Matrix<float> k = linattn::Matrix<float>::Random(8, 4);
   const linattn::Matrix<float> v = linattn::Matrix<float>::Random(8, 3);
 #ifdef LINATTN_COMPILE_FAIL_CONTROL
-  const linattn::Matrix<float> g = v; (void)linattn::causal_linear_attention_backward(q, k, v, g, linattn::Identity{});
+  const linattn::Matrix<float> g = v;
+  (void)linattn::causal_linear_attention_backward(q, k, v, g, linattn::Identity{});
 #else
-  const linattn::Matrix<float> g = v; (void)linattn::causal_linear_attention_backward(q, k, v, g);
+  const linattn::Matrix<float> g = v;
+  (void)linattn::causal_linear_attention_backward(q, k, v, g);
 #endif
   return 0;
 }

@@ -7,9 +7,11 @@ int main() {
   const linattn::Matrix<float> k = linattn::Matrix<float>::Random(8, 4);
   const linattn::Matrix<float> v = linattn::Matrix<float>::Random(8, 3);
 #ifdef LINATTN_COMPILE_FAIL_CONTROL
-  linattn::RecurrentStateBatch<float> batch(8, 4, 3); (void)batch.step(q, k, v, linattn::Identity{});
+  linattn::RecurrentStateBatch<float> batch(8, 4, 3);
+  (void)batch.step(q, k, v, linattn::Identity{});
 #else
-  linattn::RecurrentStateBatch<float> batch(8, 4, 3); (void)batch.step(q, k, v);
+  linattn::RecurrentStateBatch<float> batch(8, 4, 3);
+  (void)batch.step(q, k, v);
 #endif
   return 0;
 }

@@ -7,9 +7,11 @@ int main() {
   const linattn::Matrix<float> k = linattn::Matrix<float>::Random(8, 4);
   const linattn::Matrix<float> v = linattn::Matrix<float>::Random(8, 3);
 #ifdef LINATTN_COMPILE_FAIL_CONTROL
-  const linattn::Matrix<float> a = linattn::Matrix<float>::Constant(8, 1, 0.9f); (void)linattn::causal_gated_linear_attention(q, k, v, a, linattn::Identity{});
+  const linattn::Matrix<float> a = linattn::Matrix<float>::Constant(8, 1, 0.9f);
+  (void)linattn::causal_gated_linear_attention(q, k, v, a, linattn::Identity{});
 #else
-  const linattn::Matrix<float> a = linattn::Matrix<float>::Constant(8, 1, 0.9f); (void)linattn::causal_gated_linear_attention(q, k, v, a);
+  const linattn::Matrix<float> a = linattn::Matrix<float>::Constant(8, 1, 0.9f);
+  (void)linattn::causal_gated_linear_attention(q, k, v, a);
 #endif
   return 0;
 }

@@ -7,9 +7,11 @@ int main() {
   const linattn::Matrix<float> k = linattn::Matrix<float>::Random(8, 4);
   const linattn::Matrix<float> v = linattn::Matrix<float>::Random(8, 3);
 #ifdef LINATTN_COMPILE_FAIL_CONTROL
-  linattn::RecurrentState<float> state(4, 3); (void)state.step(q.row(0), k.row(0), v.row(0), linattn::Identity{});
+  linattn::RecurrentState<float> state(4, 3);
+  (void)state.step(q.row(0), k.row(0), v.row(0), linattn::Identity{});
 #else
-  linattn::RecurrentState<float> state(4, 3); (void)state.step(q.row(0), k.row(0), v.row(0));
+  linattn::RecurrentState<float> state(4, 3);
+  (void)state.step(q.row(0), k.row(0), v.row(0));
 #endif
   return 0;
 }
