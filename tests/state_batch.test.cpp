@@ -451,6 +451,15 @@ TEMPLATE_TEST_CASE("a batch step checks every state and every feature before any
     CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::EluPlusOne{}, out),
                       Contains("state 2 is 7 x 3 (C x Dv) but state 0 is 6 x 3"));
     CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::Identity{}, out), Contains("state 2"));
+    // The same for a prefill over views.
+    std::vector<T> qd(static_cast<std::size_t>(count * c), T(0.5)),
+        vd(static_cast<std::size_t>(count * dv), T(0.5));
+    const auto qv = HeadsView<const T>::bhnd(qd.data(), {1, count, 1, c});
+    const auto vv = HeadsView<const T>::bhnd(vd.data(), {1, count, 1, dv});
+    std::vector<T> od(vd.size(), T(0));
+    CHECK_THROWS_WITH(batch.prefill_into(qv, qv, vv, linattn::EluPlusOne{},
+                                         HeadsView<T>::bhnd(od.data(), {1, count, 1, dv})),
+                      Contains("state 2"));
     CHECK(batch[0].tokens() == 1);
     CHECK(batch[1].tokens() == 1);
     CHECK(batch[3].tokens() == 1);

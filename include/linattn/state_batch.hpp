@@ -196,6 +196,7 @@ class RecurrentStateBatch {
       throw Error(std::string(where) + ": " + q_name + " gives " + std::to_string(features) +
                   " features per token but the states hold " + std::to_string(feature_dim()));
     }
+    require_uniform_states(where);
     for (const State& state : states_) state.require_token_room(q.tokens(), where);
     detail::scan_heads(q, k, v, options(), where, q_name, k_name);
     // Each state works on a copy and is replaced only when every head succeeded.
