@@ -281,6 +281,22 @@ def threads_section(path):
                    "per thread, % of 1-thread GEMM"], rows) + "\n\n")
 
 
+def compile_section(path):
+    """The compile-cost table of scripts/compile_cost --out, when it ran."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        data = json.load(f)
+    rows = [[r["tu"], r["mode"], f"{r['seconds']:.2f}", f"{r['peak_mb']:.0f}",
+             f"{r['ratio_to_gemm']:.2f}"] for r in data["rows"]]
+    text = (f"### Compile cost ({data['cxx']} {data['flags']}, median of {data['repeat']}, "
+            "interleaved)\n\n")
+    text += table(["TU", "mode", "seconds", "peak MB", "x Eigen GEMM TU"], rows)
+    text += ("\nTarget: `causal_elu` at most 2x `eigen_gemm`. `compiled` is the same TU with "
+             "-DLINATTN_COMPILED (the kernels come from linattn::compiled).\n\n")
+    return text
+
+
 def main():
     bench_dir = sys.argv[1] if len(sys.argv) > 1 else "build/release/bench"
     causal = load(os.path.join(bench_dir, "causal.json"))
@@ -298,6 +314,7 @@ def main():
         text += decode_section(decode, scalar, decode_rows)
     text += feature_section(features)
     text += threads_section(os.path.join(bench_dir, "threads.json"))
+    text += compile_section(os.path.join(bench_dir, "compile_cost.json"))
     with open(os.path.join(bench_dir, "report.md"), "w") as f:
         f.write(text)
     print(text)

@@ -35,7 +35,7 @@ template <class Acc, class DQ, class DK, class DV, class Out>
 void causal_pass(const DQ& q, const DK& k, const DV& v, Out out, const Options& inner,
                  bool reversed) {
   if (!reversed) {
-    run_attention<Acc>(FeaturizedSource<DQ, DK, DV>(q, k, v), out, inner, true);
+    run_attention<true>(FeaturizedSource<Acc, DQ, DK, DV>(q, k, v), out, inner);
     return;
   }
   using RQ = Eigen::Reverse<const DQ, Eigen::Vertical>;
@@ -44,7 +44,7 @@ void causal_pass(const DQ& q, const DK& k, const DV& v, Out out, const Options& 
   const RQ rq(q);
   const RK rk(k);
   const RV rv(v);
-  run_attention<Acc>(FeaturizedSource<RQ, RK, RV>(rq, rk, rv), out, inner, true);
+  run_attention<true>(FeaturizedSource<Acc, RQ, RK, RV>(rq, rk, rv), out, inner);
   out.colwise().reverseInPlace();
 }
 

@@ -43,18 +43,13 @@ template <class Acc, class Scalar>
 using accumulator_t = std::conditional_t<std::is_void_v<Acc>, default_accumulator_t<Scalar>, Acc>;
 
 /// Runs the causal or non-causal kernel over `source` from an empty state into `out`, with
-/// the state and every sum in Acc, on up to Options::threads threads.
-template <class Acc, class Source, class OutRef>
-void run_attention(const Source& source, OutRef out, const Options& options, bool causal) {
-  using Scalar = accumulator_t<Acc, typename Source::Scalar>;
-  static_assert(is_input_scalar<typename Source::Scalar>,
-                "linattn kernels take float, double, Eigen::half or Eigen::bfloat16 inputs");
-  static_assert(is_supported_scalar<Scalar>,
-                "linattn kernels accumulate in float or double (Acc = float or double)");
-  CarriedState<Scalar> state(source.feature_dim(), source.value_dim());
+/// the state and every sum in T, on up to Options::threads threads.
+template <bool Causal, class T, class OutRef>
+void run_attention(const ChunkSource<T>& source, OutRef&& out, const Options& options) {
+  CarriedState<T> state(source.feature_dim(), source.value_dim());
   const int threads = resolve_threads(options);
   const SerialEigenScope serial_eigen;
-  if (causal) {
+  if constexpr (Causal) {
     run_causal(source, state, out, options, threads);
   } else {
     run_non_causal(source, state, out, options, threads);
@@ -62,42 +57,45 @@ void run_attention(const Source& source, OutRef out, const Options& options, boo
 }
 
 /// Validates featurized inputs and runs the causal or non-causal kernel into `out`.
-template <class Acc, class DQ, class DK, class DV>
+template <class Acc, bool Causal, class DQ, class DK, class DV>
 void featurized_attention(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
                           const Eigen::MatrixBase<DV>& v,
                           Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
-                          bool causal, const char* where) {
+                          const char* where) {
   validate_sequence_threads(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
   require_output_shape(out, phi_q.rows(), v.cols(), where);
-  run_attention<Acc>(FeaturizedSource<DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()),
-                     Eigen::Ref<Matrix<typename DQ::Scalar>>(out), options, causal);
+  using T = accumulator_t<Acc, typename DQ::Scalar>;
+  run_attention<Causal>(
+      FeaturizedSource<T, DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()), out,
+      options);
 }
 
 /// Validates raw inputs and runs the kernel with `map` applied chunk by chunk.
-template <class Acc, class DQ, class DK, class DV, class Map>
+template <class Acc, bool Causal, class DQ, class DK, class DV, class Map>
 void mapped_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                       const Eigen::MatrixBase<DV>& v, const Map& map,
                       Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
-                      bool causal, const char* where) {
+                      const char* where) {
   validate_sequence_threads(q, k, v, options, where, "q", "k");
   require_output_shape(out, q.rows(), v.cols(), where);
-  run_attention<Acc>(MappedSource<DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(), map,
-                                                   options.check_finite, where),
-                     Eigen::Ref<Matrix<typename DQ::Scalar>>(out), options, causal);
+  using T = accumulator_t<Acc, typename DQ::Scalar>;
+  run_attention<Causal>(MappedSource<T, DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(),
+                                                         map, options.check_finite, where),
+                        out, options);
 }
 
 /// The one dispatch of the matrix entry points: checks the map concept, then reads Identity
 /// inputs in place as features and featurizes any other map chunk by chunk.
-template <class Acc, class DQ, class DK, class DV, class Map>
+template <class Acc, bool Causal, class DQ, class DK, class DV, class Map>
 void attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                const Eigen::MatrixBase<DV>& v, const Map& map,
-               Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options, bool causal,
+               Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
                const char* where) {
   if constexpr (check_feature_map<Map, accumulator_t<Acc, typename DQ::Scalar>>()) {
     if constexpr (is_identity_map<Map>) {
-      featurized_attention<Acc>(q, k, v, out, options, causal, where);
+      featurized_attention<Acc, Causal>(q, k, v, out, options, where);
     } else {
-      mapped_attention<Acc>(q, k, v, map, out, options, causal, where);
+      mapped_attention<Acc, Causal>(q, k, v, map, out, options, where);
     }
   }
 }
@@ -122,7 +120,7 @@ void causal_linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::M
                                   const Eigen::MatrixBase<DV>& v, const Map& map,
                                   Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                                   const Options& options = {}) {
-  detail::attention<Acc>(q, k, v, map, out, options, true, "causal_linear_attention");
+  detail::attention<Acc, true>(q, k, v, map, out, options, "causal_linear_attention");
 }
 
 /// Causal linear attention; returns N x Dv. See causal_linear_attention_into.
@@ -139,7 +137,7 @@ Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>&
                                                     const Map& map = {},
                                                     const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
-  detail::attention<Acc>(q, k, v, map, out, options, true, "causal_linear_attention");
+  detail::attention<Acc, true>(q, k, v, map, out, options, "causal_linear_attention");
   return out;
 }
 
@@ -156,7 +154,7 @@ void linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBa
                            const Eigen::MatrixBase<DV>& v, const Map& map,
                            Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                            const Options& options = {}) {
-  detail::attention<Acc>(q, k, v, map, out, options, false, "linear_attention");
+  detail::attention<Acc, false>(q, k, v, map, out, options, "linear_attention");
 }
 
 /// Non-causal linear attention; returns N x Dv.
@@ -172,7 +170,7 @@ Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& q,
                                              const Eigen::MatrixBase<DV>& v, const Map& map = {},
                                              const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
-  detail::attention<Acc>(q, k, v, map, out, options, false, "linear_attention");
+  detail::attention<Acc, false>(q, k, v, map, out, options, "linear_attention");
   return out;
 }
 

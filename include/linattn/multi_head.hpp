@@ -225,9 +225,10 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
           }
         };
         if constexpr (std::is_same_v<Map, void>) {
-          attend(FeaturizedSource<DQ, DK, DV>(qs, ks, vs));
+          attend(FeaturizedSource<Scalar, DQ, DK, DV>(qs, ks, vs));
         } else {
-          attend(MappedSource<DQ, DK, DV, Map>(qs, ks, vs, *map, options.check_finite, where));
+          attend(MappedSource<Scalar, DQ, DK, DV, Map>(qs, ks, vs, *map, options.check_finite,
+                                                       where));
         }
       });
 }

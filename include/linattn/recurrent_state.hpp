@@ -146,10 +146,11 @@ class RecurrentState {
         check_dims(q.cols(), v.cols(), where, "phi_q");
         detail::require_output_shape(out, q.rows(), value_dim(), where);
         detail::scan_inputs(q, k, v, options_, where, "phi_q", "phi_k");
-        run_chunked(detail::FeaturizedSource<DQ, DK, DV>(q.derived(), k.derived(), v.derived()),
-                    out);
+        run_chunked(
+            detail::FeaturizedSource<Acc, DQ, DK, DV>(q.derived(), k.derived(), v.derived()),
+            out);
       } else {
-        const detail::MappedSource<DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(),
+        const detail::MappedSource<Acc, DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(),
                                                            map, options_.check_finite, where);
         check_dims(source.feature_dim(), v.cols(), where, "phi(q)");
         detail::require_output_shape(out, q.rows(), value_dim(), where);
@@ -697,8 +698,8 @@ class RecurrentState {
   template <class T2, class Acc2>
   friend class RecurrentStateBatch;
 
-  template <class Source, class OutRef>
-  void run_chunked(const Source& source, OutRef out, int threads = 0) {
+  template <class OutRef>
+  void run_chunked(const detail::ChunkSource<Acc>& source, OutRef&& out, int threads = 0) {
     require_token_room(source.rows(), "RecurrentState::prefill");
     // Work on a copy so a throw from a feature map leaves the state as it was.
     detail::CarriedState<Acc> next = state_;

@@ -211,9 +211,9 @@ class RecurrentStateBatch {
           using DV = std::decay_t<decltype(vs)>;
           State& state = next[static_cast<std::size_t>(b * q.heads() + h)];
           if constexpr (std::is_same_v<Map, void>) {
-            state.run_chunked(detail::FeaturizedSource<DQ, DK, DV>(qs, ks, vs), os, threads);
+            state.run_chunked(detail::FeaturizedSource<Acc, DQ, DK, DV>(qs, ks, vs), os, threads);
           } else {
-            state.run_chunked(detail::MappedSource<DQ, DK, DV, Map>(qs, ks, vs, *map,
+            state.run_chunked(detail::MappedSource<Acc, DQ, DK, DV, Map>(qs, ks, vs, *map,
                                                                     options().check_finite, where),
                               os, threads);
           }

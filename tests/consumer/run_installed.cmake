@@ -10,7 +10,8 @@ endif()
 set(prefix "${WORK_DIR}/prefix")
 linattn_consumer_install("${LINATTN_BINARY_DIR}" "${prefix}")
 
-linattn_consumer_build_and_run(package "-DCMAKE_PREFIX_PATH=${prefix}")
+linattn_consumer_build_and_run(package "-DCMAKE_PREFIX_PATH=${prefix}"
+                               "-DLINATTN_CONSUMER_COMPILED=${LINATTN_HAS_COMPILED}")
 linattn_consumer_check_found_under("${prefix}")
 
 linattn_consumer_pkg_config("${prefix}")

@@ -93,6 +93,7 @@ struct ChunkBuffers {
   Matrix<T> weighted_keys;      ///< L x C
   Matrix<T> num;                ///< L x Dv
   Vector<T> den;                ///< L
+  Vector<double> log_scratch;   ///< L: a log-scaled map's row scales, before they are stored
 
   ChunkBuffers(Eigen::Index chunk, Eigen::Index feature_dim, Eigen::Index value_dim)
       : q(chunk, feature_dim),
@@ -152,38 +153,82 @@ void write_output_row(const Eigen::MatrixBase<NumRow>& num, T den, double log_fa
   }
 }
 
-/// Token source over featurized inputs phi_q, phi_k (N x C) and v (N x Dv).
-template <class DQ, class DK, class DV>
-class FeaturizedSource {
+/// Where the chunked kernel reads its tokens, in the accumulation type T: the one interface
+/// every input form (featurized, mapped, strided, reversed) implements, so the kernel is
+/// compiled once per accumulation and output type, not once per input expression and map.
+template <class T>
+class ChunkSource {
  public:
-  using Scalar = typename DQ::Scalar;
-  static constexpr bool log_scaled = false;
+  ChunkSource(const ChunkSource&) = delete;
+  ChunkSource& operator=(const ChunkSource&) = delete;
+
+  /// N, the tokens of the source.
+  Eigen::Index rows() const { return rows_; }
+  /// C, the width of phi_q and phi_k.
+  Eigen::Index feature_dim() const { return feature_dim_; }
+  /// Dv, the width of v.
+  Eigen::Index value_dim() const { return value_dim_; }
+  /// True when the loaded features come with per-row log scales (buf.log_q, buf.log_k).
+  bool log_scaled() const { return log_scaled_; }
+
+  /// Points `rows` at tokens [begin, ...) in the caller's memory when they can be read in
+  /// place (featurized row-major T with adjacent columns); false when they must be loaded.
+  virtual bool rows_in_place(Eigen::Index begin, ChunkRows<T>& rows) const {
+    static_cast<void>(begin);
+    static_cast<void>(rows);
+    return false;
+  }
+  /// buf.q (and buf.log_q when log_scaled) for tokens [begin, begin + len).
+  virtual void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const = 0;
+  /// buf.k, buf.v (and buf.log_k when log_scaled) for tokens [begin, begin + len).
+  virtual void load_keys_values(Eigen::Index begin, Eigen::Index len,
+                                ChunkBuffers<T>& buf) const = 0;
+
+ protected:
+  ChunkSource(Eigen::Index rows, Eigen::Index feature_dim, Eigen::Index value_dim,
+              bool log_scaled)
+      : rows_(rows), feature_dim_(feature_dim), value_dim_(value_dim), log_scaled_(log_scaled) {}
+  ~ChunkSource() = default;
+
+ private:
+  Eigen::Index rows_;
+  Eigen::Index feature_dim_;
+  Eigen::Index value_dim_;
+  bool log_scaled_;
+};
+
+/// Token source over featurized inputs phi_q, phi_k (N x C) and v (N x Dv), read as T.
+template <class T, class DQ, class DK, class DV>
+class FeaturizedSource final : public ChunkSource<T> {
+ public:
+  static_assert(is_input_scalar<typename DQ::Scalar>,
+                "linattn kernels take float, double, Eigen::half or Eigen::bfloat16 inputs");
+  static_assert(is_supported_scalar<T>,
+                "linattn kernels accumulate in float or double (Acc = float or double)");
 
   FeaturizedSource(const DQ& phi_q, const DK& phi_k, const DV& v)
-      : phi_q_(phi_q), phi_k_(phi_k), v_(v) {}
+      : ChunkSource<T>(phi_q.rows(), phi_q.cols(), v.cols(), false),
+        phi_q_(phi_q),
+        phi_k_(phi_k),
+        v_(v) {}
 
-  /// True when the stream kernel can read the inputs in place (as Acc), skipping the copy.
-  template <class Acc>
-  static constexpr bool readable_in_place =
-      std::is_same_v<Acc, Scalar>&& is_row_memory<DQ>&& is_row_memory<DK>&& is_row_memory<DV>;
-
-  /// Rows from `begin` on, in place; only when readable_in_place<Scalar>.
-  ChunkRows<Scalar> rows_in_place(Eigen::Index begin) const {
-    return {phi_q_.data() + begin * phi_q_.outerStride(), phi_q_.outerStride(),
-            phi_k_.data() + begin * phi_k_.outerStride(), phi_k_.outerStride(),
-            v_.data() + begin * v_.outerStride(),         v_.outerStride()};
+  bool rows_in_place(Eigen::Index begin, ChunkRows<T>& rows) const override {
+    if constexpr (std::is_same_v<T, typename DQ::Scalar> && is_row_memory<DQ> &&
+                  is_row_memory<DK> && is_row_memory<DV>) {
+      rows = {phi_q_.data() + begin * phi_q_.outerStride(), phi_q_.outerStride(),
+              phi_k_.data() + begin * phi_k_.outerStride(), phi_k_.outerStride(),
+              v_.data() + begin * v_.outerStride(),         v_.outerStride()};
+      return true;
+    } else {
+      return ChunkSource<T>::rows_in_place(begin, rows);
+    }
   }
 
-  Eigen::Index rows() const { return phi_q_.rows(); }
-  Eigen::Index feature_dim() const { return phi_q_.cols(); }
-  Eigen::Index value_dim() const { return v_.cols(); }
-
-  template <class Acc>
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
     load_rows(phi_q_.middleRows(begin, len), buf.q);
   }
-  template <class Acc>
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+  void load_keys_values(Eigen::Index begin, Eigen::Index len,
+                        ChunkBuffers<T>& buf) const override {
     load_rows(phi_k_.middleRows(begin, len), buf.k);
     load_rows(v_.middleRows(begin, len), buf.v);
   }
@@ -194,50 +239,49 @@ class FeaturizedSource {
   const DV& v_;
 };
 
-/// Token source over raw q, k (N x Dk) and v, featurized one chunk at a time by `map`.
-template <class DQ, class DK, class DV, class Map>
-class MappedSource {
+/// Token source over raw q, k (N x Dk) and v, featurized one chunk at a time by `map`, in T.
+template <class T, class DQ, class DK, class DV, class Map>
+class MappedSource final : public ChunkSource<T> {
  public:
-  using Scalar = typename DQ::Scalar;
-  static constexpr bool log_scaled = is_log_scaled<Map>::value;
+  static_assert(is_input_scalar<typename DQ::Scalar>,
+                "linattn kernels take float, double, Eigen::half or Eigen::bfloat16 inputs");
+  static_assert(is_supported_scalar<T>,
+                "linattn kernels accumulate in float or double (Acc = float or double)");
+  static constexpr bool kLogScaled = is_log_scaled<Map>::value;
 
   MappedSource(const DQ& q, const DK& k, const DV& v, const Map& map, bool check_finite,
                const char* where)
-      : q_(q),
+      : ChunkSource<T>(q.rows(), map.feature_dim(q.cols()), v.cols(), kLogScaled),
+        q_(q),
         k_(k),
         v_(v),
         map_(map),
-        feature_dim_(map.feature_dim(q.cols())),
         check_finite_(check_finite),
         where_(where) {
-    if (feature_dim_ < 1) {
+    if (this->feature_dim() < 1) {
       throw Error(std::string(where) + ": the feature map gives feature_dim " +
-                  std::to_string(feature_dim_) + " for input_dim " + std::to_string(q.cols()));
+                  std::to_string(this->feature_dim()) + " for input_dim " +
+                  std::to_string(q.cols()));
     }
   }
 
-  Eigen::Index rows() const { return q_.rows(); }
-  Eigen::Index feature_dim() const { return feature_dim_; }
-  Eigen::Index value_dim() const { return v_.cols(); }
-
-  template <class Acc>
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
-    // Featurized in the accumulation type: a double accumulator also gets double features,
-    // 16-bit inputs float (or double) ones.
-    const Matrix<Acc> x = converted<Acc>(q_.middleRows(begin, len));
-    if constexpr (log_scaled) {
-      store(map_.scaled_features(x, log_scratch_), buf.q, len, "queries");
-      buf.log_q.head(len) = log_scratch_;
+  // Featurized in the accumulation type: a double accumulator also gets double features,
+  // 16-bit inputs float (or double) ones.
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
+    const Matrix<T> x = converted(q_.middleRows(begin, len));
+    if constexpr (kLogScaled) {
+      store(map_.scaled_features(x, buf.log_scratch), buf.q, len, "queries");
+      buf.log_q.head(len) = buf.log_scratch;
     } else {
       store(map_.queries(x), buf.q, len, "queries");
     }
   }
-  template <class Acc>
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
-    const Matrix<Acc> x = converted<Acc>(k_.middleRows(begin, len));
-    if constexpr (log_scaled) {
-      store(map_.scaled_features(x, log_scratch_), buf.k, len, "keys");
-      buf.log_k.head(len) = log_scratch_;
+  void load_keys_values(Eigen::Index begin, Eigen::Index len,
+                        ChunkBuffers<T>& buf) const override {
+    const Matrix<T> x = converted(k_.middleRows(begin, len));
+    if constexpr (kLogScaled) {
+      store(map_.scaled_features(x, buf.log_scratch), buf.k, len, "keys");
+      buf.log_k.head(len) = buf.log_scratch;
     } else {
       store(map_.keys(x), buf.k, len, "keys");
     }
@@ -245,24 +289,23 @@ class MappedSource {
   }
 
  private:
-  /// The chunk `rows` in Acc, for the feature map.
-  template <class Acc, class Rows>
-  static Matrix<Acc> converted(const Eigen::MatrixBase<Rows>& rows) {
+  /// The chunk `rows` in T, for the feature map.
+  template <class Rows>
+  static Matrix<T> converted(const Eigen::MatrixBase<Rows>& rows) {
     if constexpr (is_half_scalar<typename Rows::Scalar>) {
-      Matrix<Acc> x(rows.rows(), rows.cols());
+      Matrix<T> x(rows.rows(), rows.cols());
       load_rows(rows, x);
       return x;
     } else {
-      return rows.template cast<Acc>();
+      return rows.template cast<T>();
     }
   }
 
-  template <class Acc>
-  void store(const Matrix<Acc>& phi, Matrix<Acc>& dst, Eigen::Index len, const char* what) const {
-    if (phi.rows() != len || phi.cols() != feature_dim_) {
+  void store(const Matrix<T>& phi, Matrix<T>& dst, Eigen::Index len, const char* what) const {
+    if (phi.rows() != len || phi.cols() != this->feature_dim()) {
       throw Error(std::string(where_) + ": the feature map's " + what + " returned " +
                   shape_string(phi) + " for " + std::to_string(len) + " rows; expected " +
-                  shape_string(len, feature_dim_));
+                  shape_string(len, this->feature_dim()));
     }
     if (check_finite_) require_finite(phi, where_, what);  // a feature map's own overflow
     dst.topRows(len) = phi;
@@ -272,57 +315,41 @@ class MappedSource {
   const DK& k_;
   const DV& v_;
   const Map& map_;
-  Eigen::Index feature_dim_;
   bool check_finite_;
   const char* where_;
-  mutable Vector<double> log_scratch_;
 };
 
-/// Whether Source offers rows_in_place for accumulation type Acc.
-template <class Source, class Acc, class = void>
-struct has_rows_in_place : std::false_type {};
-template <class Source, class Acc>
-struct has_rows_in_place<Source, Acc, std::enable_if_t<Source::template readable_in_place<Acc>>>
-    : std::true_type {};
-
-/// Rows [begin, begin + rows) of another source. Holds a copy of it, so each thread that
-/// reads through its own RowRange also has its own scratch space.
-template <class Source>
-class RowRange {
+/// Rows [begin, begin + rows) of another source; the chunk buffers hold all scratch space, so
+/// threads may read one source through ranges of their own.
+template <class T>
+class RowRange final : public ChunkSource<T> {
  public:
-  using Scalar = typename Source::Scalar;
-  static constexpr bool log_scaled = Source::log_scaled;
-
-  RowRange(const Source& source, Eigen::Index begin, Eigen::Index rows)
-      : source_(source), begin_(begin), rows_(rows) {
+  RowRange(const ChunkSource<T>& source, Eigen::Index begin, Eigen::Index rows)
+      : ChunkSource<T>(rows, source.feature_dim(), source.value_dim(), source.log_scaled()),
+        source_(source),
+        begin_(begin) {
     LINATTN_ASSERT(begin >= 0 && rows >= 0 && begin + rows <= source.rows());
   }
 
-  template <class Acc>
-  static constexpr bool readable_in_place = has_rows_in_place<Source, Acc>::value;
-  template <class S = Source>
-  ChunkRows<typename S::Scalar> rows_in_place(Eigen::Index begin) const {
-    return source_.rows_in_place(begin_ + begin);
+  bool rows_in_place(Eigen::Index begin, ChunkRows<T>& rows) const override {
+    return source_.rows_in_place(begin_ + begin, rows);
   }
-
-  Eigen::Index rows() const { return rows_; }
-  Eigen::Index feature_dim() const { return source_.feature_dim(); }
-  Eigen::Index value_dim() const { return source_.value_dim(); }
-
-  template <class Acc>
-  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+  void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
     source_.load_queries(begin_ + begin, len, buf);
   }
-  template <class Acc>
-  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<Acc>& buf) const {
+  void load_keys_values(Eigen::Index begin, Eigen::Index len,
+                        ChunkBuffers<T>& buf) const override {
     source_.load_keys_values(begin_ + begin, len, buf);
   }
 
  private:
-  Source source_;
+  const ChunkSource<T>& source_;
   Eigen::Index begin_;
-  Eigen::Index rows_;
 };
+
+/// Output rows of the kernel: row-major, any strides (one type, so one kernel per scalar).
+template <class O>
+using OutRows = Eigen::Ref<Matrix<O>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>>;
 
 /// state <- g^rows state + segment: appends the sums of a segment of `rows` tokens, computed
 /// from an empty state, to the sums before it. log_decay is log g (0 for non-causal sums).
@@ -344,8 +371,9 @@ void append_segment(CarriedState<T>& state, const CarriedState<T>& segment, Eige
 }
 
 /// Runs the recurrence chunk by chunk: inside a chunk a masked, decay-weighted product of
-/// queries and keys; across chunks the carried state. All products are Eigen GEMMs.
-template <class T>
+/// queries and keys; across chunks the carried state. All products are Eigen GEMMs. T is the
+/// accumulation type, O the output's scalar.
+template <class T, class O>
 class ChunkedKernel {
  public:
   ChunkedKernel(Eigen::Index feature_dim, Eigen::Index value_dim, Eigen::Index rows,
@@ -357,18 +385,16 @@ class ChunkedKernel {
 
   /// Causal attention over all rows of `src`, continuing from `state` and leaving it after the
   /// last token. out: N x Dv.
-  template <class Source, class OutRef>
-  void causal(const Source& src, CarriedState<T>& state, OutRef out) {
-    const bool scaled = Source::log_scaled || !state.unscaled();
+  void causal(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out) {
+    const bool scaled = src.log_scaled() || !state.unscaled();
+    ChunkRows<T> in_place{};
     for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, src.rows() - begin);
-      OutRef out_rows = out.middleRows(begin, len);
-      if constexpr (has_rows_in_place<Source, T>::value) {
-        if (!scaled && !has_decay()) {
-          // The plain stream reads the caller's rows directly: no copy through the buffers.
-          plain_stream_chunk(len, src.rows_in_place(begin), state, out_rows);
-          continue;
-        }
+      OutRows<O> out_rows(out.middleRows(begin, len));
+      if (!scaled && !has_decay() && src.rows_in_place(begin, in_place)) {
+        // The plain stream reads the caller's rows directly: no copy through the buffers.
+        plain_stream_chunk(len, in_place, state, out_rows);
+        continue;
       }
       src.load_queries(begin, len, buf_);
       src.load_keys_values(begin, len, buf_);
@@ -376,7 +402,7 @@ class ChunkedKernel {
         plain_stream_chunk(len, buffer_rows(buf_.k), state, out_rows);
         continue;
       }
-      if (!Source::log_scaled) {
+      if (!src.log_scaled()) {
         buf_.log_q.head(len).setZero();
         buf_.log_k.head(len).setZero();
       }
@@ -388,8 +414,7 @@ class ChunkedKernel {
   /// Adds every row of `src` to `state` without computing outputs:
   /// S <- g^L S + sum_j g^(L-1-j) phi_k_j v_j^T (and z alike), L = src.rows(). The state of a
   /// segment on its own, for the sequence-parallel driver and the non-causal sums.
-  template <class Source>
-  void absorb(const Source& src, CarriedState<T>& state) {
+  void absorb(const ChunkSource<T>& src, CarriedState<T>& state) {
     const Eigen::Index n = src.rows();
     const double lg = log_decay_;
     for (Eigen::Index begin = 0; begin < n; begin += chunk_) {
@@ -397,13 +422,13 @@ class ChunkedKernel {
       src.load_keys_values(begin, len, buf_);
       Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
       Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
-      if (!Source::log_scaled && !has_decay() && state.unscaled()) {
+      if (!src.log_scaled() && !has_decay() && state.unscaled()) {
         state.s.noalias() += keys.transpose() * values;
         state.z += keys.colwise().sum().transpose();
         state.log_scale = 0.0;
         continue;
       }
-      if (!Source::log_scaled) buf_.log_k.head(len).setZero();
+      if (!src.log_scaled()) buf_.log_k.head(len).setZero();
       // Every weight is taken relative to the largest, so nothing overflows.
       const double decayed = state.log_scale + static_cast<double>(len) * lg;
       double top = decayed;
@@ -425,8 +450,7 @@ class ChunkedKernel {
   }
 
   /// Outputs of every row of `src` against fixed sums `state` (the non-causal second pass).
-  template <class Source, class OutRef>
-  void attend_fixed(const Source& src, const CarriedState<T>& state, OutRef out) {
+  void attend_fixed(const ChunkSource<T>& src, const CarriedState<T>& state, OutRows<O> out) {
     const Eigen::Index n = src.rows();
     for (Eigen::Index begin = 0; begin < n; begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, n - begin);
@@ -434,19 +458,19 @@ class ChunkedKernel {
       Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
       buf_.num.topRows(len).noalias() = queries * state.s;
       buf_.den.head(len).noalias() = queries * state.z;
-      if constexpr (Source::log_scaled) {
+      OutRows<O> out_rows(out.middleRows(begin, len));
+      if (src.log_scaled()) {
         buf_.output_log.head(len) = buf_.log_q.head(len).array() + state.log_scale;
-        write_scaled_output(len, OutRef(out.middleRows(begin, len)));
+        write_scaled_output(len, out_rows);
       } else {
-        write_unscaled_output(len, OutRef(out.middleRows(begin, len)));
+        write_unscaled_output(len, out_rows);
       }
     }
   }
 
   /// Non-causal attention: every query sees the sums over all keys. The kernel must be built
   /// with decay 1 (the non-causal form has none).
-  template <class Source, class OutRef>
-  void non_causal(const Source& src, CarriedState<T>& state, OutRef out) {
+  void non_causal(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out) {
     LINATTN_ASSERT(!has_decay());
     absorb(src, state);
     attend_fixed(src, state, out);
@@ -460,9 +484,8 @@ class ChunkedKernel {
   static constexpr double kStreamRange = std::is_same_v<T, float> ? 40.0 : 300.0;
 
   /// No decay, no scale: the register-tiled stream over the chunk, S and z updated in place.
-  template <class OutRef>
   void plain_stream_chunk(Eigen::Index len, const ChunkRows<T>& rows, CarriedState<T>& state,
-                          OutRef out) {
+                          OutRows<O>& out) {
     stream_chunk(len, rows, state);
     state.log_scale = 0.0;
     write_unscaled_output(len, out);
@@ -498,8 +521,7 @@ class ChunkedKernel {
   /// reference rho for the chunk, key j is weighted exp(log_k_j - (j+1) log g - rho) and
   /// output i multiplied by exp(rho - c_i + (i+1) log g); every factor is exp of at most
   /// kStreamRange. Returns false, touching nothing, when the chunk spreads wider.
-  template <class OutRef>
-  bool scaled_stream_chunk(Eigen::Index len, CarriedState<T>& state, OutRef out) {
+  bool scaled_stream_chunk(Eigen::Index len, CarriedState<T>& state, OutRows<O>& out) {
     const double lg = log_decay_;
     const double carried = state.log_scale;
     double rho = carried;
@@ -543,8 +565,7 @@ class ChunkedKernel {
   /// Token i's output is computed relative to its own running scale c_i (scan_running_log),
   /// which looks at no later token, so every weight below is exp of a non-positive number and
   /// nothing overflows, however wide the chunk's log-scales spread.
-  template <class OutRef>
-  void masked_product_chunk(Eigen::Index len, CarriedState<T>& state, OutRef out) {
+  void masked_product_chunk(Eigen::Index len, CarriedState<T>& state, OutRows<O>& out) {
     Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
     Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
     Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
@@ -594,26 +615,29 @@ class ChunkedKernel {
     write_scaled_output(len, out);
   }
 
-  template <class OutRef>
-  void write_unscaled_output(Eigen::Index len, OutRef out) {
+  void write_unscaled_output(Eigen::Index len, OutRows<O>& out) {
     for (Eigen::Index r = 0; r < len; ++r) write_row(r, 0.0, out);
   }
 
   /// Rows whose num and den miss the factor exp(output_log).
-  template <class OutRef>
-  void write_scaled_output(Eigen::Index len, OutRef out) {
+  void write_scaled_output(Eigen::Index len, OutRows<O>& out) {
     for (Eigen::Index r = 0; r < len; ++r) write_row(r, buf_.output_log(r), out);
   }
 
-  /// Output row r of the chunk. A 16-bit row in memory is finished in T, then rounded by
-  /// convert(), many at a time: the same values as Eigen's cast, element by element.
-  template <class OutRef>
-  void write_row(Eigen::Index r, double log_factor, OutRef& out) {
-    using Out = typename OutRef::Scalar;
-    if constexpr (is_half_scalar<Out> && is_row_memory<OutRef>) {
-      out_row_.resize(buf_.num.cols());
-      write_output_row(buf_.num.row(r), buf_.den(r), log_factor, options_, out_row_);
-      convert(out_row_.data(), &out.coeffRef(r, 0), out_row_.size());
+  /// Output row r of the chunk. Rows with adjacent entries are written through a plain row
+  /// map (vectorised); a 16-bit row is finished in T, then rounded by convert(), many at a
+  /// time: the same values as Eigen's cast, element by element.
+  void write_row(Eigen::Index r, double log_factor, OutRows<O>& out) {
+    if (out.cols() == 0) return;
+    if (out.innerStride() == 1) {
+      Eigen::Map<Eigen::Matrix<O, 1, Eigen::Dynamic>> row(&out.coeffRef(r, 0), out.cols());
+      if constexpr (is_half_scalar<O>) {
+        out_row_.resize(buf_.num.cols());
+        write_output_row(buf_.num.row(r), buf_.den(r), log_factor, options_, out_row_);
+        convert(out_row_.data(), row.data(), out_row_.size());
+      } else {
+        write_output_row(buf_.num.row(r), buf_.den(r), log_factor, options_, row);
+      }
     } else {
       write_output_row(buf_.num.row(r), buf_.den(r), log_factor, options_, out.row(r));
     }

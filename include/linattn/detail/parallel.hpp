@@ -109,15 +109,14 @@ inline std::vector<Eigen::Index> segment_bounds(Eigen::Index n, int threads, Eig
 /// Pass 1: thread 0 attends the first segment while the others absorb theirs into local
 /// states; pass 2: a prefix over the segment states gives each segment its starting state;
 /// pass 3: every later segment is attended from its start, one thread each.
-template <class T, class Source, class OutRef>
-void causal_sequence_parallel(const Source& src, CarriedState<T>& state, OutRef out,
+template <class T, class O>
+void causal_sequence_parallel(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out,
                               const Options& options, int threads) {
   const Eigen::Index n = src.rows();
   const Eigen::Index chunk = std::max<Eigen::Index>(1, options.chunk);
   const std::vector<Eigen::Index> bounds = segment_bounds(n, threads, chunk);
   const int segments = static_cast<int>(bounds.size()) - 1;  // threads + 1
   auto rows_of = [&](int s) { return bounds[s + 1] - bounds[s]; };
-  auto range = [&](int s) { return RowRange<Source>(src, bounds[s], rows_of(s)); };
 
   // starts[s] is the state before segment s; starts[segments] the final state.
   std::vector<CarriedState<T>> starts(segments + 1,
@@ -125,12 +124,13 @@ void causal_sequence_parallel(const Source& src, CarriedState<T>& state, OutRef 
   starts[0] = state;
   parallel_for(segments - 1, threads, [&](Eigen::Index s) {
     const int seg = static_cast<int>(s);
-    ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), rows_of(seg), options);
+    const RowRange<T> range(src, bounds[seg], rows_of(seg));
+    ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), rows_of(seg), options);
     if (seg == 0) {
       starts[1] = starts[0];
-      kernel.causal(range(0), starts[1], OutRef(out.middleRows(bounds[0], rows_of(0))));
+      kernel.causal(range, starts[1], OutRows<O>(out.middleRows(bounds[0], rows_of(0))));
     } else {
-      kernel.absorb(range(seg), starts[seg + 1]);  // local sums, prefixed in pass 2
+      kernel.absorb(range, starts[seg + 1]);  // local sums, prefixed in pass 2
     }
   });
   const double log_decay = std::log(options.decay);
@@ -143,32 +143,35 @@ void causal_sequence_parallel(const Source& src, CarriedState<T>& state, OutRef 
   parallel_for(segments - 1, threads, [&](Eigen::Index s) {
     const int seg = static_cast<int>(s) + 1;
     ends[seg] = starts[seg];
-    ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), rows_of(seg), options);
-    kernel.causal(range(seg), ends[seg], OutRef(out.middleRows(bounds[seg], rows_of(seg))));
+    const RowRange<T> range(src, bounds[seg], rows_of(seg));
+    ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), rows_of(seg), options);
+    kernel.causal(range, ends[seg], OutRows<O>(out.middleRows(bounds[seg], rows_of(seg))));
   });
   state = std::move(ends[segments - 1]);
 }
 
 /// Causal attention over `src` from `state` into `out` on up to `threads` threads: split
 /// across the sequence when it is long enough, one pass of the chunked kernel otherwise.
-template <class T, class Source, class OutRef>
-void run_causal(const Source& src, CarriedState<T>& state, OutRef out, const Options& options,
-                int threads) {
+/// Compiled once per (T, O); the compiled mode (LINATTN_COMPILED) instantiates it in the
+/// library for the built-in types.
+template <class T, class O>
+void causal_rows(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out,
+                 const Options& options, int threads) {
   const Eigen::Index n = src.rows();
   const Eigen::Index usable = std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
   if (usable >= 2) {
-    causal_sequence_parallel(src, state, out, options, static_cast<int>(usable));
+    causal_sequence_parallel<T, O>(src, state, out, options, static_cast<int>(usable));
     return;
   }
-  ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), n, options);
+  ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), n, options);
   kernel.causal(src, state, out);
 }
 
 /// Non-causal attention over `src` into `out` (state from empty): the sums split across
 /// threads by segment and added, then the outputs split the same way.
-template <class T, class Source, class OutRef>
-void run_non_causal(const Source& src, CarriedState<T>& state, OutRef out, const Options& options,
-                    int threads) {
+template <class T, class O>
+void non_causal_rows(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out,
+                     const Options& options, int threads) {
   const Eigen::Index n = src.rows();
   Options tuned = options;
   tuned.decay = 1.0;
@@ -176,26 +179,43 @@ void run_non_causal(const Source& src, CarriedState<T>& state, OutRef out, const
   tuned.chunk = std::max<Eigen::Index>(options.chunk, 256);
   const int usable = static_cast<int>(std::min<Eigen::Index>(threads, n / kMinRowsPerThread));
   if (usable < 2) {
-    ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), n, tuned);
+    ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), n, tuned);
     kernel.non_causal(src, state, out);
     return;
   }
   std::vector<Eigen::Index> bounds(usable + 1);
   for (int t = 0; t <= usable; ++t) bounds[t] = n * t / usable;
-  auto range = [&](Eigen::Index t) {
-    return RowRange<Source>(src, bounds[t], bounds[t + 1] - bounds[t]);
-  };
   std::vector<CarriedState<T>> sums(usable, CarriedState<T>(state.s.rows(), state.s.cols()));
   parallel_for(usable, usable, [&](Eigen::Index t) {
-    ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), bounds[t + 1] - bounds[t], tuned);
-    kernel.absorb(range(t), sums[t]);
+    const RowRange<T> range(src, bounds[t], bounds[t + 1] - bounds[t]);
+    ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), bounds[t + 1] - bounds[t], tuned);
+    kernel.absorb(range, sums[t]);
   });
   for (int t = 0; t < usable; ++t) append_segment(state, sums[t], 0, 0.0);
   parallel_for(usable, usable, [&](Eigen::Index t) {
-    ChunkedKernel<T> kernel(state.s.rows(), state.s.cols(), bounds[t + 1] - bounds[t], tuned);
-    kernel.attend_fixed(range(t), state,
-                        OutRef(out.middleRows(bounds[t], bounds[t + 1] - bounds[t])));
+    const RowRange<T> range(src, bounds[t], bounds[t + 1] - bounds[t]);
+    ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), bounds[t + 1] - bounds[t], tuned);
+    kernel.attend_fixed(range, state,
+                        OutRows<O>(out.middleRows(bounds[t], bounds[t + 1] - bounds[t])));
   });
 }
 
+/// causal_rows for any row-major output expression (a Ref, a map, a block of one).
+template <class T, class OutRef>
+void run_causal(const ChunkSource<T>& src, CarriedState<T>& state, OutRef&& out,
+                const Options& options, int threads) {
+  using O = typename std::decay_t<OutRef>::Scalar;
+  causal_rows<T, O>(src, state, OutRows<O>(out), options, threads);
+}
+
+/// non_causal_rows for any row-major output expression.
+template <class T, class OutRef>
+void run_non_causal(const ChunkSource<T>& src, CarriedState<T>& state, OutRef&& out,
+                    const Options& options, int threads) {
+  using O = typename std::decay_t<OutRef>::Scalar;
+  non_causal_rows<T, O>(src, state, OutRows<O>(out), options, threads);
+}
+
 }  // namespace linattn::detail
+
+#include <linattn/detail/compiled.hpp>  // the compiled mode's declarations, after the definitions

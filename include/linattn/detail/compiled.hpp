@@ -1,0 +1,33 @@
+// SPDX-License-Identifier: MIT
+// The compiled mode: with LINATTN_COMPILED defined (the linattn::compiled target defines it),
+// the chunked kernels for the built-in scalar types are declared here and built once, in the
+// library, instead of in every translation unit that calls them.
+#pragma once
+
+#include <Eigen/Core>
+#include <linattn/detail/parallel.hpp>
+
+/// Every (accumulation, output) scalar pair the library builds: X(T, O) for each.
+#define LINATTN_KERNEL_TYPES(X)  \
+  X(float, float)                \
+  X(float, Eigen::half)          \
+  X(float, Eigen::bfloat16)      \
+  X(double, double)              \
+  X(double, float)               \
+  X(double, Eigen::half)         \
+  X(double, Eigen::bfloat16)
+
+/// The explicit instantiations of one pair; `prefix` is `extern template` or `template`.
+#define LINATTN_KERNEL_INSTANCES(prefix, T, O)                                                 \
+  prefix void linattn::detail::causal_rows<T, O>(                                              \
+      const linattn::detail::ChunkSource<T>&, linattn::detail::CarriedState<T>&,              \
+      linattn::detail::OutRows<O>, const linattn::Options&, int);                              \
+  prefix void linattn::detail::non_causal_rows<T, O>(                                          \
+      const linattn::detail::ChunkSource<T>&, linattn::detail::CarriedState<T>&,              \
+      linattn::detail::OutRows<O>, const linattn::Options&, int);
+
+#ifdef LINATTN_COMPILED
+#define LINATTN_DECLARE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(extern template, T, O)
+LINATTN_KERNEL_TYPES(LINATTN_DECLARE_KERNELS)
+#undef LINATTN_DECLARE_KERNELS
+#endif
