@@ -1,6 +1,7 @@
 # Shared by run_installed.cmake and run_subdirectory.cmake (cmake -P scripts run by ctest).
 # Inputs (-D): CONSUMER_SOURCE_DIR WORK_DIR GENERATOR [GENERATOR_PLATFORM] [GENERATOR_TOOLSET]
 # [MAKE_PROGRAM] [CXX_COMPILER] [CXX_FLAGS] [EXE_LINKER_FLAGS] [EXE_SUFFIX] [CONFIG] [EIGEN3_DIR]
+# [CONFIG_FLAGS_NAME CONFIG_FLAGS] (CMAKE_CXX_FLAGS_<CONFIG> of the build, used when CONFIG matches)
 # (and by run_bare_install.cmake and run_strict.cmake)
 cmake_minimum_required(VERSION 3.19)
 
@@ -32,6 +33,10 @@ function(linattn_consumer_tool_args out_var)
   endif()
   if(CONFIG)
     list(APPEND configure_args "-DCMAKE_BUILD_TYPE=${CONFIG}")
+    if(CONFIG_FLAGS_NAME STREQUAL CONFIG)
+      string(TOUPPER "${CONFIG}" config_upper)
+      list(APPEND configure_args "-DCMAKE_CXX_FLAGS_${config_upper}=${CONFIG_FLAGS}")
+    endif()
   endif()
   if(EIGEN3_DIR)
     list(APPEND configure_args "-DEigen3_DIR=${EIGEN3_DIR}")
