@@ -14,6 +14,10 @@
 using linattn::Matrix;
 using linattn_test::gaussian;
 using linattn_test::naive_linear_attention;
+using linattn_test::recurrent_linear_attention;
+
+/// Longest sequence the tests check against the O(N^2) formula itself.
+constexpr Eigen::Index kQuadraticMaxRows = 512;
 using linattn_test::relative_error;
 
 namespace {
@@ -57,8 +61,19 @@ double worst_error_against_reference(const Map& map, double stddev, bool causal,
     for (const double decay : decays) {
       if (!causal && decay != 1.0) continue;  // non-causal ignores the decay
       for (const bool normalize : {true, false}) {
+        // The quadratic formula up to N = 512, the recurrence beyond (both in double); where
+        // both run they must agree, so the faster one is checked against the definition.
         const Matrix<double> expected =
-            naive_linear_attention(phi_q_ref, phi_k_ref, vd, causal, decay, 1e-6, normalize);
+            n <= kQuadraticMaxRows
+                ? naive_linear_attention(phi_q_ref, phi_k_ref, vd, causal, decay, 1e-6, normalize)
+                : recurrent_linear_attention(phi_q_ref, phi_k_ref, vd, causal, decay, 1e-6,
+                                             normalize);
+        if (n <= kQuadraticMaxRows) {
+          const Matrix<double> recurrent =
+              recurrent_linear_attention(phi_q_ref, phi_k_ref, vd, causal, decay, 1e-6, normalize);
+          INFO("the two references, N = " << n << ", decay " << decay);
+          CHECK(relative_error(recurrent, expected) <= 1e-12);
+        }
         for (const Eigen::Index chunk : {16, 64, 128}) {
           linattn::Options options;
           options.decay = decay;
