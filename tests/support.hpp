@@ -71,8 +71,8 @@ inline Matrix<double> naive_linear_attention(const Matrix<double>& phi_q,
 /// the tests check that the two agree where both run.
 inline Matrix<double> recurrent_linear_attention(const Matrix<double>& phi_q,
                                                  const Matrix<double>& phi_k,
-                                                 const Matrix<double>& v, bool causal,
-                                                 double decay, double eps, bool normalize) {
+                                                 const Matrix<double>& v, bool causal, double decay,
+                                                 double eps, bool normalize) {
   const Eigen::Index n = phi_q.rows();
   Matrix<double> s = Matrix<double>::Zero(phi_k.cols(), v.cols());
   Eigen::VectorXd z = Eigen::VectorXd::Zero(phi_k.cols());

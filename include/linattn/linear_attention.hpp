@@ -66,8 +66,7 @@ void featurized_attention(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matri
   require_output_shape(out, phi_q.rows(), v.cols(), where);
   using T = accumulator_t<Acc, typename DQ::Scalar>;
   run_attention<Causal>(
-      FeaturizedSource<T, DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()), out,
-      options);
+      FeaturizedSource<T, DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()), out, options);
 }
 
 /// Validates raw inputs and runs the kernel with `map` applied chunk by chunk.
@@ -79,8 +78,8 @@ void mapped_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK
   validate_sequence_threads(q, k, v, options, where, "q", "k");
   require_output_shape(out, q.rows(), v.cols(), where);
   using T = accumulator_t<Acc, typename DQ::Scalar>;
-  run_attention<Causal>(MappedSource<T, DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(),
-                                                         map, options.check_finite, where),
+  run_attention<Causal>(MappedSource<T, DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(), map,
+                                                         options.check_finite, where),
                         out, options);
 }
 

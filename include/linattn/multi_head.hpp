@@ -207,30 +207,29 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
     }
   }
   scan_heads(q, k, v, options, where, q_name, k_name);
-  for_each_sequence_head(
-      q, k, v, out, sequences, options,
-      [&](Eigen::Index, Eigen::Index, const auto& qs, const auto& ks, const auto& vs, auto os,
-          int threads) {
-        using DQ = std::decay_t<decltype(qs)>;
-        using DK = std::decay_t<decltype(ks)>;
-        using DV = std::decay_t<decltype(vs)>;
-        CarriedState<Scalar> state(feature_dim, v.dim());
-        Options run_options = options;
-        run_options.threads = threads;
-        auto attend = [&](const auto& source) {
-          if (causal) {
-            run_causal(source, state, os, run_options, threads);
-          } else {
-            run_non_causal(source, state, os, run_options, threads);
-          }
-        };
-        if constexpr (std::is_same_v<Map, void>) {
-          attend(FeaturizedSource<Scalar, DQ, DK, DV>(qs, ks, vs));
-        } else {
-          attend(MappedSource<Scalar, DQ, DK, DV, Map>(qs, ks, vs, *map, options.check_finite,
-                                                       where));
-        }
-      });
+  for_each_sequence_head(q, k, v, out, sequences, options,
+                         [&](Eigen::Index, Eigen::Index, const auto& qs, const auto& ks,
+                             const auto& vs, auto os, int threads) {
+                           using DQ = std::decay_t<decltype(qs)>;
+                           using DK = std::decay_t<decltype(ks)>;
+                           using DV = std::decay_t<decltype(vs)>;
+                           CarriedState<Scalar> state(feature_dim, v.dim());
+                           Options run_options = options;
+                           run_options.threads = threads;
+                           auto attend = [&](const auto& source) {
+                             if (causal) {
+                               run_causal(source, state, os, run_options, threads);
+                             } else {
+                               run_non_causal(source, state, os, run_options, threads);
+                             }
+                           };
+                           if constexpr (std::is_same_v<Map, void>) {
+                             attend(FeaturizedSource<Scalar, DQ, DK, DV>(qs, ks, vs));
+                           } else {
+                             attend(MappedSource<Scalar, DQ, DK, DV, Map>(
+                                 qs, ks, vs, *map, options.check_finite, where));
+                           }
+                         });
 }
 
 /// The one dispatch of the view entry points: checks the map concept, then reads Identity

@@ -147,11 +147,10 @@ class RecurrentState {
         detail::require_output_shape(out, q.rows(), value_dim(), where);
         detail::scan_inputs(q, k, v, options_, where, "phi_q", "phi_k");
         run_chunked(
-            detail::FeaturizedSource<Acc, DQ, DK, DV>(q.derived(), k.derived(), v.derived()),
-            out);
+            detail::FeaturizedSource<Acc, DQ, DK, DV>(q.derived(), k.derived(), v.derived()), out);
       } else {
-        const detail::MappedSource<Acc, DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(),
-                                                           map, options_.check_finite, where);
+        const detail::MappedSource<Acc, DQ, DK, DV, Map> source(
+            q.derived(), k.derived(), v.derived(), map, options_.check_finite, where);
         check_dims(source.feature_dim(), v.cols(), where, "phi(q)");
         detail::require_output_shape(out, q.rows(), value_dim(), where);
         detail::scan_inputs(q, k, v, options_, where, "q", "k");

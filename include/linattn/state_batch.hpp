@@ -213,8 +213,8 @@ class RecurrentStateBatch {
           if constexpr (std::is_same_v<Map, void>) {
             state.run_chunked(detail::FeaturizedSource<Acc, DQ, DK, DV>(qs, ks, vs), os, threads);
           } else {
-            state.run_chunked(detail::MappedSource<Acc, DQ, DK, DV, Map>(qs, ks, vs, *map,
-                                                                    options().check_finite, where),
+            state.run_chunked(detail::MappedSource<Acc, DQ, DK, DV, Map>(
+                                  qs, ks, vs, *map, options().check_finite, where),
                               os, threads);
           }
         });

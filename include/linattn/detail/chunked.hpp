@@ -185,8 +185,7 @@ class ChunkSource {
                                 ChunkBuffers<T>& buf) const = 0;
 
  protected:
-  ChunkSource(Eigen::Index rows, Eigen::Index feature_dim, Eigen::Index value_dim,
-              bool log_scaled)
+  ChunkSource(Eigen::Index rows, Eigen::Index feature_dim, Eigen::Index value_dim, bool log_scaled)
       : rows_(rows), feature_dim_(feature_dim), value_dim_(value_dim), log_scaled_(log_scaled) {}
   ~ChunkSource() = default;
 
@@ -227,8 +226,7 @@ class FeaturizedSource final : public ChunkSource<T> {
   void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
     load_rows(phi_q_.middleRows(begin, len), buf.q);
   }
-  void load_keys_values(Eigen::Index begin, Eigen::Index len,
-                        ChunkBuffers<T>& buf) const override {
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
     load_rows(phi_k_.middleRows(begin, len), buf.k);
     load_rows(v_.middleRows(begin, len), buf.v);
   }
@@ -276,8 +274,7 @@ class MappedSource final : public ChunkSource<T> {
       store(map_.queries(x), buf.q, len, "queries");
     }
   }
-  void load_keys_values(Eigen::Index begin, Eigen::Index len,
-                        ChunkBuffers<T>& buf) const override {
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
     const Matrix<T> x = converted(k_.middleRows(begin, len));
     if constexpr (kLogScaled) {
       store(map_.scaled_features(x, buf.log_scratch), buf.k, len, "keys");
@@ -337,8 +334,7 @@ class RowRange final : public ChunkSource<T> {
   void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
     source_.load_queries(begin_ + begin, len, buf);
   }
-  void load_keys_values(Eigen::Index begin, Eigen::Index len,
-                        ChunkBuffers<T>& buf) const override {
+  void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
     source_.load_keys_values(begin_ + begin, len, buf);
   }
 

@@ -8,22 +8,22 @@
 #include <linattn/detail/parallel.hpp>
 
 /// Every (accumulation, output) scalar pair the library builds: X(T, O) for each.
-#define LINATTN_KERNEL_TYPES(X)  \
-  X(float, float)                \
-  X(float, Eigen::half)          \
-  X(float, Eigen::bfloat16)      \
-  X(double, double)              \
-  X(double, float)               \
-  X(double, Eigen::half)         \
+#define LINATTN_KERNEL_TYPES(X) \
+  X(float, float)               \
+  X(float, Eigen::half)         \
+  X(float, Eigen::bfloat16)     \
+  X(double, double)             \
+  X(double, float)              \
+  X(double, Eigen::half)        \
   X(double, Eigen::bfloat16)
 
 /// The explicit instantiations of one pair; `prefix` is `extern template` or `template`.
-#define LINATTN_KERNEL_INSTANCES(prefix, T, O)                                                 \
-  prefix void linattn::detail::causal_rows<T, O>(                                              \
-      const linattn::detail::ChunkSource<T>&, linattn::detail::CarriedState<T>&,              \
-      linattn::detail::OutRows<O>, const linattn::Options&, int);                              \
-  prefix void linattn::detail::non_causal_rows<T, O>(                                          \
-      const linattn::detail::ChunkSource<T>&, linattn::detail::CarriedState<T>&,              \
+#define LINATTN_KERNEL_INSTANCES(prefix, T, O)                                   \
+  prefix void linattn::detail::causal_rows<T, O>(                                \
+      const linattn::detail::ChunkSource<T>&, linattn::detail::CarriedState<T>&, \
+      linattn::detail::OutRows<O>, const linattn::Options&, int);                \
+  prefix void linattn::detail::non_causal_rows<T, O>(                            \
+      const linattn::detail::ChunkSource<T>&, linattn::detail::CarriedState<T>&, \
       linattn::detail::OutRows<O>, const linattn::Options&, int);
 
 #ifdef LINATTN_COMPILED
