@@ -31,6 +31,10 @@ AttentionGradients<double> naive_backward(const Matrix<double>& q, const Matrix<
                                           bool causal, double decay, double eps, bool normalize,
                                           AttentionGradients<double>* magnitude = nullptr) {
   const Eigen::Index n = q.rows();
+  // One thread: Eigen's threaded GEMM on these large temporaries spends more on page-table
+  // traffic (and on the cores ctest gives the test beside this one) than it saves.
+  const int eigen_threads = Eigen::nbThreads();
+  Eigen::setNbThreads(1);
   std::vector<double> power(static_cast<std::size_t>(n), 1.0);
   for (Eigen::Index t = 1; t < n; ++t) power[t] = power[t - 1] * decay;
   AttentionGradients<double> grads{Matrix<double>::Zero(n, q.cols()),
@@ -79,6 +83,7 @@ AttentionGradients<double> naive_backward(const Matrix<double>& q, const Matrix<
     abs_sums.q.middleRows(first, rows).noalias() += abs_grad_w * abs_k;
     abs_sums.k.noalias() += abs_grad_w.transpose() * abs_q.middleRows(first, rows);
   }
+  Eigen::setNbThreads(eigen_threads);
   if (magnitude != nullptr) *magnitude = abs_sums;
   return grads;
 }
