@@ -158,6 +158,9 @@ void write_output_row(const Eigen::MatrixBase<NumRow>& num, T den, double log_fa
 /// compiled once per accumulation and output type, not once per input expression and map.
 template <class T>
 class ChunkSource {
+  static_assert(is_supported_scalar<T>,
+                "linattn kernels accumulate in float or double (Acc = float or double)");
+
  public:
   ChunkSource(const ChunkSource&) = delete;
   ChunkSource& operator=(const ChunkSource&) = delete;
@@ -202,8 +205,6 @@ class FeaturizedSource final : public ChunkSource<T> {
  public:
   static_assert(is_input_scalar<typename DQ::Scalar>,
                 "linattn kernels take float, double, Eigen::half or Eigen::bfloat16 inputs");
-  static_assert(is_supported_scalar<T>,
-                "linattn kernels accumulate in float or double (Acc = float or double)");
 
   FeaturizedSource(const DQ& phi_q, const DK& phi_k, const DV& v)
       : ChunkSource<T>(phi_q.rows(), phi_q.cols(), v.cols(), false),
@@ -243,8 +244,6 @@ class MappedSource final : public ChunkSource<T> {
  public:
   static_assert(is_input_scalar<typename DQ::Scalar>,
                 "linattn kernels take float, double, Eigen::half or Eigen::bfloat16 inputs");
-  static_assert(is_supported_scalar<T>,
-                "linattn kernels accumulate in float or double (Acc = float or double)");
   static constexpr bool kLogScaled = is_log_scaled<Map>::value;
 
   MappedSource(const DQ& q, const DK& k, const DV& v, const Map& map, bool check_finite,
