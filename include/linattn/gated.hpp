@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: MIT
-// Gated linear attention (GLA / RetNet style): a data-dependent gate a_t in (0, 1] per token,
-// scalar or per feature, in place of the constant decay. Chunked forward, recurrent stepper and
-// backward pass.
+// Gated linear attention (GLA, Mamba-2, RWKV-6 style): a data-dependent gate a_t in (0, 1]
+// per token, scalar or per feature, in place of the constant decay. The forward runs on the one
+// chunked kernel (detail/chunked.hpp), the recurrent form is RecurrentState's gated step; the
+// backward pass still has its own chunked kernel here (GatedKernel), until it moves onto the
+// engine too.
 #pragma once
 
 #include <algorithm>
@@ -13,7 +15,9 @@
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
+#include <linattn/gates.hpp>
 #include <linattn/linear_attention.hpp>
+#include <linattn/recurrent_state.hpp>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -21,10 +25,10 @@
 /// The recurrence, with phi_q, phi_k: N x C, v: N x Dv and gates a: N x 1 or N x C:
 ///     S_t = diag(a_t) S_{t-1} + phi_k_t v_t^T,   z_t = a_t o z_{t-1} + phi_k_t
 ///     out_t = phi_q_t^T S_t / (phi_q_t . z_t + eps)   (the numerator alone without normalize)
-/// Gates are given as a_t, not as logs. Options::decay must stay 1: the gates replace it (fold a
-/// constant decay g into them as g a_t). Like the other kernels, every entry point takes an
-/// optional first template argument, the accumulation type (default: the input scalar).
-/// Options::threads only spreads the NaN/Inf scan: the gated kernels run on the calling thread.
+/// Gates are given as a_t, or in log space as log_gates(g) (g_t = log a_t, -infinity resets).
+/// Options::decay must stay 1: the gates replace it (fold a constant decay g into them as
+/// g a_t). Like the other kernels, every entry point takes an optional first template
+/// argument, the accumulation type (default: the input scalar).
 namespace linattn {
 
 namespace detail {
@@ -34,45 +38,6 @@ enum class GateSide {
   keys,    ///< S = diag(a) S + k v^T: the forward pass (and d v in the backward pass)
   values,  ///< S = S diag(a) + k v^T: the backward passes for d phi_q and d phi_k
 };
-
-/// Throws unless Options::decay is 1: with gates a constant decay would be a second, silent gate.
-inline void require_unit_decay(const Options& options, const char* where) {
-  if (options.decay != 1.0) {
-    throw Error(std::string(where) + ": Options::decay must be 1 with gates (the gates replace " +
-                "the decay; fold a constant decay g into them as g * a_t), got " +
-                std::to_string(options.decay));
-  }
-}
-
-/// Throws naming the first entry of `gates` outside (0, 1] (NaN included) by row and column.
-template <class Derived>
-void require_gates_in_range(const Eigen::MatrixBase<Derived>& gates, const char* where,
-                            const char* name) {
-  using Scalar = typename Derived::Scalar;
-  // NaN fails both comparisons, so one vectorised pass covers it.
-  if (((gates.array() > Scalar(0)) && (gates.array() <= Scalar(1))).all()) return;
-  for (Eigen::Index r = 0; r < gates.rows(); ++r) {
-    for (Eigen::Index c = 0; c < gates.cols(); ++c) {
-      const Scalar a = gates(r, c);
-      if (!(a > Scalar(0) && a <= Scalar(1))) {
-        throw Error(std::string(where) + ": " + name + " must lie in (0, 1], got " +
-                    std::to_string(static_cast<double>(a)) + " at row " + std::to_string(r) +
-                    ", column " + std::to_string(c));
-      }
-    }
-  }
-}
-
-/// Throws unless gates is N x 1 (one gate per token) or N x C (one per feature and token).
-template <class Derived>
-void require_gate_shape(const Eigen::MatrixBase<Derived>& gates, Eigen::Index rows,
-                        Eigen::Index features, const char* where) {
-  if (gates.rows() != rows || (gates.cols() != 1 && gates.cols() != features)) {
-    throw Error(std::string(where) + ": gates is " + shape_string(gates) + " but phi_q is " +
-                shape_string(rows, features) + "; gates must be " + shape_string(rows, 1) +
-                " (one gate per token) or " + shape_string(rows, features) + " (one per feature)");
-  }
-}
 
 /// Every check of the sequence routines, before anything is written: shapes, options, gates in
 /// (0, 1] (always), and NaN or Inf in phi_q, phi_k, v (with check_finite).
@@ -84,28 +49,7 @@ void validate_gated_sequence(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Ma
   require_unit_decay(options, where);
   require_gate_shape(gates, phi_q.rows(), phi_q.cols(), where);
   scan_inputs(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
-  require_gates_in_range(gates, where, "gates");
-}
-
-/// One output row from its numerator and denominator, with the kernels' denominator guard:
-/// num / guard(den + eps), a zero row where that is 0; num alone without normalize.
-template <class A, class NumRow, class OutRow>
-void write_gated_row(const Eigen::MatrixBase<NumRow>& num, A den, const Options& options,
-                     const Eigen::MatrixBase<OutRow>& out_expr) {
-  // Eigen's idiom for writing through an expression argument.
-  Eigen::MatrixBase<OutRow>& out = const_cast<Eigen::MatrixBase<OutRow>&>(out_expr);
-  using Out = typename OutRow::Scalar;
-  if (!options.normalize) {
-    out = num.template cast<Out>();
-    return;
-  }
-  const A eps = static_cast<A>(options.eps);
-  const A d = guard_denominator<A>(den + eps, eps);
-  if (d == A(0)) {
-    out.setZero();
-  } else {
-    out = (num / d).template cast<Out>();
-  }
+  require_gates_in_range<false>(gates, where, "gates");
 }
 
 /// The unnormalized gated causal kernel in chunked form, continuing from a carried state.
@@ -372,31 +316,6 @@ class GatedKernel {
   Vector<Acc> den_;                               ///< chunk
 };
 
-/// Validates, then runs the normalized (or plain) gated forward into `out`.
-template <class Acc, class DQ, class DK, class DV, class DG>
-void gated_forward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                   const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
-                   Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
-                   const char* where) {
-  using A = accumulator_t<Acc, typename DQ::Scalar>;
-  static_assert(is_supported_scalar<typename DQ::Scalar> && is_supported_scalar<A>,
-                "gated linear attention takes float or double inputs and accumulators");
-  validate_gated_sequence(phi_q, phi_k, v, gates, options, where);
-  require_output_shape(out, phi_q.rows(), v.cols(), where);
-  const SerialEigenScope serial_eigen;
-  Matrix<A> s = Matrix<A>::Zero(phi_q.cols(), v.cols());
-  Vector<A> z = Vector<A>::Zero(phi_q.cols());
-  GatedKernel<A> kernel(phi_q.cols(), v.cols(), gates.cols(), GateSide::keys, phi_q.rows(),
-                        options.chunk);
-  kernel.run(phi_q, phi_k, v, gates, s, options.normalize ? &z : nullptr,
-             [&](Eigen::Index begin, Eigen::Index len, const Matrix<A>& num, const Vector<A>& den) {
-               for (Eigen::Index r = 0; r < len; ++r) {
-                 write_gated_row(num.row(r), options.normalize ? den(r) : A(0), options,
-                                 out.row(begin + r));
-               }
-             });
-}
-
 }  // namespace detail
 
 namespace detail {
@@ -443,48 +362,95 @@ void with_gated_features(const Map& map, const Eigen::MatrixBase<DQ>& q,
 
 }  // namespace detail
 
-/// Gated causal linear attention, chunked (parallel) form, into `out`. O(N) time; allocates
-/// O(chunk * (C + Dv) + chunk^2 + C * Dv) for Identity, plus the N x C features of any other
-/// map. Gates near 0 (1e-30) and long chunks stay finite: every weight is exp of a
-/// non-positive sum.
+namespace detail {
+
+/// The gate argument of a gated entry point: a_t or log_gates(g), of the inputs' scalar.
+template <class DQ, class DK, class DV, class Gates>
+using enable_if_gates = std::enable_if_t<
+    gate_traits<Gates>::is_gate && std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
+    std::is_same_v<typename DQ::Scalar, typename DV::Scalar>>;
+
+/// Validates everything, then runs the one chunked kernel with the gates attached to the
+/// source. Per-feature gates read plain features (an exponential map's are checked finite).
+template <class Acc, class DQ, class DK, class DV, class Gates, class Map>
+void gated_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                     const Eigen::MatrixBase<DV>& v, const Gates& gates, const Map& map,
+                     Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
+                     const char* where) {
+  using Scalar = typename DQ::Scalar;
+  using T = accumulator_t<Acc, Scalar>;
+  static_assert(std::is_same_v<gate_scalar_t<Gates>, Scalar>,
+                "the gates must have the inputs' scalar type");
+  if constexpr (check_feature_map<Map, T>()) {
+    constexpr bool features = is_identity_map<Map>;
+    validate_sequence_shapes(q, k, v, options, where, features ? "phi_q" : "q",
+                             features ? "phi_k" : "k");
+    require_output_shape(out, q.rows(), v.cols(), where);
+    const GateMatrix<Gates> gate_rows(gates);
+    if constexpr (features) {
+      validate_gates(gates, q.rows(), q.cols(), options, where);
+      scan_inputs(q, k, v, options, where, "phi_q", "phi_k");
+      FeaturizedSource<T, DQ, DK, DV> source(q.derived(), k.derived(), v.derived());
+      source.attach_gates(gate_rows);
+      run_attention<true>(source, out, options);
+    } else {
+      MappedSource<T, DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(), map,
+                                              options.check_finite, where, gate_rows.cols() == 1);
+      validate_gates(gates, q.rows(), source.feature_dim(), options, where);
+      scan_inputs(q, k, v, options, where, "q", "k");
+      source.attach_gates(gate_rows);
+      run_attention<true>(source, out, options);
+    }
+  }
+}
+
+}  // namespace detail
+
+/// Gated causal linear attention, chunked (parallel) form, into `out`:
+///     S_t = diag(a_t) S_{t-1} + phi(k_t) v_t^T,   z_t = a_t o z_{t-1} + phi(k_t)
+///     out_t = phi(q_t)^T S_t / (phi(q_t) . z_t + eps)   (the numerator alone without normalize)
+/// The same engine as causal_linear_attention: scalar gates are per-token factors of the
+/// register-tiled stream, per-feature gates weight its queries and keys per feature. O(N) time;
+/// allocates O(chunk * (C + Dv) + chunk^2 + C * Dv), nothing proportional to N. Gates near 0
+/// (1e-30) stay finite, and a log gate of -infinity resets the state (a document boundary).
 /// @param q        N x Dk queries, one row per token (features, with Identity)
 /// @param k        N x Dk keys
 /// @param v        N x Dv values
-/// @param gates    N x 1 or N x C gates a_t in (0, 1] (not logs), scalar or per feature
+/// @param gates    N x 1 (scalar) or N x C (per feature): a_t in (0, 1], or log_gates(g) with
+///                 g_t = log a_t <= 0
 /// @param map      feature map (Identity{} for precomputed features)
 /// @param out      N x Dv result, row-major (may not alias the inputs)
-/// @param options  eps, normalize, chunk, check_finite; decay must be 1
-template <class Acc = void, class DQ, class DK, class DV, class DG, class Map,
-          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
+/// @param options  eps, normalize, chunk, check_finite, threads; decay must be 1
+template <class Acc = void, class DQ, class DK, class DV, class Gates, class Map,
+          class = detail::enable_if_gates<DQ, DK, DV, Gates>>
 void causal_gated_linear_attention_into(const Eigen::MatrixBase<DQ>& q,
                                         const Eigen::MatrixBase<DK>& k,
-                                        const Eigen::MatrixBase<DV>& v,
-                                        const Eigen::MatrixBase<DG>& gates, const Map& map,
+                                        const Eigen::MatrixBase<DV>& v, const Gates& gates,
+                                        const Map& map,
                                         Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                                         const Options& options = {}) {
-  constexpr const char* where = "causal_gated_linear_attention";
-  detail::with_gated_features<Acc>(
-      map, q, k, options, where, [&](const auto& phi_q, const auto& phi_k) {
-        detail::gated_forward<Acc>(phi_q, phi_k, v, gates, out, options, where);
-      });
+  detail::gated_attention<Acc>(q, k, v, gates, map, out, options,
+                               "causal_gated_linear_attention");
 }
 
 /// Gated causal linear attention; returns N x Dv. See causal_gated_linear_attention_into.
 /// @param q        N x Dk queries
 /// @param k        N x Dk keys
 /// @param v        N x Dv values
-/// @param gates    N x 1 or N x C gates a_t in (0, 1]
+/// @param gates    N x 1 or N x C gates a_t in (0, 1], or log_gates(g)
 /// @param map      feature map (Identity{} for precomputed features); a call without one does
 ///                 not compile
-/// @param options  eps, normalize, chunk, check_finite; decay must be 1
-template <class Acc = void, class DQ, class DK, class DV, class DG,
-          class Map = detail::MissingFeatureMap,
-          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
-Matrix<typename DQ::Scalar> causal_gated_linear_attention(
-    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-    const Eigen::MatrixBase<DG>& gates, const Map& map = {}, const Options& options = {}) {
+/// @param options  eps, normalize, chunk, check_finite, threads; decay must be 1
+template <class Acc = void, class DQ, class DK, class DV, class Gates,
+          class Map = detail::MissingFeatureMap, class = detail::enable_if_gates<DQ, DK, DV, Gates>>
+Matrix<typename DQ::Scalar> causal_gated_linear_attention(const Eigen::MatrixBase<DQ>& q,
+                                                          const Eigen::MatrixBase<DK>& k,
+                                                          const Eigen::MatrixBase<DV>& v,
+                                                          const Gates& gates, const Map& map = {},
+                                                          const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
-  causal_gated_linear_attention_into<Acc>(q, k, v, gates, map, out, options);
+  detail::gated_attention<Acc>(q, k, v, gates, map, out, options,
+                               "causal_gated_linear_attention");
   return out;
 }
 
@@ -684,300 +650,5 @@ GatedAttentionGradients<typename DQ::Scalar> causal_gated_linear_attention_backw
   causal_gated_linear_attention_backward_into<Acc>(q, k, v, gates, grad_out, map, grads, options);
   return grads;
 }
-
-/// The recurrent (decoding) form of gated linear attention for one sequence: S (C x Dv), z (C)
-/// and the tokens seen. `step` adds one token in O(C * Dv) and allocates nothing in step_into;
-/// `prefill` adds many through the chunked form. Both give the outputs of one
-/// causal_gated_linear_attention call over the whole sequence. A throwing call leaves the state
-/// unchanged. Acc is the type of the state and of every sum (default T).
-template <class T, class Acc = T>
-class GatedRecurrentState {
-  static_assert(detail::is_supported_scalar<T> && detail::is_supported_scalar<Acc>,
-                "GatedRecurrentState<T, Acc> takes float or double");
-
- public:
-  /// @param feature_dim  C, the width of phi(q) and phi(k)
-  /// @param value_dim    Dv, the width of v
-  /// @param options      eps, normalize, check_finite (and chunk, for prefill); decay must be 1
-  GatedRecurrentState(Eigen::Index feature_dim, Eigen::Index value_dim, const Options& options = {})
-      : s_(Matrix<Acc>::Zero(
-            detail::require_positive_dim(feature_dim, "GatedRecurrentState", "feature_dim"),
-            detail::require_positive_dim(value_dim, "GatedRecurrentState", "value_dim"))),
-        z_(Vector<Acc>::Zero(feature_dim)),
-        options_(options),
-        query_(feature_dim),
-        key_(feature_dim),
-        value_(value_dim),
-        gate_(feature_dim),
-        num_(value_dim) {
-    detail::validate_options(options, "GatedRecurrentState");
-    detail::require_unit_decay(options, "GatedRecurrentState");
-  }
-
-  /// Adds one token through a feature map and returns its output.
-  /// @param q     Dk query (any row or column vector expression; features, with Identity)
-  /// @param k     Dk key
-  /// @param v     Dv value
-  /// @param gate  C gates (per feature) or 1 gate, each in (0, 1]
-  /// @param map   feature map with map.feature_dim(Dk) == C (Identity{} for precomputed
-  ///              features); a call without one does not compile
-  /// @return      Dv output
-  template <class DQ, class DK, class DV, class DG, class Map = detail::MissingFeatureMap>
-  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gate,
-                 const Map& map = {}) {
-    Vector<T> out(value_dim());
-    step_into(q, k, v, gate, map, out);
-    return out;
-  }
-
-  /// Adds one token with a scalar gate a in (0, 1] through a feature map.
-  template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap>
-  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                 const Eigen::MatrixBase<DV>& v, T gate, const Map& map = {}) {
-    Vector<T> out(value_dim());
-    step_into(q, k, v, gate, map, out);
-    return out;
-  }
-
-  /// As step, writing the output into `out` (Dv); with Identity it allocates nothing.
-  template <class DQ, class DK, class DV, class DG, class Map>
-  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gate, const Map& map,
-                 Eigen::Ref<Vector<T>> out) {
-    with_token_features(map, q, k, [&](const auto& phi_q, const auto& phi_k) {
-      step_features_into(phi_q, phi_k, v, gate, out);
-    });
-  }
-
-  /// As step with a scalar gate, writing the output into `out` (Dv).
-  template <class DQ, class DK, class DV, class Map>
-  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                 const Eigen::MatrixBase<DV>& v, T gate, const Map& map,
-                 Eigen::Ref<Vector<T>> out) {
-    with_token_features(map, q, k, [&](const auto& phi_q, const auto& phi_k) {
-      step_features_into(phi_q, phi_k, v, gate, out);
-    });
-  }
-
-  /// Adds many tokens through the chunked form from the current state; returns their outputs,
-  /// the same (within rounding) as calling step for each row.
-  /// @param q      N x Dk queries (features, with Identity)
-  /// @param k      N x Dk keys
-  /// @param v      N x Dv values
-  /// @param gates  N x 1 or N x C gates a_t in (0, 1]
-  /// @param map    feature map (Identity{} for precomputed features)
-  /// @return       N x Dv outputs
-  template <class DQ, class DK, class DV, class DG, class Map = detail::MissingFeatureMap>
-  Matrix<T> prefill(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
-                    const Map& map = {}) {
-    Matrix<T> out(q.rows(), value_dim());
-    prefill_into(q, k, v, gates, map, out);
-    return out;
-  }
-
-  /// As prefill, writing into `out` (N x Dv, row-major).
-  template <class DQ, class DK, class DV, class DG, class Map>
-  void prefill_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
-                    const Map& map, Eigen::Ref<Matrix<T>> out) {
-    detail::with_gated_features<Acc>(map, q, k, options_, "GatedRecurrentState::prefill",
-                                     [&](const auto& phi_q, const auto& phi_k) {
-                                       prefill_features_into(phi_q, phi_k, v, gates, out);
-                                     });
-  }
-
-  /// S, C x Dv.
-  const Matrix<Acc>& s() const { return s_; }
-  /// z, C.
-  const Vector<Acc>& z() const { return z_; }
-  /// Tokens added since construction or reset.
-  std::int64_t tokens() const { return tokens_; }
-  /// C, rows of S.
-  Eigen::Index feature_dim() const { return s_.rows(); }
-  /// Dv, columns of S.
-  Eigen::Index value_dim() const { return s_.cols(); }
-  /// The options given at construction.
-  const Options& options() const { return options_; }
-
-  /// Forgets every token; keeps the dimensions and options.
-  void reset() {
-    s_.setZero();
-    z_.setZero();
-    tokens_ = 0;
-  }
-
- private:
-  /// Adds one token and writes its output; allocates nothing.
-  /// @param phi_q  C featurized query
-  /// @param phi_k  C featurized key
-  /// @param v      Dv value
-  /// @param gate   C gates (per feature) or 1 gate, each in (0, 1]
-  /// @param out    Dv output
-  template <class DQ, class DK, class DV, class DG>
-  void step_features_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                          const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gate,
-                          Eigen::Ref<Vector<T>> out) {
-    constexpr const char* where = "GatedRecurrentState::step";
-    check_scalars<DQ, DK, DV>();
-    static_assert(std::is_same_v<typename DG::Scalar, T>, "gate must have the state's scalar");
-    if ((gate.rows() != 1 && gate.cols() != 1) ||
-        (gate.size() != 1 && gate.size() != feature_dim())) {
-      throw Error(std::string(where) + ": gate is " + detail::shape_string(gate) +
-                  ", expected a vector of " + std::to_string(feature_dim()) +
-                  " entries (per feature) or 1 (scalar)");
-    }
-    validate_token(phi_q, phi_k, v, out, where);
-    detail::require_gates_in_range(gate, where, "gate");
-    load_token(phi_q, phi_k, v);
-    if (gate.size() == 1) {
-      advance(false, static_cast<Acc>(gate(0, 0)), out);
-    } else {
-      gate_ = gate.reshaped().template cast<Acc>();
-      advance(true, Acc(1), out);
-    }
-  }
-
-  /// Adds one token with a scalar gate and writes its output; allocates nothing.
-  /// @param phi_q  C featurized query
-  /// @param phi_k  C featurized key
-  /// @param v      Dv value
-  /// @param gate   the gate a in (0, 1]
-  /// @param out    Dv output
-  template <class DQ, class DK, class DV>
-  void step_features_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                          const Eigen::MatrixBase<DV>& v, T gate, Eigen::Ref<Vector<T>> out) {
-    constexpr const char* where = "GatedRecurrentState::step";
-    check_scalars<DQ, DK, DV>();
-    validate_token(phi_q, phi_k, v, out, where);
-    if (!(gate > T(0) && gate <= T(1))) {
-      throw Error(std::string(where) + ": gate must lie in (0, 1], got " +
-                  std::to_string(static_cast<double>(gate)));
-    }
-    load_token(phi_q, phi_k, v);
-    advance(false, static_cast<Acc>(gate), out);
-  }
-
-  /// As prefill, writing into `out`.
-  /// @param phi_q  N x C featurized queries
-  /// @param phi_k  N x C featurized keys
-  /// @param v      N x Dv values
-  /// @param gates  N x 1 or N x C gates a_t in (0, 1]
-  /// @param out    N x Dv outputs
-  template <class DQ, class DK, class DV, class DG>
-  void prefill_features_into(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
-                             Eigen::Ref<Matrix<T>> out) {
-    constexpr const char* where = "GatedRecurrentState::prefill";
-    check_scalars<DQ, DK, DV>();
-    static_assert(std::is_same_v<typename DG::Scalar, T>, "gates must have the state's scalar");
-    detail::validate_gated_sequence(phi_q, phi_k, v, gates, options_, where);
-    if (phi_q.cols() != feature_dim() || v.cols() != value_dim()) {
-      throw Error(std::string(where) + ": phi_q has " + std::to_string(phi_q.cols()) +
-                  " columns and v has " + std::to_string(v.cols()) + "; the state is " +
-                  detail::shape_string(feature_dim(), value_dim()) + " (C x Dv)");
-    }
-    detail::require_output_shape(out, phi_q.rows(), value_dim(), where);
-    const detail::SerialEigenScope serial_eigen;
-    // Run on a copy, committed at the end, so the state moves all at once or not at all.
-    Matrix<Acc> s = s_;
-    Vector<Acc> z = z_;
-    detail::GatedKernel<Acc> kernel(feature_dim(), value_dim(), gates.cols(),
-                                    detail::GateSide::keys, phi_q.rows(), options_.chunk);
-    kernel.run(
-        phi_q, phi_k, v, gates, s, &z,
-        [&](Eigen::Index begin, Eigen::Index len, const Matrix<Acc>& num, const Vector<Acc>& den) {
-          for (Eigen::Index r = 0; r < len; ++r) {
-            detail::write_gated_row(num.row(r), options_.normalize ? den(r) : Acc(0), options_,
-                                    out.row(begin + r));
-          }
-        });
-    s_.swap(s);
-    z_.swap(z);
-    tokens_ += phi_q.rows();
-  }
-
-  /// Runs `body(phi_q, phi_k)` on one token's features: in place for Identity, else the
-  /// map's features of q and k (checked: one token each, the state's feature count).
-  template <class Map, class DQ, class DK, class Body>
-  void with_token_features(const Map& map, const Eigen::MatrixBase<DQ>& q,
-                           const Eigen::MatrixBase<DK>& k, const Body& body) {
-    constexpr const char* where = "GatedRecurrentState::step";
-    if constexpr (detail::check_feature_map<Map, Acc>()) {
-      if constexpr (detail::is_identity_map<Map>) {
-        body(q.derived(), k.derived());
-      } else {
-        detail::require_vector(q, q.size(), where, "q");
-        detail::require_vector(k, q.size(), where, "k");
-        const Eigen::Index dim = map.feature_dim(q.size());
-        if (dim != feature_dim()) {
-          throw Error(std::string(where) + ": the feature map gives " + std::to_string(dim) +
-                      " features for q of size " + std::to_string(q.size()) +
-                      " but the state holds " + std::to_string(feature_dim()));
-        }
-        const Matrix<T> phi_q =
-            detail::gated_features<Acc>(map, q.reshaped().transpose(), false, options_, where, "q");
-        const Matrix<T> phi_k =
-            detail::gated_features<Acc>(map, k.reshaped().transpose(), true, options_, where, "k");
-        body(phi_q, phi_k);
-      }
-    }
-  }
-
-  template <class DQ, class DK, class DV>
-  static void check_scalars() {
-    static_assert(std::is_same_v<typename DQ::Scalar, T> &&
-                      std::is_same_v<typename DK::Scalar, T> &&
-                      std::is_same_v<typename DV::Scalar, T>,
-                  "inputs must have the state's scalar type");
-  }
-
-  template <class DQ, class DK, class DV>
-  void validate_token(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                      const Eigen::MatrixBase<DV>& v, const Eigen::Ref<Vector<T>>& out,
-                      const char* where) const {
-    detail::require_vector(phi_q, feature_dim(), where, "phi_q");
-    detail::require_vector(phi_k, feature_dim(), where, "phi_k");
-    detail::require_vector(v, value_dim(), where, "v");
-    detail::require_output_size(out, value_dim(), where);
-    if (options_.check_finite) {
-      detail::require_finite(phi_q, where, "phi_q");
-      detail::require_finite(phi_k, where, "phi_k");
-      detail::require_finite(v, where, "v");
-    }
-  }
-
-  template <class DQ, class DK, class DV>
-  void load_token(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
-                  const Eigen::MatrixBase<DV>& v) {
-    query_ = phi_q.reshaped().template cast<Acc>();
-    key_ = phi_k.reshaped().template cast<Acc>();
-    value_ = v.reshaped().template cast<Acc>();
-  }
-
-  /// The recurrence for the token in the workspace; gate_ holds per-feature gates when
-  /// `per_feature`, else `scalar` is the gate.
-  void advance(bool per_feature, Acc scalar, Eigen::Ref<Vector<T>> out) {
-    if (per_feature) {
-      for (Eigen::Index c = 0; c < feature_dim(); ++c) s_.row(c) *= gate_(c);
-      z_.array() *= gate_.array();
-    } else {
-      s_ *= scalar;
-      z_ *= scalar;
-    }
-    s_.noalias() += key_ * value_.transpose();
-    z_ += key_;
-    num_.noalias() = s_.transpose() * query_;
-    detail::write_gated_row(num_, query_.dot(z_), options_, out);
-    ++tokens_;
-  }
-
-  Matrix<Acc> s_;
-  Vector<Acc> z_;
-  Options options_;
-  std::int64_t tokens_ = 0;
-  Vector<Acc> query_, key_, value_, gate_, num_;
-};
 
 }  // namespace linattn

@@ -17,6 +17,7 @@
 #include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
+#include <linattn/gates.hpp>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -68,7 +69,8 @@ class RecurrentState {
         query_(feature_dim),
         key_(feature_dim),
         value_(value_dim),
-        output_(std::is_same_v<T, Acc> ? 0 : value_dim) {
+        output_(std::is_same_v<T, Acc> ? 0 : value_dim),
+        feature_log_gate_(feature_dim) {
     detail::validate_options(options, "RecurrentState");
   }
 
@@ -80,12 +82,75 @@ class RecurrentState {
   /// @param map  feature map with map.feature_dim(Dk) == C (Identity{} for precomputed
   ///             features); a call without one does not compile
   /// @return     Dv output
-  template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap>
+  template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap,
+            class = std::enable_if_t<!detail::gate_traits<Map>::is_gate>>
   Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                  const Eigen::MatrixBase<DV>& v, const Map& map = {}) {
     Vector<T> out(value_dim());
     step_into(q, k, v, map, out);
     return out;
+  }
+
+  /// Adds one token with a gate (instead of Options::decay, which must be 1) and returns its
+  /// output: S <- diag(a) S + phi(k) v^T, z alike. Pending gate factors stay in double
+  /// (row_log_scale(), log_scale()) until they pass a factor of e, so gates of 1 - 1e-8 are
+  /// not rounded away in a float state.
+  /// @param q     Dk query (features, with Identity)
+  /// @param k     Dk key
+  /// @param v     Dv value
+  /// @param gate  1 gate (scalar) or C gates (per feature): a vector of a in (0, 1], or
+  ///              log_gates(g) with g <= 0 (-infinity resets the state)
+  /// @param map   feature map (Identity{} for precomputed features)
+  /// @return      Dv output
+  template <class DQ, class DK, class DV, class Gate, class Map = detail::MissingFeatureMap,
+            class = std::enable_if_t<detail::gate_traits<Gate>::is_gate>>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Gate& gate, const Map& map = {}) {
+    Vector<T> out(value_dim());
+    step_into(q, k, v, gate, map, out);
+    return out;
+  }
+
+  /// Adds one token with the scalar gate a in (0, 1]; see the gated step.
+  template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, T gate, const Map& map = {}) {
+    Vector<T> out(value_dim());
+    step_into(q, k, v, Eigen::Matrix<T, 1, 1>::Constant(gate), map, out);
+    return out;
+  }
+
+  /// As the gated step, writing the output into `out` (Dv); allocates nothing once the first
+  /// token has sized the workspace. On a throw the state is unchanged.
+  template <class DQ, class DK, class DV, class Gate, class Map,
+            class = std::enable_if_t<detail::gate_traits<Gate>::is_gate>>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Gate& gate, const Map& map,
+                 Eigen::Ref<Vector<T>> out) {
+    constexpr const char* where = "RecurrentState::step";
+    check_scalars<DQ, DK, DV>();
+    static_assert(std::is_same_v<detail::gate_scalar_t<Gate>, T>,
+                  "the gate must have the state's input scalar type");
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      load_gate(gate, where);
+      const GateScope scope(*this);
+      if constexpr (detail::is_identity_map<Map>) {
+        load_token(q, k, v, out, where, "phi_q", "phi_k");
+        advance(0.0, 0.0, true, out);
+      } else {
+        featurize_token(q, k, v, map, out.size(), where);
+        if (token_gate_ == TokenGate::feature) unscale_token(where);
+        advance_featurized(v, true, out);
+      }
+    }
+  }
+
+  /// As the gated step with a scalar gate a in (0, 1], writing into `out` (Dv).
+  template <class DQ, class DK, class DV, class Map>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, T gate, const Map& map,
+                 Eigen::Ref<Vector<T>> out) {
+    step_into(q, k, v, Eigen::Matrix<T, 1, 1>::Constant(gate), map, out);
   }
 
   /// As step(q, k, v, map), writing the output into `out` (Dv). Allocates nothing once the
@@ -124,12 +189,69 @@ class RecurrentState {
   /// @param map  feature map with map.feature_dim(Dk) == C (Identity{} for precomputed
   ///             features); a call without one does not compile
   /// @return     N x Dv outputs
-  template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap>
+  template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap,
+            class = std::enable_if_t<!detail::gate_traits<Map>::is_gate>>
   Matrix<T> prefill(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                     const Eigen::MatrixBase<DV>& v, const Map& map = {}) {
     Matrix<T> out(q.rows(), value_dim());
     prefill_into(q, k, v, map, out);
     return out;
+  }
+
+  /// Adds many gated tokens through the chunked form (Options::decay must be 1); the same
+  /// (within rounding) as calling the gated step for each row. On a throw the state is
+  /// unchanged.
+  /// @param q      N x Dk queries (features, with Identity)
+  /// @param k      N x Dk keys
+  /// @param v      N x Dv values
+  /// @param gates  N x 1 or N x C gates a_t in (0, 1], or log_gates(g) with g <= 0
+  /// @param map    feature map (Identity{} for precomputed features)
+  /// @return       N x Dv outputs
+  template <class DQ, class DK, class DV, class Gates, class Map = detail::MissingFeatureMap,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  Matrix<T> prefill(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Gates& gates, const Map& map = {}) {
+    Matrix<T> out(q.rows(), value_dim());
+    prefill_into(q, k, v, gates, map, out);
+    return out;
+  }
+
+  /// As the gated prefill, writing into `out` (N x Dv, row-major).
+  template <class DQ, class DK, class DV, class Gates, class Map,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  void prefill_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Gates& gates, const Map& map,
+                    Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "RecurrentState::prefill";
+    check_scalars<DQ, DK, DV>();
+    static_assert(std::is_same_v<detail::gate_scalar_t<Gates>, T>,
+                  "the gates must have the state's input scalar type");
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      constexpr bool features = detail::is_identity_map<Map>;
+      detail::validate_sequence_shapes(q, k, v, options_, where, features ? "phi_q" : "q",
+                                       features ? "phi_k" : "k");
+      const detail::GateMatrix<Gates> gate_rows(gates);
+      if constexpr (features) {
+        check_dims(q.cols(), v.cols(), where, "phi_q");
+        detail::validate_gates(gates, q.rows(), feature_dim(), options_, where);
+        detail::require_output_shape(out, q.rows(), value_dim(), where);
+        detail::scan_inputs(q, k, v, options_, where, "phi_q", "phi_k");
+        detail::FeaturizedSource<Acc, DQ, DK, DV> source(q.derived(), k.derived(), v.derived());
+        source.attach_gates(gate_rows);
+        run_chunked(source, out);
+      } else {
+        // Per-feature gates take plain features (their kernel keeps no per-token scale).
+        detail::MappedSource<Acc, DQ, DK, DV, Map> source(q.derived(), k.derived(), v.derived(),
+                                                          map, options_.check_finite, where,
+                                                          gate_rows.cols() == 1);
+        check_dims(source.feature_dim(), v.cols(), where, "phi(q)");
+        detail::validate_gates(gates, q.rows(), feature_dim(), options_, where);
+        detail::require_output_shape(out, q.rows(), value_dim(), where);
+        detail::scan_inputs(q, k, v, options_, where, "q", "k");
+        source.attach_gates(gate_rows);
+        run_chunked(source, out);
+      }
+    }
   }
 
   /// As prefill(q, k, v, map), writing into `out` (N x Dv, row-major).
@@ -172,8 +294,12 @@ class RecurrentState {
   const Matrix<Acc>& s() const { return state_.s; }
   /// z scaled by exp(-log_scale()), C.
   const Vector<Acc>& z() const { return state_.z; }
-  /// Natural log of the factor s() and z() miss: 0 for plain maps, -infinity before any token.
+  /// Natural log of the factor s() and z() miss: 0 for plain maps, -infinity before any token;
+  /// after gated tokens also the scalar gates' pending factor (within [-1, 0] for plain maps).
   double log_scale() const { return state_.log_scale; }
+  /// Per-feature gates' pending factors, C entries in [-1, 0] (0 without per-feature gates):
+  /// row c of the true S is exp(log_scale() + row_log_scale()(c)) times row c of s().
+  const Eigen::Array<double, Eigen::Dynamic, 1>& row_log_scale() const { return state_.row_log; }
   /// Tokens added since construction or reset.
   std::int64_t tokens() const { return tokens_; }
   /// C, rows of S.
@@ -188,6 +314,8 @@ class RecurrentState {
     state_.s.setZero();
     state_.z.setZero();
     state_.log_scale = -std::numeric_limits<double>::infinity();
+    state_.row_log.setZero();
+    state_.rows_pending = false;
     tokens_ = 0;
   }
 
@@ -382,10 +510,17 @@ class RecurrentState {
     detail::write_fingerprint(out, print);
     out.put<std::int64_t>(tokens_);
     out.put<double>(state_.log_scale);
-    for (Eigen::Index r = 0; r < feature_dim(); ++r) {
-      for (Eigen::Index c = 0; c < value_dim(); ++c) out.put<Acc>(state_.s(r, c));
+    // Pending per-feature gate factors are applied to the written sums (format 2 has no field).
+    detail::CarriedState<Acc> folded(0, 0);
+    if (state_.rows_pending) {
+      folded = state_;
+      folded.fold_rows();
     }
-    for (Eigen::Index r = 0; r < feature_dim(); ++r) out.put<Acc>(state_.z(r));
+    const detail::CarriedState<Acc>& sums = state_.rows_pending ? folded : state_;
+    for (Eigen::Index r = 0; r < feature_dim(); ++r) {
+      for (Eigen::Index c = 0; c < value_dim(); ++c) out.put<Acc>(sums.s(r, c));
+    }
+    for (Eigen::Index r = 0; r < feature_dim(); ++r) out.put<Acc>(sums.z(r));
     const std::uint32_t checksum = out.checksum();
     out.put<std::uint32_t>(checksum);
     if (!os) throw Error("RecurrentState::save: the stream failed while writing");
@@ -657,12 +792,19 @@ class RecurrentState {
 
   void advance_in_accumulator(double log_q, double log_k, bool scaled,
                               Eigen::Ref<Vector<Acc>> out) {
+    if (token_gate_ == TokenGate::feature) {
+      advance_feature_gated(out);
+      return;
+    }
+    state_.fold_rows();
+    const bool gated = token_gate_ == TokenGate::scalar;
     Acc carry = static_cast<Acc>(options_.decay);
     double new_log = 0.0;
-    if (scaled) {
-      const double log_decay = std::log(options_.decay);
-      new_log = std::max(state_.log_scale + log_decay, log_k);
-      carry = detail::exp_as<Acc>(state_.log_scale + log_decay - new_log);
+    if (scaled || gated) {
+      const double log_step = gated ? token_log_gate_ : std::log(options_.decay);
+      new_log = detail::next_log_scale(state_.log_scale, log_step, log_k,
+                                       gated ? detail::kGateDrift : 0.0);
+      carry = detail::exp_as<Acc>(state_.log_scale + log_step - new_log);
       key_ *= detail::exp_as<Acc>(log_k - new_log);
     }
     if (carry != Acc(1)) {
@@ -694,6 +836,85 @@ class RecurrentState {
     detail::write_output_row(out, den, log_q + new_log, options_, out);
   }
 
+  /// One token with per-feature gates (feature_log_gate_) and plain features: the pending
+  /// row logs take the gates, and the stream runs on q exp(row_log), k exp(-row_log - L).
+  void advance_feature_gated(Eigen::Ref<Vector<Acc>> out) {
+    if (state_.empty()) state_.log_scale = 0.0;  // s and z are zero
+    const double base = state_.log_scale;
+    state_.settle_rows(state_.row_log + feature_log_gate_, detail::kGateDrift);
+    for (Eigen::Index c = 0; c < feature_dim(); ++c) {
+      const double x = state_.row_log(c);
+      if (x != 0.0) query_(c) *= detail::exp_as<Acc>(x);
+      if (x != 0.0 || base != 0.0) key_(c) *= detail::exp_as<Acc>(-x - base);
+    }
+    const Eigen::Index c = feature_dim();
+    const Eigen::Index dv = value_dim();
+    out.setZero();
+    const detail::StreamOperands<Acc> operands{
+        query_.data(), c, key_.data(), c, value_.data(), dv, state_.s.data(), dv, out.data(),
+        dv,            1, c,          dv};
+    detail::stream_product(operands);
+    Acc den(0);
+    detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, state_.z.data(), &den);
+    ++tokens_;
+    detail::write_output_row(out, den, base, options_, out);
+  }
+
+  /// The transition of the token being stepped: Options::decay, or the gate of a gated step.
+  enum class TokenGate { decay, scalar, feature };
+
+  /// Validates one token's gate (1 or C entries, in range) and keeps it, in log space, for
+  /// the advance; nothing in the state moves.
+  template <class Gate>
+  void load_gate(const Gate& gate, const char* where) {
+    using Traits = detail::gate_traits<Gate>;
+    const auto& values = Traits::values(gate);
+    if ((values.rows() != 1 && values.cols() != 1) ||
+        (values.size() != 1 && values.size() != feature_dim())) {
+      throw Error(std::string(where) + ": gate is " + detail::shape_string(values) +
+                  ", expected a vector of " + std::to_string(feature_dim()) +
+                  " entries (per feature) or 1 (scalar)");
+    }
+    detail::require_unit_decay(options_, where);
+    detail::require_gates_in_range<Traits::log_space>(values, where, "gate");
+    const auto log_of = [](double x) { return Traits::log_space ? x : std::log(x); };
+    if (values.size() == 1) {
+      token_gate_ = TokenGate::scalar;
+      token_log_gate_ = log_of(static_cast<double>(values(0, 0)));
+      return;
+    }
+    for (Eigen::Index c = 0; c < feature_dim(); ++c) {
+      feature_log_gate_(c) = log_of(static_cast<double>(values.reshaped()(c)));
+    }
+    token_gate_ = TokenGate::feature;
+  }
+
+  /// Puts the transition back to Options::decay when a gated step ends, thrown or not.
+  class GateScope {
+   public:
+    explicit GateScope(RecurrentState& state) : state_(state) {}
+    GateScope(const GateScope&) = delete;
+    GateScope& operator=(const GateScope&) = delete;
+    ~GateScope() { state_.token_gate_ = TokenGate::decay; }
+
+   private:
+    RecurrentState& state_;
+  };
+
+  /// A per-feature gated step takes plain features: folds an exponential map's log scales
+  /// into the token's features, throwing (the state untouched) when they overflow.
+  void unscale_token(const char* where) {
+    if (token_log_q_ != 0.0) query_ *= detail::exp_as<Acc>(token_log_q_);
+    if (token_log_k_ != 0.0) key_ *= detail::exp_as<Acc>(token_log_k_);
+    token_log_q_ = 0.0;
+    token_log_k_ = 0.0;
+    if (!query_.allFinite() || !key_.allFinite()) {
+      throw Error(std::string(where) +
+                  ": the feature map's features overflow, and per-feature gates take plain "
+                  "features: accumulate in double or scale the inputs down");
+    }
+  }
+
   template <class T2, class Acc2>
   friend class RecurrentStateBatch;
 
@@ -716,6 +937,13 @@ class RecurrentState {
   Vector<Acc> raw_q_, raw_k_;  ///< Dk: a mapped step's token in Acc, sized by the first one
   double token_log_q_ = 0.0, token_log_k_ = 0.0;  ///< its features' log scales
   Vector<Acc> output_;                            ///< Dv; used when Acc differs from T
+  TokenGate token_gate_ = TokenGate::decay;       ///< the stepped token's transition
+  double token_log_gate_ = 0.0;                   ///< its scalar log gate
+  Eigen::Array<double, Eigen::Dynamic, 1> feature_log_gate_;  ///< C: its per-feature log gates
 };
+
+/// The gated state of linattn 0.2.0 is RecurrentState: one state for every transition.
+template <class T, class Acc = detail::default_accumulator_t<T>>
+using GatedRecurrentState = RecurrentState<T, Acc>;
 
 }  // namespace linattn

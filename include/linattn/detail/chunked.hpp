@@ -10,6 +10,7 @@
 #include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
+#include <linattn/gates.hpp>
 #include <string>
 #include <type_traits>
 
@@ -23,14 +24,67 @@ struct CarriedState {
   Vector<T> z;  ///< C
   /// -infinity until the first token is absorbed.
   double log_scale = -std::numeric_limits<double>::infinity();
+  /// C: per-feature gates not yet applied to the rows of s and z (each in [-drift, 0]), so a
+  /// gate of 1 - 1e-8 is kept exactly in double instead of rounded away in T. Row c of the
+  /// true S is exp(log_scale + row_log(c)) times row c of s; all 0 unless rows_pending.
+  Eigen::Array<double, Eigen::Dynamic, 1> row_log;
+  bool rows_pending = false;
 
   CarriedState(Eigen::Index feature_dim, Eigen::Index value_dim)
-      : s(Matrix<T>::Zero(feature_dim, value_dim)), z(Vector<T>::Zero(feature_dim)) {}
+      : s(Matrix<T>::Zero(feature_dim, value_dim)),
+        z(Vector<T>::Zero(feature_dim)),
+        row_log(Eigen::Array<double, Eigen::Dynamic, 1>::Zero(feature_dim)) {}
 
   bool empty() const { return log_scale == -std::numeric_limits<double>::infinity(); }
   /// True while the state holds plain (unscaled) sums, so the cheaper unscaled path applies.
-  bool unscaled() const { return empty() || log_scale == 0.0; }
+  bool unscaled() const { return (empty() || log_scale == 0.0) && !rows_pending; }
+
+  /// Applies row_log to s and z and clears it (before any transition but a per-feature gate).
+  void fold_rows() {
+    if (!rows_pending) return;
+    for (Eigen::Index c = 0; c < s.rows(); ++c) {
+      if (row_log(c) != 0.0) {
+        const T factor = static_cast<T>(std::exp(row_log(c)));
+        s.row(c) *= factor;
+        z(c) *= factor;
+      }
+    }
+    row_log.setZero();
+    rows_pending = false;
+  }
+
+  /// Moves every row c of the state on by exp(reach(c)), the total log gate since row_log
+  /// (reach includes row_log): kept pending in row_log while it stays within `drift` of 0,
+  /// applied to s and z (and that row_log cleared) once it passes.
+  template <class Reach>
+  void settle_rows(const Reach& reach, double drift) {
+    for (Eigen::Index c = 0; c < s.rows(); ++c) {
+      const double r = reach(c);
+      if (r >= -drift) {
+        row_log(c) = r;
+        continue;
+      }
+      const T factor = static_cast<T>(std::exp(r));  // 0 for a reset (-infinity)
+      s.row(c) *= factor;
+      z(c) *= factor;
+      row_log(c) = 0.0;
+    }
+    rows_pending = true;
+  }
 };
+
+/// How far gated log scales drift (unapplied, exact in double) before they are applied to the
+/// state: a factor of at most e, so every weight stays well inside the stream range.
+inline constexpr double kGateDrift = 1.0;
+
+/// The next running log-scale after a token with log gate `log_gate` and key scale `log_key`:
+/// it follows the gate while it stays within `drift` of the key (nothing multiplies the
+/// state, so gates near 1 are not rounded away), else jumps to the key's scale. drift = 0 is
+/// max(previous + log_gate, log_key), the constant decay's rule.
+inline double next_log_scale(double previous, double log_gate, double log_key, double drift) {
+  const double decayed = previous + log_gate;
+  return decayed >= log_key - drift ? decayed : log_key;
+}
 
 /// Where the stream kernel reads a chunk's phi_q, phi_k and v: row-major rows with leading
 /// dimensions in elements, either the chunk buffers or the caller's memory itself.
@@ -94,6 +148,10 @@ struct ChunkBuffers {
   Matrix<T> num;                ///< L x Dv
   Vector<T> den;                ///< L
   Vector<double> log_scratch;   ///< L: a log-scaled map's row scales, before they are stored
+  LogRows log_gate;             ///< L x G: the chunk's log gates (G = 1 or C), when gated
+  Vector<double> decay, decay_lo;  ///< L: P_r, the log transition from the chunk start through
+                                   ///< token r, as a double-double (hi + lo)
+  LogRows cum;                  ///< L x C: per-feature log gates summed within a piece
 
   ChunkBuffers(Eigen::Index chunk, Eigen::Index feature_dim, Eigen::Index value_dim)
       : q(chunk, feature_dim),
@@ -106,7 +164,9 @@ struct ChunkBuffers {
         scores(chunk, chunk),
         weighted_keys(chunk, feature_dim),
         num(chunk, value_dim),
-        den(chunk) {}
+        den(chunk),
+        decay(chunk),
+        decay_lo(chunk) {}
 };
 
 /// exp(x) as T; an argument of -infinity gives exactly 0.
@@ -173,6 +233,16 @@ class ChunkSource {
   Eigen::Index value_dim() const { return value_dim_; }
   /// True when the loaded features come with per-row log scales (buf.log_q, buf.log_k).
   bool log_scaled() const { return log_scaled_; }
+  /// 0 without gates (the transition is Options::decay), 1 for scalar gates, C per feature.
+  Eigen::Index gate_dim() const { return gates_ == nullptr ? gate_dim_ : gates_->cols(); }
+
+  /// Reads the gates of every token from `gates` (rows() tokens; kept by reference).
+  void attach_gates(const GateRows& gates) { gates_ = &gates; }
+  /// dst rows [0, len) = log a_t for tokens [begin, begin + len); only when gate_dim() > 0.
+  virtual void load_log_gates(Eigen::Index begin, Eigen::Index len, LogRows& dst) const {
+    LINATTN_ASSERT(gates_ != nullptr);
+    gates_->log_rows(begin, len, dst);
+  }
 
   /// Points `rows` at tokens [begin, ...) in the caller's memory when they can be read in
   /// place (featurized row-major T with adjacent columns); false when they must be loaded.
@@ -188,8 +258,13 @@ class ChunkSource {
                                 ChunkBuffers<T>& buf) const = 0;
 
  protected:
-  ChunkSource(Eigen::Index rows, Eigen::Index feature_dim, Eigen::Index value_dim, bool log_scaled)
-      : rows_(rows), feature_dim_(feature_dim), value_dim_(value_dim), log_scaled_(log_scaled) {}
+  ChunkSource(Eigen::Index rows, Eigen::Index feature_dim, Eigen::Index value_dim, bool log_scaled,
+              Eigen::Index gate_dim = 0)
+      : rows_(rows),
+        feature_dim_(feature_dim),
+        value_dim_(value_dim),
+        log_scaled_(log_scaled),
+        gate_dim_(gate_dim) {}
   ~ChunkSource() = default;
 
  private:
@@ -197,6 +272,8 @@ class ChunkSource {
   Eigen::Index feature_dim_;
   Eigen::Index value_dim_;
   bool log_scaled_;
+  Eigen::Index gate_dim_;              ///< a forwarding source's gates (RowRange)
+  const GateRows* gates_ = nullptr;  ///< the attached gates, if any
 };
 
 /// Token source over featurized inputs phi_q, phi_k (N x C) and v (N x Dv), read as T.
@@ -246,14 +323,16 @@ class MappedSource final : public ChunkSource<T> {
                 "linattn kernels take float, double, Eigen::half or Eigen::bfloat16 inputs");
   static constexpr bool kLogScaled = is_log_scaled<Map>::value;
 
+  /// @param log_scale  false reads an exponential map's plain features (per-feature gates,
+  ///                   whose kernel keeps no per-token scale), checked finite
   MappedSource(const DQ& q, const DK& k, const DV& v, const Map& map, bool check_finite,
-               const char* where)
-      : ChunkSource<T>(q.rows(), map.feature_dim(q.cols()), v.cols(), kLogScaled),
+               const char* where, bool log_scale = true)
+      : ChunkSource<T>(q.rows(), map.feature_dim(q.cols()), v.cols(), kLogScaled && log_scale),
         q_(q),
         k_(k),
         v_(v),
         map_(map),
-        check_finite_(check_finite),
+        check_finite_(check_finite || (kLogScaled && !log_scale)),
         where_(where) {
     if (this->feature_dim() < 1) {
       throw Error(std::string(where) + ": the feature map gives feature_dim " +
@@ -267,20 +346,25 @@ class MappedSource final : public ChunkSource<T> {
   void load_queries(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
     const Matrix<T> x = converted(q_.middleRows(begin, len));
     if constexpr (kLogScaled) {
-      store(map_.scaled_features(x, buf.log_scratch), buf.q, len, "queries");
-      buf.log_q.head(len) = buf.log_scratch;
-    } else {
-      store(map_.queries(x), buf.q, len, "queries");
+      if (this->log_scaled()) {
+        store(map_.scaled_features(x, buf.log_scratch), buf.q, len, "queries");
+        buf.log_q.head(len) = buf.log_scratch;
+        return;
+      }
     }
+    store(map_.queries(x), buf.q, len, "queries");
   }
   void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
     const Matrix<T> x = converted(k_.middleRows(begin, len));
     if constexpr (kLogScaled) {
-      store(map_.scaled_features(x, buf.log_scratch), buf.k, len, "keys");
-      buf.log_k.head(len) = buf.log_scratch;
-    } else {
-      store(map_.keys(x), buf.k, len, "keys");
+      if (this->log_scaled()) {
+        store(map_.scaled_features(x, buf.log_scratch), buf.k, len, "keys");
+        buf.log_k.head(len) = buf.log_scratch;
+        load_rows(v_.middleRows(begin, len), buf.v);
+        return;
+      }
     }
+    store(map_.keys(x), buf.k, len, "keys");
     load_rows(v_.middleRows(begin, len), buf.v);
   }
 
@@ -321,7 +405,8 @@ template <class T>
 class RowRange final : public ChunkSource<T> {
  public:
   RowRange(const ChunkSource<T>& source, Eigen::Index begin, Eigen::Index rows)
-      : ChunkSource<T>(rows, source.feature_dim(), source.value_dim(), source.log_scaled()),
+      : ChunkSource<T>(rows, source.feature_dim(), source.value_dim(), source.log_scaled(),
+                       source.gate_dim()),
         source_(source),
         begin_(begin) {
     LINATTN_ASSERT(begin >= 0 && rows >= 0 && begin + rows <= source.rows());
@@ -336,6 +421,9 @@ class RowRange final : public ChunkSource<T> {
   void load_keys_values(Eigen::Index begin, Eigen::Index len, ChunkBuffers<T>& buf) const override {
     source_.load_keys_values(begin_ + begin, len, buf);
   }
+  void load_log_gates(Eigen::Index begin, Eigen::Index len, LogRows& dst) const override {
+    source_.load_log_gates(begin_ + begin, len, dst);
+  }
 
  private:
   const ChunkSource<T>& source_;
@@ -346,17 +434,18 @@ class RowRange final : public ChunkSource<T> {
 template <class O>
 using OutRows = Eigen::Ref<Matrix<O>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>>;
 
-/// state <- g^rows state + segment: appends the sums of a segment of `rows` tokens, computed
-/// from an empty state, to the sums before it. log_decay is log g (0 for non-causal sums).
+/// state <- exp(log_transition) state + segment: appends the sums of a segment, computed from
+/// an empty state, to the sums before it. log_transition is the segment's total log decay or
+/// log gate: rows * log g for a constant decay, 0 for non-causal sums, -infinity after a reset.
 template <class T>
-void append_segment(CarriedState<T>& state, const CarriedState<T>& segment, Eigen::Index rows,
-                    double log_decay) {
+void append_segment(CarriedState<T>& state, const CarriedState<T>& segment,
+                    double log_transition) {
   if (segment.empty()) return;
-  if (state.empty()) {
+  if (state.empty() || log_transition == -std::numeric_limits<double>::infinity()) {
     state = segment;
     return;
   }
-  const double decayed = state.log_scale + static_cast<double>(rows) * log_decay;
+  const double decayed = state.log_scale + log_transition;
   const double top = std::max(decayed, segment.log_scale);
   const T before = exp_as<T>(decayed - top);
   const T after = exp_as<T>(segment.log_scale - top);
@@ -365,9 +454,11 @@ void append_segment(CarriedState<T>& state, const CarriedState<T>& segment, Eige
   state.log_scale = top;
 }
 
-/// Runs the recurrence chunk by chunk: inside a chunk a masked, decay-weighted product of
-/// queries and keys; across chunks the carried state. All products are Eigen GEMMs. T is the
-/// accumulation type, O the output's scalar.
+/// Runs the recurrence chunk by chunk, for every transition: none, a constant decay, scalar
+/// gates (per-token factors of the register-tiled stream, or a masked, weighted product of
+/// queries and keys when they spread too far) and per-feature gates (the stream on queries and
+/// keys weighted per feature, over pieces of the chunk short enough that every weight fits).
+/// Across chunks the carried state. T is the accumulation type, O the output's scalar.
 template <class T, class O>
 class ChunkedKernel {
  public:
@@ -381,19 +472,33 @@ class ChunkedKernel {
   /// Causal attention over all rows of `src`, continuing from `state` and leaving it after the
   /// last token. out: N x Dv.
   void causal(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out) {
+    if (src.gate_dim() > 1) {
+      feature_gated(src, state, out);
+      return;
+    }
+    state.fold_rows();
+    gated_ = src.gate_dim() == 1;
     const bool scaled = src.log_scaled() || !state.unscaled();
+    const bool plain = !scaled && !gated_ && !has_decay();
     ChunkRows<T> in_place{};
-    for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
-      const Eigen::Index len = std::min(chunk_, src.rows() - begin);
-      OutRows<O> out_rows(out.middleRows(begin, len));
-      if (!scaled && !has_decay() && src.rows_in_place(begin, in_place)) {
+    Eigen::Index len = 0;
+    for (Eigen::Index begin = 0; begin < src.rows(); begin += len) {
+      len = std::min(chunk_, src.rows() - begin);
+      if (plain && src.rows_in_place(begin, in_place)) {
         // The plain stream reads the caller's rows directly: no copy through the buffers.
+        OutRows<O> out_rows(out.middleRows(begin, len));
         plain_stream_chunk(len, in_place, state, out_rows);
         continue;
       }
+      if (gated_) {
+        len = load_scalar_gates(src, begin, len, state);
+      } else {
+        constant_decay(len);
+      }
+      OutRows<O> out_rows(out.middleRows(begin, len));
       src.load_queries(begin, len, buf_);
       src.load_keys_values(begin, len, buf_);
-      if (!scaled && !has_decay()) {
+      if (plain) {
         plain_stream_chunk(len, buffer_rows(buf_.k), state, out_rows);
         continue;
       }
@@ -407,17 +512,31 @@ class ChunkedKernel {
   }
 
   /// Adds every row of `src` to `state` without computing outputs:
-  /// S <- g^L S + sum_j g^(L-1-j) phi_k_j v_j^T (and z alike), L = src.rows(). The state of a
-  /// segment on its own, for the sequence-parallel driver and the non-causal sums.
-  void absorb(const ChunkSource<T>& src, CarriedState<T>& state) {
+  /// S <- A S + sum_j A_j phi_k_j v_j^T (and z alike), A the transition over all rows and A_j
+  /// the one after token j. The state of a segment on its own, for the sequence-parallel
+  /// driver and the non-causal sums. Scalar gates or a constant decay only. When given,
+  /// *log_transition receives log A (-infinity when a gate reset the state).
+  void absorb(const ChunkSource<T>& src, CarriedState<T>& state,
+              double* log_transition = nullptr) {
+    LINATTN_ASSERT(src.gate_dim() <= 1);
+    state.fold_rows();
+    gated_ = src.gate_dim() == 1;
     const Eigen::Index n = src.rows();
-    const double lg = log_decay_;
-    for (Eigen::Index begin = 0; begin < n; begin += chunk_) {
-      const Eigen::Index len = std::min(chunk_, n - begin);
+    double total = 0.0;
+    Eigen::Index len = 0;
+    for (Eigen::Index begin = 0; begin < n; begin += len) {
+      len = std::min(chunk_, n - begin);
+      if (gated_) {
+        len = load_scalar_gates(src, begin, len, state);
+        if (reset_) total = -std::numeric_limits<double>::infinity();
+      } else {
+        constant_decay(len);
+      }
       src.load_keys_values(begin, len, buf_);
       Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
       Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
-      if (!src.log_scaled() && !has_decay() && state.unscaled()) {
+      total += decay_to(len - 1);
+      if (!src.log_scaled() && !gated_ && !has_decay() && state.unscaled()) {
         state.s.noalias() += keys.transpose() * values;
         state.z += keys.colwise().sum().transpose();
         state.log_scale = 0.0;
@@ -425,15 +544,14 @@ class ChunkedKernel {
       }
       if (!src.log_scaled()) buf_.log_k.head(len).setZero();
       // Every weight is taken relative to the largest, so nothing overflows.
-      const double decayed = state.log_scale + static_cast<double>(len) * lg;
+      const double decayed = state.log_scale + decay_to(len - 1);
       double top = decayed;
       for (Eigen::Index r = 0; r < len; ++r) {
-        top = std::max(top, buf_.log_k(r) + static_cast<double>(len - 1 - r) * lg);
+        top = std::max(top, buf_.log_k(r) + span(len - 1, r));
       }
       Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
       for (Eigen::Index r = 0; r < len; ++r) {
-        weighted.row(r) =
-            keys.row(r) * exp_as<T>(buf_.log_k(r) + static_cast<double>(len - 1 - r) * lg - top);
+        weighted.row(r) = keys.row(r) * exp_as<T>(buf_.log_k(r) + span(len - 1, r) - top);
       }
       const T carry = exp_as<T>(decayed - top);
       state.s *= carry;
@@ -442,10 +560,12 @@ class ChunkedKernel {
       state.z += weighted.colwise().sum().transpose();
       state.log_scale = top;
     }
+    if (log_transition != nullptr) *log_transition = total;
   }
 
   /// Outputs of every row of `src` against fixed sums `state` (the non-causal second pass).
   void attend_fixed(const ChunkSource<T>& src, const CarriedState<T>& state, OutRows<O> out) {
+    LINATTN_ASSERT(!state.rows_pending);
     const Eigen::Index n = src.rows();
     for (Eigen::Index begin = 0; begin < n; begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, n - begin);
@@ -466,7 +586,7 @@ class ChunkedKernel {
   /// Non-causal attention: every query sees the sums over all keys. The kernel must be built
   /// with decay 1 (the non-causal form has none).
   void non_causal(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out) {
-    LINATTN_ASSERT(!has_decay());
+    LINATTN_ASSERT(!has_decay() && src.gate_dim() == 0);
     absorb(src, state);
     attend_fixed(src, state, out);
   }
@@ -478,10 +598,70 @@ class ChunkedKernel {
   /// normal numbers, so nothing a later token does can flush an earlier one to zero.
   static constexpr double kStreamRange = std::is_same_v<T, float> ? 40.0 : 300.0;
 
+  /// The log transition of token r of the chunk (its gate, or the constant decay).
+  double step_log(Eigen::Index r) const { return gated_ ? buf_.log_gate(r, 0) : log_decay_; }
+  /// How far the running log-scale may drift below a key's: gates keep their factors pending.
+  double drift() const { return gated_ ? kGateDrift : 0.0; }
+  /// P_r: the log transition from the chunk's start through token r.
+  double decay_to(Eigen::Index r) const { return buf_.decay(r) + buf_.decay_lo(r); }
+  /// P_i - P_j, from the double-double: exact enough for gates of 1 - 1e-8 after strong ones.
+  double span(Eigen::Index i, Eigen::Index j) const {
+    return (buf_.decay(i) - buf_.decay(j)) + (buf_.decay_lo(i) - buf_.decay_lo(j));
+  }
+
+  /// P_r = (r + 1) log g for the constant decay.
+  void constant_decay(Eigen::Index len) {
+    for (Eigen::Index r = 0; r < len; ++r) buf_.decay(r) = static_cast<double>(r + 1) * log_decay_;
+    buf_.decay_lo.head(len).setZero();
+  }
+
+  /// Sizes the gate buffer for `cols` gates per token.
+  void size_gates(Eigen::Index cols) {
+    if (buf_.log_gate.rows() != chunk_ || buf_.log_gate.cols() != cols) {
+      buf_.log_gate.resize(chunk_, cols);
+    }
+  }
+
+  /// Loads the scalar log gates of tokens [begin, begin + len) and their prefix sums P_r;
+  /// returns the chunk's length, cut before the next reset. A reset on the first token clears
+  /// the state (it forgets everything before; reset_ says so), and then moves nothing.
+  Eigen::Index load_scalar_gates(const ChunkSource<T>& src, Eigen::Index begin, Eigen::Index len,
+                                 CarriedState<T>& state) {
+    constexpr double kReset = -std::numeric_limits<double>::infinity();
+    size_gates(1);
+    src.load_log_gates(begin, len, buf_.log_gate);
+    for (Eigen::Index r = 1; r < len; ++r) {
+      if (buf_.log_gate(r, 0) == kReset) {
+        len = r;
+        break;
+      }
+    }
+    reset_ = buf_.log_gate(0, 0) == kReset;
+    if (reset_) {
+      state.s.setZero();
+      state.z.setZero();
+      state.log_scale = kReset;
+      buf_.log_gate(0, 0) = 0.0;
+    }
+    // TwoSum: hi + lo is the exact running sum to double-double precision.
+    double hi = 0.0;
+    double lo = 0.0;
+    for (Eigen::Index r = 0; r < len; ++r) {
+      const double x = buf_.log_gate(r, 0);
+      const double sum = hi + x;
+      const double x_part = sum - hi;
+      lo += (hi - (sum - x_part)) + (x - x_part);
+      hi = sum;
+      buf_.decay(r) = hi;
+      buf_.decay_lo(r) = lo;
+    }
+    return len;
+  }
+
   /// No decay, no scale: the register-tiled stream over the chunk, S and z updated in place.
   void plain_stream_chunk(Eigen::Index len, const ChunkRows<T>& rows, CarriedState<T>& state,
                           OutRows<O>& out) {
-    stream_chunk(len, rows, state);
+    stream_chunk(0, len, rows, state);
     state.log_scale = 0.0;
     write_unscaled_output(len, out);
   }
@@ -491,38 +671,51 @@ class ChunkedKernel {
     return {buf_.q.data(), buf_.q.cols(), keys.data(), keys.cols(), buf_.v.data(), buf_.v.cols()};
   }
 
-  /// num, den for the chunk by the stream kernel.
-  void stream_chunk(Eigen::Index len, const ChunkRows<T>& rows, CarriedState<T>& state) {
+  /// num, den for tokens [first, first + len) of the chunk by the stream kernel (`rows` points
+  /// at the chunk's first token).
+  void stream_chunk(Eigen::Index first, Eigen::Index len, const ChunkRows<T>& rows,
+                    CarriedState<T>& state) {
     const Eigen::Index c = state.s.rows();
     const Eigen::Index dv = state.s.cols();
-    buf_.num.topRows(len).setZero();
-    const StreamOperands<T> operands{
-        rows.q, rows.ldq,        rows.k, rows.ldk, rows.v, rows.ldv, state.s.data(),
-        dv,     buf_.num.data(), dv,     len,      c,      dv};
+    buf_.num.middleRows(first, len).setZero();
+    const T* q = rows.q + first * rows.ldq;
+    const T* k = rows.k + first * rows.ldk;
+    const StreamOperands<T> operands{q,
+                                     rows.ldq,
+                                     k,
+                                     rows.ldk,
+                                     rows.v + first * rows.ldv,
+                                     rows.ldv,
+                                     state.s.data(),
+                                     dv,
+                                     buf_.num.data() + first * dv,
+                                     dv,
+                                     len,
+                                     c,
+                                     dv};
     stream_product(operands);
-    stream_denominator(rows.q, rows.ldq, rows.k, rows.ldk, len, c, state.z.data(), buf_.den.data());
+    stream_denominator(q, rows.ldq, k, rows.ldk, len, c, state.z.data(), buf_.den.data() + first);
   }
 
-  /// c_i = max(c_{i-1} + log g, log_k_i) for the chunk, from the carried c.
+  /// c_i = next_log_scale(c_{i-1}, the token's log transition, log_k_i) from the carried c.
   void scan_running_log(Eigen::Index len, double carried) {
     double previous = carried;
     for (Eigen::Index r = 0; r < len; ++r) {
-      previous = std::max(previous + log_decay_, buf_.log_k(r));
+      previous = next_log_scale(previous, step_log(r), buf_.log_k(r), drift());
       buf_.running_log(r) = previous;
     }
   }
 
-  /// The stream with decay and log-scales folded into per-token factors. Relative to one
-  /// reference rho for the chunk, key j is weighted exp(log_k_j - (j+1) log g - rho) and
-  /// output i multiplied by exp(rho - c_i + (i+1) log g); every factor is exp of at most
-  /// kStreamRange. Returns false, touching nothing, when the chunk spreads wider.
+  /// The stream with the transition and log-scales folded into per-token factors. Relative to
+  /// one reference rho for the chunk, key j is weighted exp(log_k_j - P_j - rho) and output i
+  /// multiplied by exp(rho - c_i + P_i); every factor is exp of at most kStreamRange. Returns
+  /// false, touching nothing, when the chunk spreads wider.
   bool scaled_stream_chunk(Eigen::Index len, CarriedState<T>& state, OutRows<O>& out) {
-    const double lg = log_decay_;
     const double carried = state.log_scale;
     double rho = carried;
     double lowest = std::numeric_limits<double>::infinity();
     for (Eigen::Index r = 0; r < len; ++r) {
-      const double step = static_cast<double>(r + 1) * lg;
+      const double step = decay_to(r);
       rho = std::max(rho, buf_.log_k(r) - step);
       lowest = std::min(lowest, buf_.running_log(r) - step);
     }
@@ -530,22 +723,21 @@ class ChunkedKernel {
 
     Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
     for (Eigen::Index r = 0; r < len; ++r) {
-      const double step = static_cast<double>(r + 1) * lg;
-      weighted.row(r) = buf_.k.row(r) * exp_as<T>(buf_.log_k(r) - step - rho);
+      weighted.row(r) = buf_.k.row(r) * exp_as<T>(buf_.log_k(r) - decay_to(r) - rho);
     }
     const T carry = exp_as<T>(carried - rho);
     if (carry != T(1)) {
       state.s *= carry;
       state.z *= carry;
     }
-    stream_chunk(len, buffer_rows(buf_.weighted_keys), state);
+    stream_chunk(0, len, buffer_rows(buf_.weighted_keys), state);
     for (Eigen::Index r = 0; r < len; ++r) {
-      const T lift = exp_as<T>(rho - (buf_.running_log(r) - static_cast<double>(r + 1) * lg));
+      const T lift = exp_as<T>(rho - (buf_.running_log(r) - decay_to(r)));
       buf_.num.row(r) *= lift;
       buf_.den(r) *= lift;
     }
     const double last = buf_.running_log(len - 1);
-    const T settle = exp_as<T>(rho - (last - static_cast<double>(len) * lg));
+    const T settle = exp_as<T>(rho - (last - decay_to(len - 1)));
     if (settle != T(1)) {
       state.s *= settle;
       state.z *= settle;
@@ -556,10 +748,10 @@ class ChunkedKernel {
     return true;
   }
 
-  /// The chunk as a masked, decay-weighted Q K^T product plus the carried state, all GEMMs.
-  /// Token i's output is computed relative to its own running scale c_i (scan_running_log),
-  /// which looks at no later token, so every weight below is exp of a non-positive number and
-  /// nothing overflows, however wide the chunk's log-scales spread.
+  /// The chunk as a masked, weighted Q K^T product plus the carried state, all GEMMs. Token
+  /// i's output is computed relative to its own running scale c_i (scan_running_log), which
+  /// looks at no later token, so every weight below is exp of at most the drift and nothing
+  /// overflows, however wide the chunk's log-scales and gates spread.
   void masked_product_chunk(Eigen::Index len, CarriedState<T>& state, OutRows<O>& out) {
     Eigen::Ref<Matrix<T>> queries = buf_.q.topRows(len);
     Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
@@ -567,14 +759,13 @@ class ChunkedKernel {
     Eigen::Ref<Matrix<T>> scores = buf_.scores.topLeftCorner(len, len);
     Eigen::Ref<Matrix<T>> num = buf_.num.topRows(len);
     Eigen::Ref<Vector<T>> den = buf_.den.head(len);
-    const double lg = log_decay_;
     const double carried = state.log_scale;
 
     scores.noalias() = queries * keys.transpose();
     for (Eigen::Index i = 0; i < len; ++i) {
       const double c_i = buf_.running_log(i);
       for (Eigen::Index j = 0; j <= i; ++j) {
-        scores(i, j) *= exp_as<T>(buf_.log_k(j) + static_cast<double>(i - j) * lg - c_i);
+        scores(i, j) *= exp_as<T>(buf_.log_k(j) + span(i, j) - c_i);
       }
       for (Eigen::Index j = i + 1; j < len; ++j) scores(i, j) = T(0);
     }
@@ -585,7 +776,7 @@ class ChunkedKernel {
       num.noalias() = queries * state.s;
       den.noalias() = queries * state.z;
       for (Eigen::Index r = 0; r < len; ++r) {
-        const T carry = exp_as<T>(carried + static_cast<double>(r + 1) * lg - buf_.running_log(r));
+        const T carry = exp_as<T>(carried + decay_to(r) - buf_.running_log(r));
         num.row(r) *= carry;
         den(r) *= carry;
       }
@@ -596,10 +787,9 @@ class ChunkedKernel {
     const double last = buf_.running_log(len - 1);
     Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
     for (Eigen::Index r = 0; r < len; ++r) {
-      weighted.row(r) =
-          keys.row(r) * exp_as<T>(buf_.log_k(r) + static_cast<double>(len - 1 - r) * lg - last);
+      weighted.row(r) = keys.row(r) * exp_as<T>(buf_.log_k(r) + span(len - 1, r) - last);
     }
-    const T carry = exp_as<T>(carried + static_cast<double>(len) * lg - last);
+    const T carry = exp_as<T>(carried + decay_to(len - 1) - last);
     state.s *= carry;
     state.z *= carry;
     state.s.noalias() += weighted.transpose() * values;
@@ -608,6 +798,64 @@ class ChunkedKernel {
 
     buf_.output_log.head(len) = buf_.log_q.head(len) + buf_.running_log.head(len);
     write_scaled_output(len, out);
+  }
+
+  /// Per-feature gates over all rows of `src` (plain features: the source keeps no per-token
+  /// scale), chunk by chunk.
+  void feature_gated(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out) {
+    LINATTN_ASSERT(!src.log_scaled() && src.gate_dim() == state.s.rows());
+    const Eigen::Index c = state.s.rows();
+    size_gates(c);
+    if (buf_.cum.rows() != chunk_ || buf_.cum.cols() != c) buf_.cum.resize(chunk_, c);
+    for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
+      const Eigen::Index len = std::min(chunk_, src.rows() - begin);
+      src.load_log_gates(begin, len, buf_.log_gate);
+      src.load_queries(begin, len, buf_);
+      src.load_keys_values(begin, len, buf_);
+      OutRows<O> out_rows(out.middleRows(begin, len));
+      feature_gated_chunk(len, state, out_rows);
+    }
+  }
+
+  /// One chunk with per-feature gates, as pieces [p, m] within which e_t = sum_{p < i <= t} g_i
+  /// stays within kStreamRange of 0 in every feature (a reset, g = -infinity, starts a piece).
+  /// With x_t = e_t - e_m + row_log' per feature, the stream runs on q_t exp(x_t) and
+  /// k_t exp(-x_t - log_scale) from the state moved on by exp(row_log + g_p + e_m - row_log'):
+  /// within a piece the pending per-feature logs (row_log) absorb the gates, so S is only
+  /// multiplied when they pass the drift, and a gate of 1 - 1e-8 is not lost to rounding.
+  void feature_gated_chunk(Eigen::Index len, CarriedState<T>& state, OutRows<O>& out) {
+    if (state.empty()) state.log_scale = 0.0;  // s and z are zero
+    const double base = state.log_scale;
+    LogRows& cum = buf_.cum;
+    const ChunkRows<T> rows = buffer_rows(buf_.k);
+    Eigen::Index p = 0;
+    while (p < len) {
+      cum.row(p).setZero();
+      Eigen::Index m = p;
+      while (m + 1 < len) {
+        cum.row(m + 1) = cum.row(m) + buf_.log_gate.row(m + 1);
+        if (!(cum.row(m + 1).minCoeff() >= -kStreamRange)) break;
+        ++m;
+      }
+      const Eigen::Index n = m - p + 1;
+      state.settle_rows(state.row_log + (buf_.log_gate.row(p) + cum.row(m)).transpose(),
+                        kGateDrift);
+      // x_t per feature, in T: the differences are taken in double, so tiny gates survive.
+      const Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> x =
+          ((cum.middleRows(p, n).rowwise() - cum.row(m)).rowwise() +
+           state.row_log.transpose())
+              .template cast<T>();
+      buf_.q.middleRows(p, n).array() *= x.exp();
+      buf_.k.middleRows(p, n).array() *= (-x - static_cast<T>(base)).exp();
+      stream_chunk(p, n, rows, state);
+      p = m + 1;
+    }
+    if (base == 0.0) {
+      write_unscaled_output(len, out);
+    } else {
+      buf_.output_log.head(len).setConstant(base);
+      write_scaled_output(len, out);
+    }
   }
 
   void write_unscaled_output(Eigen::Index len, OutRows<O>& out) {
@@ -641,6 +889,8 @@ class ChunkedKernel {
   Eigen::Index chunk_;
   Options options_;
   double log_decay_;
+  bool gated_ = false;  ///< the current call's source has scalar gates
+  bool reset_ = false;  ///< the last chunk loaded by load_scalar_gates began with a reset
   ChunkBuffers<T> buf_;
   Eigen::Matrix<T, 1, Eigen::Dynamic> out_row_;  ///< Dv, for 16-bit outputs only
 };

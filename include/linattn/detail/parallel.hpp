@@ -121,6 +121,7 @@ void causal_sequence_parallel(const ChunkSource<T>& src, CarriedState<T>& state,
   // starts[s] is the state before segment s; starts[segments] the final state.
   std::vector<CarriedState<T>> starts(segments + 1,
                                       CarriedState<T>(state.s.rows(), state.s.cols()));
+  std::vector<double> transitions(segments, 0.0);  // log of each segment's whole transition
   starts[0] = state;
   parallel_for(segments - 1, threads, [&](Eigen::Index s) {
     const int seg = static_cast<int>(s);
@@ -130,14 +131,13 @@ void causal_sequence_parallel(const ChunkSource<T>& src, CarriedState<T>& state,
       starts[1] = starts[0];
       kernel.causal(range, starts[1], OutRows<O>(out.middleRows(bounds[0], rows_of(0))));
     } else {
-      kernel.absorb(range, starts[seg + 1]);  // local sums, prefixed in pass 2
+      kernel.absorb(range, starts[seg + 1], &transitions[seg]);  // prefixed in pass 2
     }
   });
-  const double log_decay = std::log(options.decay);
   for (int s = 1; s + 1 < segments; ++s) {
     CarriedState<T> local = std::move(starts[s + 1]);
     starts[s + 1] = starts[s];
-    append_segment(starts[s + 1], local, rows_of(s), log_decay);
+    append_segment(starts[s + 1], local, transitions[s]);
   }
   std::vector<CarriedState<T>> ends(segments, CarriedState<T>(0, 0));
   parallel_for(segments - 1, threads, [&](Eigen::Index s) {
@@ -158,7 +158,9 @@ template <class T, class O>
 void causal_rows(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out,
                  const Options& options, int threads) {
   const Eigen::Index n = src.rows();
-  const Eigen::Index usable = std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
+  // Per-feature gates run on one thread per sequence (their segment sums are not built yet).
+  const Eigen::Index usable =
+      src.gate_dim() > 1 ? 1 : std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
   if (usable >= 2) {
     causal_sequence_parallel<T, O>(src, state, out, options, static_cast<int>(usable));
     return;
@@ -191,7 +193,7 @@ void non_causal_rows(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<
     ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), bounds[t + 1] - bounds[t], tuned);
     kernel.absorb(range, sums[t]);
   });
-  for (int t = 0; t < usable; ++t) append_segment(state, sums[t], 0, 0.0);
+  for (int t = 0; t < usable; ++t) append_segment(state, sums[t], 0.0);
   parallel_for(usable, usable, [&](Eigen::Index t) {
     const RowRange<T> range(src, bounds[t], bounds[t + 1] - bounds[t]);
     ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), bounds[t + 1] - bounds[t], tuned);

@@ -1,0 +1,180 @@
+// SPDX-License-Identifier: MIT
+// Data-dependent gates: a_t in (0, 1] per token, scalar or per feature, given as a_t or in log
+// space (g_t = log a_t, FLA's and ggml's convention), and how the engine reads them.
+#pragma once
+
+#include <cmath>
+#include <limits>
+#include <linattn/config.hpp>
+#include <linattn/detail/validate.hpp>
+#include <string>
+#include <type_traits>
+
+namespace linattn {
+
+/// Gates in log space, g_t = log a_t <= 0, as FLA (`g`, `gk`) and ggml pass them; made by
+/// log_gates(g). A gate of 1 - 1e-8 survives float this way (g = -1e-8 is a float, a = 1 - 1e-8
+/// is not), and g = -infinity is a hard reset: the state before that token is forgotten.
+/// A call-argument wrapper: it refers to `g`, so pass it straight to the call.
+template <class Derived>
+class LogGates {
+ public:
+  /// @param g  N x 1 or N x C log gates, each <= 0 (-infinity allowed)
+  explicit LogGates(const Derived& g) : g_(g) {}
+  /// The log gates.
+  const Derived& values() const { return g_; }
+
+ private:
+  const Derived& g_;
+};
+
+/// Marks `g` (N x 1 or N x C, each g_t = log a_t <= 0) as log gates for the gated entry
+/// points: causal_gated_linear_attention(q, k, v, linattn::log_gates(g), map).
+template <class Derived>
+LogGates<Derived> log_gates(const Eigen::MatrixBase<Derived>& g) {
+  return LogGates<Derived>(g.derived());
+}
+
+namespace detail {
+
+/// How a gate argument is read: a plain Eigen expression holds a_t, LogGates holds log a_t.
+template <class G, class = void>
+struct gate_traits {
+  static constexpr bool is_gate = false;
+};
+
+template <class Derived>
+struct gate_traits<Derived, std::enable_if_t<std::is_base_of_v<Eigen::MatrixBase<Derived>, Derived>>> {
+  static constexpr bool is_gate = true;
+  static constexpr bool log_space = false;
+  using Values = Derived;
+  static const Derived& values(const Derived& gates) { return gates; }
+};
+
+template <class Derived>
+struct gate_traits<LogGates<Derived>> {
+  static constexpr bool is_gate = true;
+  static constexpr bool log_space = true;
+  using Values = Derived;
+  static const Derived& values(const LogGates<Derived>& gates) { return gates.values(); }
+};
+
+/// The scalar type of a gate argument's entries.
+template <class G>
+using gate_scalar_t = typename gate_traits<G>::Values::Scalar;
+
+/// Throws unless Options::decay is 1: with gates a constant decay would be a second, silent gate.
+inline void require_unit_decay(const Options& options, const char* where) {
+  if (options.decay != 1.0) {
+    throw Error(std::string(where) + ": Options::decay must be 1 with gates (the gates replace " +
+                "the decay; fold a constant decay g into them as g * a_t, or log g + g_t), got " +
+                std::to_string(options.decay));
+  }
+}
+
+/// Throws naming the first gate outside its range by row and column: a_t in (0, 1], or for
+/// log gates g_t <= 0 (-infinity allowed); NaN is out of range in both.
+template <bool LogSpace, class Derived>
+void require_gates_in_range(const Eigen::MatrixBase<Derived>& gates, const char* where,
+                            const char* name) {
+  using Scalar = typename Derived::Scalar;
+  const auto in_range = [](Scalar a) {
+    if constexpr (LogSpace) {
+      return a <= Scalar(0);
+    } else {
+      return a > Scalar(0) && a <= Scalar(1);
+    }
+  };
+  // NaN fails every comparison, so one vectorised pass covers it.
+  if constexpr (LogSpace) {
+    if ((gates.array() <= Scalar(0)).all()) return;
+  } else {
+    if (((gates.array() > Scalar(0)) && (gates.array() <= Scalar(1))).all()) return;
+  }
+  for (Eigen::Index r = 0; r < gates.rows(); ++r) {
+    for (Eigen::Index c = 0; c < gates.cols(); ++c) {
+      const Scalar a = gates(r, c);
+      if (!in_range(a)) {
+        throw Error(std::string(where) + ": " + name +
+                    (LogSpace ? " (log gates) must be <= 0 (-inf resets), got "
+                              : " must lie in (0, 1], got ") +
+                    std::to_string(static_cast<double>(a)) + " at row " + std::to_string(r) +
+                    ", column " + std::to_string(c));
+      }
+    }
+  }
+}
+
+/// Throws unless gates is rows x 1 (one gate per token) or rows x features (one per feature).
+template <class Derived>
+void require_gate_shape(const Eigen::MatrixBase<Derived>& gates, Eigen::Index rows,
+                        Eigen::Index features, const char* where) {
+  if (gates.rows() != rows || (gates.cols() != 1 && gates.cols() != features)) {
+    throw Error(std::string(where) + ": gates is " + shape_string(gates) + " but phi_q is " +
+                shape_string(rows, features) + "; gates must be " + shape_string(rows, 1) +
+                " (one gate per token) or " + shape_string(rows, features) + " (one per feature)");
+  }
+}
+
+/// Every check of a sequence's gates: unit decay, the shape, and the range (always, also
+/// without check_finite: a NaN gate is out of range, not merely non-finite).
+template <class G>
+void validate_gates(const G& gates, Eigen::Index rows, Eigen::Index features,
+                    const Options& options, const char* where) {
+  using Traits = gate_traits<G>;
+  require_unit_decay(options, where);
+  require_gate_shape(Traits::values(gates), rows, features, where);
+  require_gates_in_range<Traits::log_space>(Traits::values(gates), where, "gates");
+}
+
+/// Log gates of a chunk in double, rows x (1 or C).
+using LogRows = Eigen::Array<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// Where the engine reads a sequence's gates, one chunk at a time, as log a_t in double.
+class GateRows {
+ public:
+  GateRows(const GateRows&) = delete;
+  GateRows& operator=(const GateRows&) = delete;
+
+  /// 1 (scalar gates) or C (per feature).
+  Eigen::Index cols() const { return cols_; }
+  /// dst rows [0, len) = log a_t for tokens [begin, begin + len).
+  virtual void log_rows(Eigen::Index begin, Eigen::Index len, LogRows& dst) const = 0;
+
+ protected:
+  explicit GateRows(Eigen::Index cols) : cols_(cols) {}
+  ~GateRows() = default;
+
+ private:
+  Eigen::Index cols_;
+};
+
+/// GateRows over a caller's gate argument (a_t, or log a_t with LogGates).
+template <class G>
+class GateMatrix final : public GateRows {
+  using Traits = gate_traits<G>;
+  using Values = typename Traits::Values;
+
+ public:
+  explicit GateMatrix(const G& gates)
+      : GateRows(Traits::values(gates).cols()), values_(Traits::values(gates)) {}
+
+  void log_rows(Eigen::Index begin, Eigen::Index len, LogRows& dst) const override {
+    for (Eigen::Index r = 0; r < len; ++r) {
+      for (Eigen::Index c = 0; c < cols(); ++c) {
+        const double x = static_cast<double>(values_(begin + r, c));
+        if constexpr (Traits::log_space) {
+          dst(r, c) = x;
+        } else {
+          dst(r, c) = std::log(x);
+        }
+      }
+    }
+  }
+
+ private:
+  const Values& values_;
+};
+
+}  // namespace detail
+}  // namespace linattn
