@@ -361,6 +361,98 @@ std::optional<Matrix<T>> run_prefill(const Input& in, const Eigen::MatrixBase<DQ
   return out;
 }
 
+/// Log gates for the gated kernels, drawn from the seed: scalar (N x 1) or per feature (N x C)
+/// by the seed's low bit, each log(decay) times a uniform in [0, 2] (0: no gate), and resets
+/// (-infinity) at about one token in eight when the seed's second bit is set.
+template <class T>
+Matrix<T> draw_log_gates(const Input& in, Index feature_dim) {
+  std::uint64_t x = in.seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
+  const auto next = [&x] {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return x;
+  };
+  const Index cols = (in.seed & 1u) ? feature_dim : 1;
+  const bool resets = (in.seed & 2u) != 0;
+  // A decay the gated calls may not take (they need decay 1) still sets the gates' strength.
+  const double strength = in.options_valid && in.options.decay > 0.0 ? std::log(in.options.decay)
+                                                                     : std::log(0.5);
+  Matrix<T> g(in.n, cols);
+  for (Index r = 0; r < in.n; ++r) {
+    const bool reset = resets && (next() % 8 == 0);
+    for (Index c = 0; c < cols; ++c) {
+      const double u = static_cast<double>(next() % 1025) / 512.0;
+      g(r, c) = reset ? -std::numeric_limits<T>::infinity() : static_cast<T>(strength * u);
+    }
+  }
+  return g;
+}
+
+/// The gated kernels on the same inputs: the chunked form against stepping every token and
+/// against prefill-then-step, with Options::decay 1 (a decayed call must throw).
+template <class T, class Map>
+void run_gated(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+               const Map& map, bool positive, bool bounded) {
+  const Index c = map.feature_dim(in.dk);
+  const Matrix<T> g = draw_log_gates<T>(in, c);
+  linattn::Options opt = in.options;
+  opt.decay = 1.0;
+  // Per-feature gates take plain features, which overflow for FAVOR+ on large inputs.
+  constexpr bool exponential = linattn::detail::is_log_scaled<Map>::value;
+  const bool must = bounded && in.options_valid && !(exponential && g.cols() > 1);
+  const bool check = must && positive;
+  const bool agree = check && (!opt.normalize || opt.eps >= 1e-12);
+  if (in.options_valid && in.options.decay != 1.0) {
+    bool threw = false;
+    try {
+      linattn::causal_gated_linear_attention(q, k, v, linattn::log_gates(g), map, in.options);
+    } catch (const linattn::Error&) {
+      threw = true;
+    }
+    if (!threw) fail("a gated call with Options::decay != 1 did not throw");
+  }
+  Matrix<T> par, par_abs;
+  const bool par_ok = attempt("causal_gated_linear_attention", must, [&] {
+    par = linattn::causal_gated_linear_attention(q, k, v, linattn::log_gates(g), map, opt);
+  });
+  attempt("causal_gated_linear_attention(|v|)", must, [&] {
+    par_abs = linattn::causal_gated_linear_attention(q, k, v.cwiseAbs(), linattn::log_gates(g),
+                                                     map, opt);
+  });
+  std::optional<linattn::RecurrentState<T>> state, pieces;
+  Matrix<T> steps(in.n, in.dv), split(in.n, in.dv);
+  const bool steps_ok = attempt("RecurrentState::step(gate)", must, [&] {
+    state.emplace(c, in.dv, opt);
+    for (Index i = 0; i < in.n; ++i) {
+      steps.row(i) =
+          state->step(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)), map)
+              .transpose();
+    }
+  });
+  const bool split_ok = attempt("RecurrentState::prefill(gates)", must, [&] {
+    pieces.emplace(c, in.dv, opt);
+    const Index s = in.split;
+    if (s > 0) {
+      split.topRows(s) = pieces->prefill(q.topRows(s), k.topRows(s), v.topRows(s),
+                                         linattn::log_gates(g.topRows(s)), map);
+    }
+    for (Index i = s; i < in.n; ++i) {
+      split.row(i) =
+          pieces->step(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)), map)
+              .transpose();
+    }
+  });
+  if (!check || !par_ok || !steps_ok || !split_ok) return;
+  require_finite("causal_gated_linear_attention", par);
+  require_finite("RecurrentState::step(gate)", steps);
+  require_finite("RecurrentState::prefill(gates)", split);
+  if (!agree) return;
+  const double tol = kRelTol<T> * std::max(max_abs(par), max_abs(par_abs)) + 1e-6;
+  require_close("gated parallel vs step", par, steps, tol);
+  require_close("gated parallel vs prefill+step", par, split, tol);
+}
+
 /// The linear kernels with one map: through the map, and on the features it computes.
 template <class T, class Map>
 void run_linear(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
@@ -419,6 +511,8 @@ void run_linear(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const M
     fprefill = run_prefill<T, std::nullptr_t>(in, phi_q, phi_k, v, nullptr, c, regime,
                                               "RecurrentState::prefill(phi)");
   }
+
+  run_gated(in, q, k, v, map, positive, bounded);
 
   if (!regime.check) return;
   require_finite("causal_linear_attention(map)", par);

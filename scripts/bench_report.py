@@ -297,12 +297,52 @@ def compile_section(path):
     return text
 
 
+def gated_section(gated):
+    """Gated kernels (bench_gated): scalar and per-feature gates beside the ungated kernel and
+    the per-token step loop, each shape's rates as a share of the ungated one in the same run."""
+    gemm = gated.get(("BM_EigenGemm", "float", 512))
+    pattern = re.compile(r"^BM_Gated_(\w+?)_(\w+)$")
+    shapes = {}
+    for (fam, scalar, n), e in gated.items():
+        m = pattern.match(fam)
+        if m:
+            shapes.setdefault((m.group(2), scalar, n), {})[m.group(1)] = e
+    if not shapes:
+        return ""
+    rows = []
+    for (shape, scalar, n), kinds in sorted(shapes.items()):
+        base = kinds.get("Ungated")
+        def cell(kind):
+            e = kinds.get(kind)
+            if not e:
+                return "-"
+            share = f" ({100 * e['FLOPS'] / base['FLOPS']:.0f}%)" if base else ""
+            return f"{e['FLOPS'] / 1e9:.1f}{share}"
+        loop, feature = kinds.get("StepLoop"), kinds.get("FeatureGates")
+        speedup = f"{loop['seconds'] / feature['seconds']:.1f}x" if loop and feature else "-"
+        rows.append([shape, scalar, n, cell("Ungated"), cell("ScalarGates"),
+                     cell("FeatureGates"), cell("StepLoop"), speedup])
+    header = ["shape", "scalar", "N", "ungated GFLOP/s", "scalar gates (% ungated)",
+              "per-feature gates (% ungated)", "step loop (% ungated)",
+              "per-feature / step loop speed-up"]
+    text = "### Gated causal attention, one head, one thread\n\n"
+    if gemm:
+        text += f"Eigen float GEMM 512^3: {gemm['FLOPS'] / 1e9:.1f} GFLOP/s.\n\n"
+    text += table(header, rows) + "\n\n"
+    text += ("Featurized inputs (Identity), log gates in [-0.05, 0]; C64: C = Dv = 64, GLA128: "
+             "C = Dv = 128, Mamba2: state 128 (C) by head dim 64 (Dv). Useful FLOPs 4 N C Dv for "
+             "every row; the step loop is RecurrentState::step_into over every token with "
+             "per-feature gates, the per-token form ggml's gated op runs.\n\n")
+    return text
+
+
 def main():
     bench_dir = sys.argv[1] if len(sys.argv) > 1 else "build/release/bench"
     causal = load(os.path.join(bench_dir, "causal.json"))
     decode = load(os.path.join(bench_dir, "decode.json"))
     features = load(os.path.join(bench_dir, "feature_maps.json"))
     backward = load(os.path.join(bench_dir, "backward.json"))
+    gated = load(os.path.join(bench_dir, "gated.json"))
     causal_rows, decode_rows = [], []
     text = "## linattn benchmark results\n\n"
     for scalar in ("float", "double"):
@@ -312,6 +352,7 @@ def main():
         text += backward_section(backward, scalar)
     for scalar in ("float", "double"):
         text += decode_section(decode, scalar, decode_rows)
+    text += gated_section(gated)
     text += feature_section(features)
     text += threads_section(os.path.join(bench_dir, "threads.json"))
     text += compile_section(os.path.join(bench_dir, "compile_cost.json"))

@@ -152,6 +152,7 @@ struct ChunkBuffers {
   Vector<double> decay, decay_lo;  ///< L: P_r, the log transition from the chunk start through
                                    ///< token r, as a double-double (hi + lo)
   LogRows cum;                  ///< L x C: per-feature log gates summed within a piece
+  Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> feature_weights;  ///< L x C
 
   ChunkBuffers(Eigen::Index chunk, Eigen::Index feature_dim, Eigen::Index value_dim)
       : q(chunk, feature_dim),
@@ -806,7 +807,10 @@ class ChunkedKernel {
     LINATTN_ASSERT(!src.log_scaled() && src.gate_dim() == state.s.rows());
     const Eigen::Index c = state.s.rows();
     size_gates(c);
-    if (buf_.cum.rows() != chunk_ || buf_.cum.cols() != c) buf_.cum.resize(chunk_, c);
+    if (buf_.cum.rows() != chunk_ || buf_.cum.cols() != c) {
+      buf_.cum.resize(chunk_, c);
+      buf_.feature_weights.resize(chunk_, c);
+    }
     for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, src.rows() - begin);
       src.load_log_gates(begin, len, buf_.log_gate);
@@ -841,9 +845,9 @@ class ChunkedKernel {
       state.settle_rows(state.row_log + (buf_.log_gate.row(p) + cum.row(m)).transpose(),
                         kGateDrift);
       // x_t per feature, in T: the differences are taken in double, so tiny gates survive.
-      const Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> x =
-          ((cum.middleRows(p, n).rowwise() - cum.row(m)).rowwise() +
-           state.row_log.transpose())
+      Eigen::Ref<Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x =
+          buf_.feature_weights.topRows(n);
+      x = ((cum.middleRows(p, n).rowwise() - cum.row(m)).rowwise() + state.row_log.transpose())
               .template cast<T>();
       buf_.q.middleRows(p, n).array() *= x.exp();
       buf_.k.middleRows(p, n).array() *= (-x - static_cast<T>(base)).exp();
