@@ -85,11 +85,23 @@ void require_gates_in_range(const Eigen::MatrixBase<Derived>& gates, const char*
       return a > Scalar(0) && a <= Scalar(1);
     }
   };
-  // NaN fails every comparison, so one vectorised pass covers it.
-  if constexpr (LogSpace) {
-    if ((gates.array() <= Scalar(0)).all()) return;
+  // One vectorised pass for the extremes; PropagateNaN makes a NaN the extreme, out of range.
+  if (gates.size() == 0) return;
+  if constexpr (is_half_scalar<Scalar>) {
+    // NaN fails every comparison, so one pass covers it.
+    if constexpr (LogSpace) {
+      if ((gates.array() <= Scalar(0)).all()) return;
+    } else {
+      if (((gates.array() > Scalar(0)) && (gates.array() <= Scalar(1))).all()) return;
+    }
   } else {
-    if (((gates.array() > Scalar(0)) && (gates.array() <= Scalar(1))).all()) return;
+    const Scalar top = gates.template maxCoeff<Eigen::PropagateNaN>();
+    if constexpr (LogSpace) {
+      if (top <= Scalar(0)) return;
+    } else {
+      const Scalar bottom = gates.template minCoeff<Eigen::PropagateNaN>();
+      if (bottom > Scalar(0) && top <= Scalar(1)) return;
+    }
   }
   for (Eigen::Index r = 0; r < gates.rows(); ++r) {
     for (Eigen::Index c = 0; c < gates.cols(); ++c) {
@@ -160,6 +172,15 @@ class GateMatrix final : public GateRows {
       : GateRows(Traits::values(gates).cols()), values_(Traits::values(gates)) {}
 
   void log_rows(Eigen::Index begin, Eigen::Index len, LogRows& dst) const override {
+    if constexpr (!is_half_scalar<typename Values::Scalar>) {
+      // Vectorised conversions (and logs) for float and double gates.
+      if constexpr (Traits::log_space) {
+        dst.topRows(len) = values_.middleRows(begin, len).template cast<double>().array();
+      } else {
+        dst.topRows(len) = values_.middleRows(begin, len).template cast<double>().array().log();
+      }
+      return;
+    }
     for (Eigen::Index r = 0; r < len; ++r) {
       for (Eigen::Index c = 0; c < cols(); ++c) {
         const double x = static_cast<double>(values_(begin + r, c));

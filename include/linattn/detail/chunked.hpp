@@ -148,6 +148,7 @@ struct ChunkBuffers {
   Matrix<T> num;                ///< L x Dv
   Vector<T> den;                ///< L
   Vector<double> log_scratch;   ///< L: a log-scaled map's row scales, before they are stored
+  Vector<double> key_factor;    ///< L: the scaled stream's per-key weights
   LogRows log_gate;             ///< L x G: the chunk's log gates (G = 1 or C), when gated
   Vector<double> decay, decay_lo;  ///< L: P_r, the log transition from the chunk start through
                                    ///< token r, as a double-double (hi + lo)
@@ -166,6 +167,7 @@ struct ChunkBuffers {
         weighted_keys(chunk, feature_dim),
         num(chunk, value_dim),
         den(chunk),
+        key_factor(chunk),
         decay(chunk),
         decay_lo(chunk) {}
 };
@@ -497,8 +499,13 @@ class ChunkedKernel {
         constant_decay(len);
       }
       OutRows<O> out_rows(out.middleRows(begin, len));
-      src.load_queries(begin, len, buf_);
-      src.load_keys_values(begin, len, buf_);
+      // The scaled stream weights the keys into their own buffer, so plain features can stay
+      // where they are; the masked product (the fallback) needs them loaded.
+      const bool read_in_place = !src.log_scaled() && src.rows_in_place(begin, in_place);
+      if (!read_in_place) {
+        src.load_queries(begin, len, buf_);
+        src.load_keys_values(begin, len, buf_);
+      }
       if (plain) {
         plain_stream_chunk(len, buffer_rows(buf_.k), state, out_rows);
         continue;
@@ -508,7 +515,13 @@ class ChunkedKernel {
         buf_.log_k.head(len).setZero();
       }
       scan_running_log(len, state.log_scale);
-      if (!scaled_stream_chunk(len, state, out_rows)) masked_product_chunk(len, state, out_rows);
+      const ChunkRows<T> rows = read_in_place ? in_place : buffer_rows(buf_.k);
+      if (scaled_stream_chunk(len, rows, state, out_rows)) continue;
+      if (read_in_place) {
+        src.load_queries(begin, len, buf_);
+        src.load_keys_values(begin, len, buf_);
+      }
+      masked_product_chunk(len, state, out_rows);
     }
   }
 
@@ -711,7 +724,8 @@ class ChunkedKernel {
   /// one reference rho for the chunk, key j is weighted exp(log_k_j - P_j - rho) and output i
   /// multiplied by exp(rho - c_i + P_i); every factor is exp of at most kStreamRange. Returns
   /// false, touching nothing, when the chunk spreads wider.
-  bool scaled_stream_chunk(Eigen::Index len, CarriedState<T>& state, OutRows<O>& out) {
+  bool scaled_stream_chunk(Eigen::Index len, const ChunkRows<T>& rows, CarriedState<T>& state,
+                           OutRows<O>& out) {
     const double carried = state.log_scale;
     double rho = carried;
     double lowest = std::numeric_limits<double>::infinity();
@@ -722,18 +736,29 @@ class ChunkedKernel {
     }
     if (!(rho - lowest <= kStreamRange)) return false;
 
+    const Eigen::Index c = state.s.rows();
+    // The per-token factors, their exps vectorised: key weights in key_factor, output
+    // lifts in output_log (which gets its final value below).
+    for (Eigen::Index r = 0; r < len; ++r) {
+      buf_.key_factor(r) = buf_.log_k(r) - decay_to(r) - rho;
+      buf_.output_log(r) = rho - (buf_.running_log(r) - decay_to(r));
+    }
+    buf_.key_factor.head(len) = buf_.key_factor.head(len).array().exp();
+    buf_.output_log.head(len) = buf_.output_log.head(len).array().exp();
     Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
     for (Eigen::Index r = 0; r < len; ++r) {
-      weighted.row(r) = buf_.k.row(r) * exp_as<T>(buf_.log_k(r) - decay_to(r) - rho);
+      weighted.row(r) = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(rows.k + r * rows.ldk,
+                                                                             c) *
+                        static_cast<T>(buf_.key_factor(r));
     }
     const T carry = exp_as<T>(carried - rho);
     if (carry != T(1)) {
       state.s *= carry;
       state.z *= carry;
     }
-    stream_chunk(0, len, buffer_rows(buf_.weighted_keys), state);
+    stream_chunk(0, len, {rows.q, rows.ldq, weighted.data(), c, rows.v, rows.ldv}, state);
     for (Eigen::Index r = 0; r < len; ++r) {
-      const T lift = exp_as<T>(rho - (buf_.running_log(r) - decay_to(r)));
+      const T lift = static_cast<T>(buf_.output_log(r));
       buf_.num.row(r) *= lift;
       buf_.den(r) *= lift;
     }
@@ -811,13 +836,18 @@ class ChunkedKernel {
       buf_.cum.resize(chunk_, c);
       buf_.feature_weights.resize(chunk_, c);
     }
+    ChunkRows<T> rows{};
     for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, src.rows() - begin);
       src.load_log_gates(begin, len, buf_.log_gate);
-      src.load_queries(begin, len, buf_);
-      src.load_keys_values(begin, len, buf_);
+      // In place, the weighting reads the caller's q and k once and v is never copied.
+      if (!src.rows_in_place(begin, rows)) {
+        src.load_queries(begin, len, buf_);
+        src.load_keys_values(begin, len, buf_);
+        rows = buffer_rows(buf_.k);
+      }
       OutRows<O> out_rows(out.middleRows(begin, len));
-      feature_gated_chunk(len, state, out_rows);
+      feature_gated_chunk(len, rows, state, out_rows);
     }
   }
 
@@ -827,11 +857,17 @@ class ChunkedKernel {
   /// k_t exp(-x_t - log_scale) from the state moved on by exp(row_log + g_p + e_m - row_log'):
   /// within a piece the pending per-feature logs (row_log) absorb the gates, so S is only
   /// multiplied when they pass the drift, and a gate of 1 - 1e-8 is not lost to rounding.
-  void feature_gated_chunk(Eigen::Index len, CarriedState<T>& state, OutRows<O>& out) {
+  void feature_gated_chunk(Eigen::Index len, const ChunkRows<T>& in, CarriedState<T>& state,
+                           OutRows<O>& out) {
+    using Rows = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
+                            0, Eigen::OuterStride<>>;
     if (state.empty()) state.log_scale = 0.0;  // s and z are zero
     const double base = state.log_scale;
+    const Eigen::Index c = state.s.rows();
     LogRows& cum = buf_.cum;
-    const ChunkRows<T> rows = buffer_rows(buf_.k);
+    // The weighted q and k go to the buffers; v is read where it is.
+    const ChunkRows<T> rows{buf_.q.data(), buf_.q.cols(), buf_.k.data(),
+                            buf_.k.cols(), in.v,          in.ldv};
     Eigen::Index p = 0;
     while (p < len) {
       cum.row(p).setZero();
@@ -849,8 +885,11 @@ class ChunkedKernel {
           buf_.feature_weights.topRows(n);
       x = ((cum.middleRows(p, n).rowwise() - cum.row(m)).rowwise() + state.row_log.transpose())
               .template cast<T>();
-      buf_.q.middleRows(p, n).array() *= x.exp();
-      buf_.k.middleRows(p, n).array() *= (-x - static_cast<T>(base)).exp();
+      buf_.q.middleRows(p, n).array() =
+          Rows(in.q + p * in.ldq, n, c, Eigen::OuterStride<>(in.ldq)) * x.exp();
+      buf_.k.middleRows(p, n).array() =
+          Rows(in.k + p * in.ldk, n, c, Eigen::OuterStride<>(in.ldk)) *
+          (-x - static_cast<T>(base)).exp();
       stream_chunk(p, n, rows, state);
       p = m + 1;
     }
