@@ -46,9 +46,8 @@ void BM_Chunked(benchmark::State& state, Eigen::Index c, Eigen::Index dv, Eigen:
     if (gate_cols == 0) {
       linattn::causal_linear_attention_into(in.phi_q, in.phi_k, in.v, linattn::Identity{}, in.out);
     } else {
-      linattn::causal_gated_linear_attention_into(in.phi_q, in.phi_k, in.v,
-                                                  linattn::log_gates(in.log_gates),
-                                                  linattn::Identity{}, in.out);
+      linattn::causal_gated_linear_attention_into(
+          in.phi_q, in.phi_k, in.v, linattn::log_gates(in.log_gates), linattn::Identity{}, in.out);
     }
     benchmark::DoNotOptimize(in.out.data());
   });

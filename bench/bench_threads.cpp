@@ -1,5 +1,7 @@
-// Threads: many heads over B x H, and one long sequence split across threads, at 1..max
-// threads, with the single-thread Eigen GEMM rate in the same binary. Built with OpenMP.
+// Threads: many heads over B x H, and one long sequence split across threads (ungated, scalar
+// and per-feature gates), at 1..max threads, with the single-thread Eigen GEMM rate in the
+// same binary. Built with OpenMP.
+#include <linattn/gated.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/multi_head.hpp>
 #include <string>
@@ -67,6 +69,24 @@ void BM_SequenceKernel(benchmark::State& state) {
   state.counters["threads"] = double(options.threads);
 }
 
+/// Gated causal kernel over one sequence of range(0) tokens on range(1) threads, log gates in
+/// [-0.05, 0], `gate_cols` per token (1: scalar, 64: per feature).
+template <class T>
+void BM_GatedSequence(benchmark::State& state, Eigen::Index gate_cols) {
+  const Eigen::Index n = state.range(0);
+  HeadInputs<T> in(1, n);
+  const Matrix<T> g = (random_matrix<T>(n, gate_cols, 24).array().abs() * T(-0.05)).matrix();
+  linattn::Options options;
+  options.threads = static_cast<int>(state.range(1));
+  linattn_bench::measure(state, [&] {
+    linattn::causal_gated_linear_attention_into(in.phi_q, in.phi_k, in.v, linattn::log_gates(g),
+                                                linattn::Identity{}, in.out, options);
+    benchmark::DoNotOptimize(in.out.data());
+  });
+  set_rates(state, 4.0 * double(n) * kDim * kDim, double(n));
+  state.counters["threads"] = double(options.threads);
+}
+
 template <class T>
 void register_scalar(int max_threads) {
   const std::string t = linattn_bench::scalar_name(T{});
@@ -84,6 +104,16 @@ void register_scalar(int max_threads) {
         ->Args({65536, threads})
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
+    for (const Eigen::Index cols : {Eigen::Index{1}, kDim}) {
+      benchmark::RegisterBenchmark(
+          (std::string(cols == 1 ? "BM_ScalarGatedSequence<" : "BM_FeatureGatedSequence<") + t +
+           ">")
+              .c_str(),
+          BM_GatedSequence<T>, cols)
+          ->Args({65536, threads})
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
   }
 }
 

@@ -376,8 +376,8 @@ Matrix<T> draw_log_gates(const Input& in, Index feature_dim) {
   const Index cols = (in.seed & 1u) ? feature_dim : 1;
   const bool resets = (in.seed & 2u) != 0;
   // A decay the gated calls may not take (they need decay 1) still sets the gates' strength.
-  const double strength = in.options_valid && in.options.decay > 0.0 ? std::log(in.options.decay)
-                                                                     : std::log(0.5);
+  const double strength =
+      in.options_valid && in.options.decay > 0.0 ? std::log(in.options.decay) : std::log(0.5);
   Matrix<T> g(in.n, cols);
   for (Index r = 0; r < in.n; ++r) {
     const bool reset = resets && (next() % 8 == 0);
@@ -417,8 +417,8 @@ void run_gated(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
     par = linattn::causal_gated_linear_attention(q, k, v, linattn::log_gates(g), map, opt);
   });
   attempt("causal_gated_linear_attention(|v|)", must, [&] {
-    par_abs = linattn::causal_gated_linear_attention(q, k, v.cwiseAbs(), linattn::log_gates(g),
-                                                     map, opt);
+    par_abs =
+        linattn::causal_gated_linear_attention(q, k, v.cwiseAbs(), linattn::log_gates(g), map, opt);
   });
   std::optional<linattn::RecurrentState<T>> state, pieces;
   Matrix<T> steps(in.n, in.dv), split(in.n, in.dv);
@@ -426,8 +426,7 @@ void run_gated(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
     state.emplace(c, in.dv, opt);
     for (Index i = 0; i < in.n; ++i) {
       steps.row(i) =
-          state->step(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)), map)
-              .transpose();
+          state->step(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)), map).transpose();
     }
   });
   const bool split_ok = attempt("RecurrentState::prefill(gates)", must, [&] {
@@ -439,8 +438,7 @@ void run_gated(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
     }
     for (Index i = s; i < in.n; ++i) {
       split.row(i) =
-          pieces->step(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)), map)
-              .transpose();
+          pieces->step(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)), map).transpose();
     }
   });
   if (!check || !par_ok || !steps_ok || !split_ok) return;

@@ -613,9 +613,9 @@ TEMPLATE_TEST_CASE("gated: bad input throws linattn::Error and writes nothing", 
 
   // One state type serves every transition: a decayed state refuses gated tokens.
   linattn::RecurrentState<T> decayed_state(kC, kDv, decayed);
-  CHECK_THROWS_WITH(decayed_state.step(p.q.row(0), p.k.row(0), p.v.row(0), p.gates.row(0),
-                                       linattn::Identity{}),
-                    Catch::Contains("decay"));
+  CHECK_THROWS_WITH(
+      decayed_state.step(p.q.row(0), p.k.row(0), p.v.row(0), p.gates.row(0), linattn::Identity{}),
+      Catch::Contains("decay"));
   CHECK(decayed_state.tokens() == 0);
   CHECK_THROWS_AS(linattn::GatedRecurrentState<T>(0, kDv), linattn::Error);
 }

@@ -151,9 +151,9 @@ TEMPLATE_TEST_CASE("gates: a log gate of -infinity resets the state, mid-chunk o
       const Matrix<T> steps = stepped(state, p, logs, 0, n);
       CHECK(relative_error(steps, expected) <= tolerance<T>());
       linattn::RecurrentState<T> pieces(8, 6);
-      const Matrix<T> first = pieces.prefill(p.q.topRows(50), p.k.topRows(50), p.v.topRows(50),
-                                             linattn::log_gates(logs.topRows(50)),
-                                             linattn::Identity{});
+      const Matrix<T> first =
+          pieces.prefill(p.q.topRows(50), p.k.topRows(50), p.v.topRows(50),
+                         linattn::log_gates(logs.topRows(50)), linattn::Identity{});
       const Matrix<T> rest = stepped(pieces, p, logs, 50, n - 50);
       CHECK(relative_error(first, expected.topRows(50)) <= tolerance<T>());
       CHECK(relative_error(rest, expected.bottomRows(n - 50)) <= tolerance<T>());
@@ -226,8 +226,7 @@ TEMPLATE_TEST_CASE("gates: 65,536 tokens with gates of 1 - 1e-8, chunked and ste
   }
 }
 
-TEMPLATE_TEST_CASE("gates: threads give the one-thread result", "[gates][threads]", float,
-                   double) {
+TEMPLATE_TEST_CASE("gates: threads give the one-thread result", "[gates][threads]", float, double) {
   using T = TestType;
   const Eigen::Index n = 6000;
   const Problem<T> p(n, 8, 8, 51);
@@ -251,8 +250,8 @@ TEMPLATE_TEST_CASE("gates: threads give the one-thread result", "[gates][threads
   }
 }
 
-TEMPLATE_TEST_CASE("gates: feature maps featurize chunk by chunk, also exponential ones",
-                   "[gates]", float, double) {
+TEMPLATE_TEST_CASE("gates: feature maps featurize chunk by chunk, also exponential ones", "[gates]",
+                   float, double) {
   using T = TestType;
   const Eigen::Index n = 180;
   const Eigen::Index dk = 6;
@@ -275,9 +274,8 @@ TEMPLATE_TEST_CASE("gates: feature maps featurize chunk by chunk, also exponenti
     linattn::RecurrentState<T> state(c, 5);
     Matrix<T> steps(n, 5);
     for (Eigen::Index t = 0; t < n; ++t) {
-      steps.row(t) =
-          state.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(logs.row(t)), map)
-              .transpose();
+      steps.row(t) = state.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(logs.row(t)), map)
+                         .transpose();
     }
     CHECK(relative_error(steps, expected) <= tolerance<T>());
   };
@@ -287,8 +285,8 @@ TEMPLATE_TEST_CASE("gates: feature maps featurize chunk by chunk, also exponenti
   SECTION("FAVOR+, per feature") { check_map(favor, 2); }
 }
 
-TEMPLATE_TEST_CASE("gates: a state saved after gated tokens loads and goes on the same",
-                   "[gates]", float, double) {
+TEMPLATE_TEST_CASE("gates: a state saved after gated tokens loads and goes on the same", "[gates]",
+                   float, double) {
   using T = TestType;
   const Eigen::Index n = 90;
   const Problem<T> p(n, 8, 6, 71);
@@ -325,8 +323,8 @@ TEMPLATE_TEST_CASE("gates: 16-bit inputs give the float routine's result, rounde
   }
 }
 
-TEMPLATE_TEST_CASE("gates: bad log gates throw linattn::Error and write nothing", "[gates]",
-                   float, double) {
+TEMPLATE_TEST_CASE("gates: bad log gates throw linattn::Error and write nothing", "[gates]", float,
+                   double) {
   using T = TestType;
   const Eigen::Index n = 10;
   const Problem<T> p(n, 8, 6, 91);
@@ -354,9 +352,9 @@ TEMPLATE_TEST_CASE("gates: bad log gates throw linattn::Error and write nothing"
   linattn::RecurrentState<T> state(8, 6);
   Vector<T> gate = Vector<T>::Constant(8, T(-0.1));
   gate(5) = T(0.5);
-  CHECK_THROWS_AS(state.step(p.q.row(0), p.k.row(0), p.v.row(0), linattn::log_gates(gate),
-                             linattn::Identity{}),
-                  linattn::Error);
+  CHECK_THROWS_AS(
+      state.step(p.q.row(0), p.k.row(0), p.v.row(0), linattn::log_gates(gate), linattn::Identity{}),
+      linattn::Error);
   CHECK(state.tokens() == 0);
 }
 
@@ -385,10 +383,18 @@ TEMPLATE_TEST_CASE("gates: FLA's GLA (gk in log space, scale on q, no normaliser
   }
   linattn::Options options;
   options.normalize = false;
-  const Matrix<T> scaled_q = (q.template cast<double>() * scale).template cast<T>();
-  const Matrix<T> out = linattn::causal_gated_linear_attention(
-      scaled_q, k, v, linattn::log_gates(gk), linattn::Identity{}, options);
+  options.scale = scale;  // FLA's scale, on q
+  const Matrix<T> out = linattn::causal_gated_linear_attention(q, k, v, linattn::log_gates(gk),
+                                                               linattn::Identity{}, options);
   CHECK(relative_error(out, expected) <= tolerance<T>() * 5);
+  linattn::RecurrentState<T> state(dk, dv, options);
+  Matrix<T> steps(n, dv);
+  for (Eigen::Index t = 0; t < n; ++t) {
+    steps.row(t) =
+        state.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(gk.row(t)), linattn::Identity{})
+            .transpose();
+  }
+  CHECK(relative_error(steps, expected) <= tolerance<T>() * 5);
 }
 
 TEMPLATE_TEST_CASE("gates: Mamba-2's SSD (a_t = exp(dt_t A), input scaled by dt_t)",
@@ -417,8 +423,8 @@ TEMPLATE_TEST_CASE("gates: Mamba-2's SSD (a_t = exp(dt_t A), input scaled by dt_
   const Matrix<T> g = (dt * a_head).cast<T>();
   linattn::Options options;
   options.normalize = false;
-  const Matrix<T> out = linattn::causal_gated_linear_attention(
-      q, k, v, linattn::log_gates(g), linattn::Identity{}, options);
+  const Matrix<T> out = linattn::causal_gated_linear_attention(q, k, v, linattn::log_gates(g),
+                                                               linattn::Identity{}, options);
   CHECK(relative_error(out, expected) <= tolerance<T>() * 5);
 }
 
@@ -444,8 +450,8 @@ TEMPLATE_TEST_CASE("gates: RWKV-6's decay (w = -exp(w_raw), per key feature)", "
   linattn::Options options;
   options.normalize = false;
   const Matrix<T> out = linattn::causal_gated_linear_attention(
-      r.cast<T>(), k.cast<T>(), v.cast<T>(), linattn::log_gates(w.cast<T>()),
-      linattn::Identity{}, options);
+      r.cast<T>(), k.cast<T>(), v.cast<T>(), linattn::log_gates(w.cast<T>()), linattn::Identity{},
+      options);
   CHECK(relative_error(out, expected) <= tolerance<T>() * 5);
 }
 

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <limits>
+#include <linattn/backward.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/recurrent_state.hpp>
@@ -382,4 +383,55 @@ TEMPLATE_TEST_CASE("edge cases: C or Dv of 1, a single token, eps = 0, decay nea
     CHECK(relative_error(parallel, expected) <= tolerance<T>());
     CHECK(relative_error(recurrent, expected) <= tolerance<T>());
   }
+}
+
+TEMPLATE_TEST_CASE("Options::scale multiplies phi(q), in every form", "[linear_attention]", float,
+                   double) {
+  // out = s phi(q)^T S / (s phi(q) . z + eps): the naive formula on s phi(q). eps = 0.5 makes
+  // the normalised form depend on s, so a scale that were dropped would show.
+  using T = TestType;
+  const Eigen::Index n = 300;
+  const Matrix<T> q = gaussian<T>(n, kDk, 501), k = gaussian<T>(n, kDk, 502);
+  const Matrix<T> v = gaussian<T>(n, kDv, 503);
+  const linattn::EluPlusOne map;
+  const Matrix<double> phi_q = map.queries(q.template cast<double>());
+  const Matrix<double> phi_k = map.keys(k.template cast<double>());
+  const double s = 0.125;
+  for (const bool normalize : {true, false}) {
+    for (const double decay : {1.0, 0.97}) {
+      linattn::Options options;
+      options.scale = s;
+      options.eps = 0.5;
+      options.normalize = normalize;
+      options.decay = decay;
+      const Matrix<double> expected = naive_linear_attention(
+          s * phi_q, phi_k, v.template cast<double>(), true, decay, 0.5, normalize);
+      const Matrix<T> chunked = linattn::causal_linear_attention(q, k, v, map, options);
+      CHECK(relative_error(chunked, expected) <= tolerance<T>());
+      linattn::RecurrentState<T> state(kDk, kDv, options);
+      Matrix<T> steps(n, kDv);
+      for (Eigen::Index t = 0; t < n; ++t) {
+        steps.row(t) = state.step(q.row(t), k.row(t), v.row(t), map).transpose();
+      }
+      CHECK(relative_error(steps, expected) <= tolerance<T>());
+      if (decay == 1.0) {
+        const Matrix<double> full = naive_linear_attention(
+            s * phi_q, phi_k, v.template cast<double>(), false, 1.0, 0.5, normalize);
+        CHECK(relative_error(linattn::linear_attention(q, k, v, map, options), full) <=
+              tolerance<T>());
+      }
+    }
+  }
+  linattn::Options bad;
+  for (const double scale : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+                             std::numeric_limits<double>::quiet_NaN()}) {
+    bad.scale = scale;
+    CHECK_THROWS_WITH(linattn::causal_linear_attention(q, k, v, map, bad),
+                      Catch::Contains("Options::scale"));
+  }
+  // The backward does not take a scale yet: it says so instead of giving wrong gradients.
+  linattn::Options scaled;
+  scaled.scale = s;
+  CHECK_THROWS_WITH(linattn::causal_linear_attention_backward(q, k, v, v, map, scaled),
+                    Catch::Contains("Options::scale"));
 }

@@ -77,6 +77,7 @@ void validate_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<D
                        const Options& options, const char* where, const char* q_name,
                        const char* k_name) {
   validate_sequence_shapes(q, k, v, options, where, q_name, k_name);
+  require_unit_scale(options, where);
   if (grad_out.rows() != v.rows() || grad_out.cols() != v.cols()) {
     throw Error(std::string(where) + ": grad_out is " + shape_string(grad_out) + " but v is " +
                 shape_string(v) + "; the gradient has the output's shape");

@@ -46,6 +46,10 @@ struct Options {
   Eigen::Index chunk = 64;
   /// Scan inputs for NaN and Inf and throw on them.
   bool check_finite = true;
+  /// s, multiplying phi(q) (FLA's `scale`): out = s phi(q)^T S / (s phi(q) . z + eps). In the
+  /// normalised form it cancels but for eps; without normalize it scales the output (FLA's
+  /// default for its kernels is Dk^-1/2). Must be finite and > 0.
+  double scale = 1.0;
   /// Threads for one call when linattn is built with OpenMP (CMake option LINATTN_OPENMP):
   /// 0 takes OpenMP's default (omp_get_max_threads(), 1 inside a parallel region), n > 0 at
   /// most n. Ignored without OpenMP. Results do not depend on it beyond rounding.

@@ -46,6 +46,7 @@ void validate_gated_sequence(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Ma
                              const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& gates,
                              const Options& options, const char* where) {
   validate_sequence_shapes(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
+  require_unit_scale(options, where);
   require_unit_decay(options, where);
   require_gate_shape(gates, phi_q.rows(), phi_q.cols(), where);
   scan_inputs(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
@@ -366,9 +367,9 @@ namespace detail {
 
 /// The gate argument of a gated entry point: a_t or log_gates(g), of the inputs' scalar.
 template <class DQ, class DK, class DV, class Gates>
-using enable_if_gates = std::enable_if_t<
-    gate_traits<Gates>::is_gate && std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
-    std::is_same_v<typename DQ::Scalar, typename DV::Scalar>>;
+using enable_if_gates = std::enable_if_t<gate_traits<Gates>::is_gate &&
+                                         std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
+                                         std::is_same_v<typename DQ::Scalar, typename DV::Scalar>>;
 
 /// Validates everything, then runs the one chunked kernel with the gates attached to the
 /// source. Per-feature gates read plain features (an exponential map's are checked finite).
@@ -426,11 +427,9 @@ template <class Acc = void, class DQ, class DK, class DV, class Gates, class Map
 void causal_gated_linear_attention_into(const Eigen::MatrixBase<DQ>& q,
                                         const Eigen::MatrixBase<DK>& k,
                                         const Eigen::MatrixBase<DV>& v, const Gates& gates,
-                                        const Map& map,
-                                        Eigen::Ref<Matrix<typename DQ::Scalar>> out,
+                                        const Map& map, Eigen::Ref<Matrix<typename DQ::Scalar>> out,
                                         const Options& options = {}) {
-  detail::gated_attention<Acc>(q, k, v, gates, map, out, options,
-                               "causal_gated_linear_attention");
+  detail::gated_attention<Acc>(q, k, v, gates, map, out, options, "causal_gated_linear_attention");
 }
 
 /// Gated causal linear attention; returns N x Dv. See causal_gated_linear_attention_into.
@@ -449,8 +448,7 @@ Matrix<typename DQ::Scalar> causal_gated_linear_attention(const Eigen::MatrixBas
                                                           const Gates& gates, const Map& map = {},
                                                           const Options& options = {}) {
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
-  detail::gated_attention<Acc>(q, k, v, gates, map, out, options,
-                               "causal_gated_linear_attention");
+  detail::gated_attention<Acc>(q, k, v, gates, map, out, options, "causal_gated_linear_attention");
   return out;
 }
 

@@ -44,7 +44,8 @@ struct gate_traits {
 };
 
 template <class Derived>
-struct gate_traits<Derived, std::enable_if_t<std::is_base_of_v<Eigen::MatrixBase<Derived>, Derived>>> {
+struct gate_traits<Derived,
+                   std::enable_if_t<std::is_base_of_v<Eigen::MatrixBase<Derived>, Derived>>> {
   static constexpr bool is_gate = true;
   static constexpr bool log_space = false;
   using Values = Derived;

@@ -833,7 +833,8 @@ class RecurrentState {
     state_.log_scale = new_log;
     ++tokens_;
     // out holds the numerator; normalising it in place is coefficient-wise.
-    detail::write_output_row(out, den, log_q + new_log, options_, out);
+    detail::write_output_row(out, den, log_q + new_log + detail::output_log_scale(options_),
+                             options_, out);
   }
 
   /// One token with per-feature gates (feature_log_gate_) and plain features: the pending
@@ -850,14 +851,24 @@ class RecurrentState {
     const Eigen::Index c = feature_dim();
     const Eigen::Index dv = value_dim();
     out.setZero();
-    const detail::StreamOperands<Acc> operands{
-        query_.data(), c, key_.data(), c, value_.data(), dv, state_.s.data(), dv, out.data(),
-        dv,            1, c,          dv};
+    const detail::StreamOperands<Acc> operands{query_.data(),
+                                               c,
+                                               key_.data(),
+                                               c,
+                                               value_.data(),
+                                               dv,
+                                               state_.s.data(),
+                                               dv,
+                                               out.data(),
+                                               dv,
+                                               1,
+                                               c,
+                                               dv};
     detail::stream_product(operands);
     Acc den(0);
     detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, state_.z.data(), &den);
     ++tokens_;
-    detail::write_output_row(out, den, base, options_, out);
+    detail::write_output_row(out, den, base + detail::output_log_scale(options_), options_, out);
   }
 
   /// The transition of the token being stepped: Options::decay, or the gate of a gated step.
@@ -935,10 +946,10 @@ class RecurrentState {
   std::int64_t tokens_ = 0;
   Vector<Acc> query_, key_, value_;
   Vector<Acc> raw_q_, raw_k_;  ///< Dk: a mapped step's token in Acc, sized by the first one
-  double token_log_q_ = 0.0, token_log_k_ = 0.0;  ///< its features' log scales
-  Vector<Acc> output_;                            ///< Dv; used when Acc differs from T
-  TokenGate token_gate_ = TokenGate::decay;       ///< the stepped token's transition
-  double token_log_gate_ = 0.0;                   ///< its scalar log gate
+  double token_log_q_ = 0.0, token_log_k_ = 0.0;              ///< its features' log scales
+  Vector<Acc> output_;                                        ///< Dv; used when Acc differs from T
+  TokenGate token_gate_ = TokenGate::decay;                   ///< the stepped token's transition
+  double token_log_gate_ = 0.0;                               ///< its scalar log gate
   Eigen::Array<double, Eigen::Dynamic, 1> feature_log_gate_;  ///< C: its per-feature log gates
 };
 

@@ -139,20 +139,20 @@ void load_vector(const Eigen::MatrixBase<Derived>& x, Vector<Acc>& dst) {
 /// Per-call workspace, sized by the chunk length, never by N.
 template <class T>
 struct ChunkBuffers {
-  Matrix<T> q, k, v;            ///< L x C, L x C, L x Dv
-  Vector<double> log_q, log_k;  ///< L: per-row log scales of q and k features
-  Vector<double> running_log;   ///< L: the running log-scale c_i after each token
-  Vector<double> output_log;    ///< L: log_q_i + c_i, the log factor the output row misses
-  Matrix<T> scores;             ///< L x L
-  Matrix<T> weighted_keys;      ///< L x C
-  Matrix<T> num;                ///< L x Dv
-  Vector<T> den;                ///< L
-  Vector<double> log_scratch;   ///< L: a log-scaled map's row scales, before they are stored
-  Vector<double> key_factor;    ///< L: the scaled stream's per-key weights
-  LogRows log_gate;             ///< L x G: the chunk's log gates (G = 1 or C), when gated
+  Matrix<T> q, k, v;               ///< L x C, L x C, L x Dv
+  Vector<double> log_q, log_k;     ///< L: per-row log scales of q and k features
+  Vector<double> running_log;      ///< L: the running log-scale c_i after each token
+  Vector<double> output_log;       ///< L: log_q_i + c_i, the log factor the output row misses
+  Matrix<T> scores;                ///< L x L
+  Matrix<T> weighted_keys;         ///< L x C
+  Matrix<T> num;                   ///< L x Dv
+  Vector<T> den;                   ///< L
+  Vector<double> log_scratch;      ///< L: a log-scaled map's row scales, before they are stored
+  Vector<double> key_factor;       ///< L: the scaled stream's per-key weights
+  LogRows log_gate;                ///< L x G: the chunk's log gates (G = 1 or C), when gated
   Vector<double> decay, decay_lo;  ///< L: P_r, the log transition from the chunk start through
                                    ///< token r, as a double-double (hi + lo)
-  LogRows cum;                  ///< L x C: per-feature log gates summed within a piece
+  LogRows cum;                     ///< L x C: per-feature log gates summed within a piece
   Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> feature_weights;  ///< L x C
 
   ChunkBuffers(Eigen::Index chunk, Eigen::Index feature_dim, Eigen::Index value_dim)
@@ -275,7 +275,7 @@ class ChunkSource {
   Eigen::Index feature_dim_;
   Eigen::Index value_dim_;
   bool log_scaled_;
-  Eigen::Index gate_dim_;              ///< a forwarding source's gates (RowRange)
+  Eigen::Index gate_dim_;            ///< a forwarding source's gates (RowRange)
   const GateRows* gates_ = nullptr;  ///< the attached gates, if any
 };
 
@@ -441,8 +441,7 @@ using OutRows = Eigen::Ref<Matrix<O>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dy
 /// an empty state, to the sums before it. log_transition is the segment's total log decay or
 /// log gate: rows * log g for a constant decay, 0 for non-causal sums, -infinity after a reset.
 template <class T>
-void append_segment(CarriedState<T>& state, const CarriedState<T>& segment,
-                    double log_transition) {
+void append_segment(CarriedState<T>& state, const CarriedState<T>& segment, double log_transition) {
   if (segment.empty()) return;
   if (state.empty() || log_transition == -std::numeric_limits<double>::infinity()) {
     state = segment;
@@ -455,6 +454,27 @@ void append_segment(CarriedState<T>& state, const CarriedState<T>& segment,
   state.s = before * state.s + after * segment.s;
   state.z = before * state.z + after * segment.z;
   state.log_scale = top;
+}
+
+/// state <- diag(exp(log_transition)) state + segment, per feature: append_segment for
+/// per-feature gates (log_transition: C entries, -infinity where a feature was reset).
+template <class T>
+void append_segment_rows(CarriedState<T>& state, CarriedState<T> segment,
+                         const Eigen::Array<double, Eigen::Dynamic, 1>& log_transition) {
+  if (segment.empty()) return;
+  segment.fold_rows();
+  if (state.empty()) {
+    state = std::move(segment);
+    return;
+  }
+  state.fold_rows();
+  // The segment was summed from an empty state with plain features: log_scale 0.
+  const T lift = exp_as<T>(segment.log_scale - state.log_scale);
+  for (Eigen::Index c = 0; c < state.s.rows(); ++c) {
+    const T carry = exp_as<T>(log_transition(c));
+    state.s.row(c) = carry * state.s.row(c) + lift * segment.s.row(c);
+    state.z(c) = carry * state.z(c) + lift * segment.z(c);
+  }
 }
 
 /// Runs the recurrence chunk by chunk, for every transition: none, a constant decay, scalar
@@ -470,6 +490,7 @@ class ChunkedKernel {
       : chunk_(std::max<Eigen::Index>(1, std::min(options.chunk, rows))),
         options_(options),
         log_decay_(std::log(options.decay)),
+        log_output_scale_(output_log_scale(options)),
         buf_(chunk_, feature_dim, value_dim) {}
 
   /// Causal attention over all rows of `src`, continuing from `state` and leaving it after the
@@ -530,8 +551,7 @@ class ChunkedKernel {
   /// the one after token j. The state of a segment on its own, for the sequence-parallel
   /// driver and the non-causal sums. Scalar gates or a constant decay only. When given,
   /// *log_transition receives log A (-infinity when a gate reset the state).
-  void absorb(const ChunkSource<T>& src, CarriedState<T>& state,
-              double* log_transition = nullptr) {
+  void absorb(const ChunkSource<T>& src, CarriedState<T>& state, double* log_transition = nullptr) {
     LINATTN_ASSERT(src.gate_dim() <= 1);
     state.fold_rows();
     gated_ = src.gate_dim() == 1;
@@ -575,6 +595,44 @@ class ChunkedKernel {
       state.log_scale = top;
     }
     if (log_transition != nullptr) *log_transition = total;
+  }
+
+  /// absorb for per-feature gates (plain features): S <- diag(exp(sum g)) S + sum_j
+  /// diag(exp(sum_{i > j} g_i)) k_j v_j^T per chunk, the weights suffix sums of the log gates
+  /// (a reset gives a weight of 0, never a NaN). log_transition receives the C total logs.
+  void absorb_rows(const ChunkSource<T>& src, CarriedState<T>& state,
+                   Eigen::Array<double, Eigen::Dynamic, 1>& log_transition) {
+    const Eigen::Index c = state.s.rows();
+    LINATTN_ASSERT(!src.log_scaled() && src.gate_dim() == c);
+    size_gates(c);
+    if (buf_.cum.rows() != chunk_ || buf_.cum.cols() != c) {
+      buf_.cum.resize(chunk_, c);
+      buf_.feature_weights.resize(chunk_, c);
+    }
+    if (state.empty()) state.log_scale = 0.0;  // s and z are zero
+    const double base = state.log_scale;
+    log_transition.setZero(c);
+    for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
+      const Eigen::Index len = std::min(chunk_, src.rows() - begin);
+      src.load_log_gates(begin, len, buf_.log_gate);
+      src.load_keys_values(begin, len, buf_);
+      LogRows& suffix = buf_.cum;  // row j: sum of the log gates after token j
+      suffix.row(len - 1).setZero();
+      for (Eigen::Index j = len - 2; j >= 0; --j) {
+        suffix.row(j) = suffix.row(j + 1) + buf_.log_gate.row(j + 1);
+      }
+      const Eigen::Array<double, 1, Eigen::Dynamic> whole = suffix.row(0) + buf_.log_gate.row(0);
+      log_transition += whole.transpose();
+      state.settle_rows(state.row_log + whole.transpose(), kGateDrift);
+      Eigen::Ref<Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> w =
+          buf_.feature_weights.topRows(len);
+      // The exponents are taken in double (tiny gates survive), their exps in T.
+      w = ((suffix.topRows(len).rowwise() - state.row_log.transpose()) - base).template cast<T>();
+      Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
+      weighted.array() = buf_.k.topRows(len).array() * w.exp();
+      state.s.noalias() += weighted.transpose() * buf_.v.topRows(len);
+      state.z += weighted.colwise().sum().transpose();
+    }
   }
 
   /// Outputs of every row of `src` against fixed sums `state` (the non-causal second pass).
@@ -747,9 +805,9 @@ class ChunkedKernel {
     buf_.output_log.head(len) = buf_.output_log.head(len).array().exp();
     Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
     for (Eigen::Index r = 0; r < len; ++r) {
-      weighted.row(r) = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(rows.k + r * rows.ldk,
-                                                                             c) *
-                        static_cast<T>(buf_.key_factor(r));
+      weighted.row(r) =
+          Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(rows.k + r * rows.ldk, c) *
+          static_cast<T>(buf_.key_factor(r));
     }
     const T carry = exp_as<T>(carried - rho);
     if (carry != T(1)) {
@@ -915,6 +973,7 @@ class ChunkedKernel {
   /// time: the same values as Eigen's cast, element by element.
   void write_row(Eigen::Index r, double log_factor, OutRows<O>& out) {
     if (out.cols() == 0) return;
+    log_factor += log_output_scale_;  // Options::scale on phi(q): the same factor on num, den
     if (out.innerStride() == 1) {
       Eigen::Map<Eigen::Matrix<O, 1, Eigen::Dynamic>> row(&out.coeffRef(r, 0), out.cols());
       if constexpr (is_half_scalar<O>) {
@@ -932,8 +991,9 @@ class ChunkedKernel {
   Eigen::Index chunk_;
   Options options_;
   double log_decay_;
-  bool gated_ = false;  ///< the current call's source has scalar gates
-  bool reset_ = false;  ///< the last chunk loaded by load_scalar_gates began with a reset
+  double log_output_scale_;  ///< log Options::scale
+  bool gated_ = false;       ///< the current call's source has scalar gates
+  bool reset_ = false;       ///< the last chunk loaded by load_scalar_gates began with a reset
   ChunkBuffers<T> buf_;
   Eigen::Matrix<T, 1, Eigen::Dynamic> out_row_;  ///< Dv, for 16-bit outputs only
 };

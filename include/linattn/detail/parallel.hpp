@@ -121,7 +121,10 @@ void causal_sequence_parallel(const ChunkSource<T>& src, CarriedState<T>& state,
   // starts[s] is the state before segment s; starts[segments] the final state.
   std::vector<CarriedState<T>> starts(segments + 1,
                                       CarriedState<T>(state.s.rows(), state.s.cols()));
-  std::vector<double> transitions(segments, 0.0);  // log of each segment's whole transition
+  // log of each segment's whole transition: one entry (a decay, scalar gates) or C.
+  const bool per_feature = src.gate_dim() > 1;
+  std::vector<double> transitions(segments, 0.0);
+  std::vector<Eigen::Array<double, Eigen::Dynamic, 1>> row_transitions(per_feature ? segments : 0);
   starts[0] = state;
   parallel_for(segments - 1, threads, [&](Eigen::Index s) {
     const int seg = static_cast<int>(s);
@@ -131,13 +134,21 @@ void causal_sequence_parallel(const ChunkSource<T>& src, CarriedState<T>& state,
       starts[1] = starts[0];
       kernel.causal(range, starts[1], OutRows<O>(out.middleRows(bounds[0], rows_of(0))));
     } else {
-      kernel.absorb(range, starts[seg + 1], &transitions[seg]);  // prefixed in pass 2
+      if (per_feature) {  // local sums, prefixed in pass 2
+        kernel.absorb_rows(range, starts[seg + 1], row_transitions[seg]);
+      } else {
+        kernel.absorb(range, starts[seg + 1], &transitions[seg]);
+      }
     }
   });
   for (int s = 1; s + 1 < segments; ++s) {
     CarriedState<T> local = std::move(starts[s + 1]);
     starts[s + 1] = starts[s];
-    append_segment(starts[s + 1], local, transitions[s]);
+    if (per_feature) {
+      append_segment_rows(starts[s + 1], std::move(local), row_transitions[s]);
+    } else {
+      append_segment(starts[s + 1], local, transitions[s]);
+    }
   }
   std::vector<CarriedState<T>> ends(segments, CarriedState<T>(0, 0));
   parallel_for(segments - 1, threads, [&](Eigen::Index s) {
@@ -158,9 +169,7 @@ template <class T, class O>
 void causal_rows(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out,
                  const Options& options, int threads) {
   const Eigen::Index n = src.rows();
-  // Per-feature gates run on one thread per sequence (their segment sums are not built yet).
-  const Eigen::Index usable =
-      src.gate_dim() > 1 ? 1 : std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
+  const Eigen::Index usable = std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
   if (usable >= 2) {
     causal_sequence_parallel<T, O>(src, state, out, options, static_cast<int>(usable));
     return;

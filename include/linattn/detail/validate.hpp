@@ -78,6 +78,10 @@ inline void validate_options(const Options& options, const char* where) {
     throw Error(std::string(where) + ": Options::decay must lie in (0, 1], got " +
                 std::to_string(options.decay));
   }
+  if (!(options.scale > 0.0) || !std::isfinite(options.scale)) {
+    throw Error(std::string(where) + ": Options::scale must be finite and > 0, got " +
+                std::to_string(options.scale));
+  }
   if (options.chunk < 1) {
     throw Error(std::string(where) + ": Options::chunk must be >= 1, got " +
                 std::to_string(options.chunk));
@@ -86,6 +90,20 @@ inline void validate_options(const Options& options, const char* where) {
     throw Error(std::string(where) +
                 ": Options::threads must be >= 0 (0 = OpenMP's default), got " +
                 std::to_string(options.threads));
+  }
+}
+
+/// log Options::scale, the log factor every output row gets for it (0 for the default 1).
+inline double output_log_scale(const Options& options) {
+  return options.scale == 1.0 ? 0.0 : std::log(options.scale);
+}
+
+/// Throws unless Options::scale is 1, for the routines that do not take it yet.
+inline void require_unit_scale(const Options& options, const char* where) {
+  if (options.scale != 1.0) {
+    throw Error(std::string(where) + ": Options::scale must be 1 here (not supported yet; " +
+                "multiply q or its features by the scale instead), got " +
+                std::to_string(options.scale));
   }
 }
 
