@@ -811,6 +811,13 @@ class RecurrentState {
       state_.s *= carry;
       state_.z *= carry;
     }
+    state_.log_scale = new_log;
+    stream_token(log_q + new_log, out);
+  }
+
+  /// The stream kernel's one-token pass over the workspace (update S and z, read S^T q and
+  /// q . z in the same sweep), then the output row, missing exp(log_factor) before the scale.
+  void stream_token(double log_factor, Eigen::Ref<Vector<Acc>> out) {
     const Eigen::Index c = feature_dim();
     const Eigen::Index dv = value_dim();
     out.setZero();
@@ -830,11 +837,10 @@ class RecurrentState {
     detail::stream_product(operands);
     Acc den(0);
     detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, state_.z.data(), &den);
-    state_.log_scale = new_log;
     ++tokens_;
     // out holds the numerator; normalising it in place is coefficient-wise.
-    detail::write_output_row(out, den, log_q + new_log + detail::output_log_scale(options_),
-                             options_, out);
+    detail::write_output_row(out, den, log_factor + detail::output_log_scale(options_), options_,
+                             out);
   }
 
   /// One token with per-feature gates (feature_log_gate_) and plain features: the pending
@@ -848,27 +854,7 @@ class RecurrentState {
       if (x != 0.0) query_(c) *= detail::exp_as<Acc>(x);
       if (x != 0.0 || base != 0.0) key_(c) *= detail::exp_as<Acc>(-x - base);
     }
-    const Eigen::Index c = feature_dim();
-    const Eigen::Index dv = value_dim();
-    out.setZero();
-    const detail::StreamOperands<Acc> operands{query_.data(),
-                                               c,
-                                               key_.data(),
-                                               c,
-                                               value_.data(),
-                                               dv,
-                                               state_.s.data(),
-                                               dv,
-                                               out.data(),
-                                               dv,
-                                               1,
-                                               c,
-                                               dv};
-    detail::stream_product(operands);
-    Acc den(0);
-    detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, state_.z.data(), &den);
-    ++tokens_;
-    detail::write_output_row(out, den, base + detail::output_log_scale(options_), options_, out);
+    stream_token(base, out);
   }
 
   /// The transition of the token being stepped: Options::decay, or the gate of a gated step.
