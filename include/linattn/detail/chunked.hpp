@@ -626,8 +626,10 @@ class ChunkedKernel {
       state.settle_rows(state.row_log + whole.transpose(), kGateDrift);
       Eigen::Ref<Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> w =
           buf_.feature_weights.topRows(len);
-      // The exponents are taken in double (tiny gates survive), their exps in T.
-      w = ((suffix.topRows(len).rowwise() - state.row_log.transpose()) - base).template cast<T>();
+      // The exponents are taken in double (tiny gates survive), their exps in T; below -1e4
+      // (a reset, or gates far past underflow) the weight is 0 either way, and T holds them.
+      w = (((suffix.topRows(len).rowwise() - state.row_log.transpose()) - base).max(-1.0e4))
+              .template cast<T>();
       Eigen::Ref<Matrix<T>> weighted = buf_.weighted_keys.topRows(len);
       weighted.array() = buf_.k.topRows(len).array() * w.exp();
       state.s.noalias() += weighted.transpose() * buf_.v.topRows(len);
