@@ -32,6 +32,9 @@ class RecurrentStateBatch;
 /// The running sums of causal linear attention for one sequence: S (C x Dv), z (C) and the
 /// tokens seen. `step` adds one token in O(C * Dv); `prefill` adds many through the chunked
 /// form; both give the outputs of one causal_linear_attention call over the whole sequence.
+/// One state serves every transition: Options::decay, or per-token gates given to the gated
+/// step and prefill (scalar or per feature, a_t or log_gates(g)), as
+/// causal_gated_linear_attention computes them.
 ///
 /// S and z are stored scaled: the true sums are exp(log_scale()) * s() and z(). With plain
 /// feature maps log_scale() is 0 and s(), z() are the sums themselves; exponential maps
