@@ -210,13 +210,7 @@ TEMPLATE_TEST_CASE("gates: 65,536 tokens with gates of 1 - 1e-8, chunked and ste
           p.q, p.k, p.v, linattn::log_gates(logs), linattn::Identity{}, options);
       CHECK(relative_error(chunked, expected) <= tolerance<T>());
       linattn::RecurrentState<T> state(4, 4, options);
-      Matrix<T> steps(n, 4);
-      for (Eigen::Index t = 0; t < n; ++t) {
-        steps.row(t) = state
-                           .step(p.q.row(t), p.k.row(t), p.v.row(t),
-                                 linattn::log_gates(logs.row(t)), linattn::Identity{})
-                           .transpose();
-      }
+      const Matrix<T> steps = stepped(state, p, logs, 0, n);
       CHECK(relative_error(steps, expected) <= tolerance<T>());
       // The gates moved the state: the ungated result is far from it.
       const Matrix<T> ungated =

@@ -47,10 +47,8 @@ void validate_gated_sequence(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Ma
                              const Options& options, const char* where) {
   validate_sequence_shapes(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
   require_unit_scale(options, where);
-  require_unit_decay(options, where);
-  require_gate_shape(gates, phi_q.rows(), phi_q.cols(), where);
+  validate_gates(gates.derived(), phi_q.rows(), phi_q.cols(), options, where);
   scan_inputs(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
-  require_gates_in_range<false>(gates, where, "gates");
 }
 
 /// The unnormalized gated causal kernel in chunked form, continuing from a carried state.

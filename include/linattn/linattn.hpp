@@ -7,6 +7,7 @@
 #include <linattn/feature_map.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/gated.hpp>
+#include <linattn/gates.hpp>
 #include <linattn/gradients.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/layer.hpp>

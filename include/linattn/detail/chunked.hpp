@@ -42,14 +42,7 @@ struct CarriedState {
   /// Applies row_log to s and z and clears it (before any transition but a per-feature gate).
   void fold_rows() {
     if (!rows_pending) return;
-    for (Eigen::Index c = 0; c < s.rows(); ++c) {
-      if (row_log(c) != 0.0) {
-        const T factor = static_cast<T>(std::exp(row_log(c)));
-        s.row(c) *= factor;
-        z(c) *= factor;
-      }
-    }
-    row_log.setZero();
+    for (Eigen::Index c = 0; c < s.rows(); ++c) apply_row(c, row_log(c));
     rows_pending = false;
   }
 
@@ -64,12 +57,21 @@ struct CarriedState {
         row_log(c) = r;
         continue;
       }
-      const T factor = static_cast<T>(std::exp(r));  // 0 for a reset (-infinity)
-      s.row(c) *= factor;
-      z(c) *= factor;
-      row_log(c) = 0.0;
+      apply_row(c, r);
     }
     rows_pending = true;
+  }
+
+ private:
+  /// Multiplies row c of s and z by exp(log_factor) (0 for a reset, -infinity); clears
+  /// row_log(c).
+  void apply_row(Eigen::Index c, double log_factor) {
+    if (log_factor != 0.0) {
+      const T factor = static_cast<T>(std::exp(log_factor));
+      s.row(c) *= factor;
+      z(c) *= factor;
+    }
+    row_log(c) = 0.0;
   }
 };
 
@@ -604,11 +606,7 @@ class ChunkedKernel {
                    Eigen::Array<double, Eigen::Dynamic, 1>& log_transition) {
     const Eigen::Index c = state.s.rows();
     LINATTN_ASSERT(!src.log_scaled() && src.gate_dim() == c);
-    size_gates(c);
-    if (buf_.cum.rows() != chunk_ || buf_.cum.cols() != c) {
-      buf_.cum.resize(chunk_, c);
-      buf_.feature_weights.resize(chunk_, c);
-    }
+    size_feature_gates(c);
     if (state.empty()) state.log_scale = 0.0;  // s and z are zero
     const double base = state.log_scale;
     log_transition.setZero(c);
@@ -621,9 +619,10 @@ class ChunkedKernel {
       for (Eigen::Index j = len - 2; j >= 0; --j) {
         suffix.row(j) = suffix.row(j + 1) + buf_.log_gate.row(j + 1);
       }
-      const Eigen::Array<double, 1, Eigen::Dynamic> whole = suffix.row(0) + buf_.log_gate.row(0);
-      log_transition += whole.transpose();
-      state.settle_rows(state.row_log + whole.transpose(), kGateDrift);
+      // Row 0 of the gates becomes the chunk's whole log transition (no allocation per chunk).
+      buf_.log_gate.row(0) += suffix.row(0);
+      log_transition += buf_.log_gate.row(0).transpose();
+      state.settle_rows(state.row_log + buf_.log_gate.row(0).transpose(), kGateDrift);
       Eigen::Ref<Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> w =
           buf_.feature_weights.topRows(len);
       // The exponents are taken in double (tiny gates survive), their exps in T; below -1e4
@@ -693,6 +692,15 @@ class ChunkedKernel {
   void size_gates(Eigen::Index cols) {
     if (buf_.log_gate.rows() != chunk_ || buf_.log_gate.cols() != cols) {
       buf_.log_gate.resize(chunk_, cols);
+    }
+  }
+
+  /// Sizes the buffers of per-feature gates: the gates, their sums and the weights, L x C.
+  void size_feature_gates(Eigen::Index c) {
+    size_gates(c);
+    if (buf_.cum.rows() != chunk_ || buf_.cum.cols() != c) {
+      buf_.cum.resize(chunk_, c);
+      buf_.feature_weights.resize(chunk_, c);
     }
   }
 
@@ -891,11 +899,7 @@ class ChunkedKernel {
   void feature_gated(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out) {
     LINATTN_ASSERT(!src.log_scaled() && src.gate_dim() == state.s.rows());
     const Eigen::Index c = state.s.rows();
-    size_gates(c);
-    if (buf_.cum.rows() != chunk_ || buf_.cum.cols() != c) {
-      buf_.cum.resize(chunk_, c);
-      buf_.feature_weights.resize(chunk_, c);
-    }
+    size_feature_gates(c);
     ChunkRows<T> rows{};
     for (Eigen::Index begin = 0; begin < src.rows(); begin += chunk_) {
       const Eigen::Index len = std::min(chunk_, src.rows() - begin);
