@@ -2,13 +2,16 @@
 // Gradients of causal and non-causal linear attention: the backward pass for training.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/openmp.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
+#include <linattn/gates.hpp>
 #include <linattn/gradients.hpp>
 #include <linattn/linear_attention.hpp>
 #include <string>
@@ -28,14 +31,53 @@ namespace linattn {
 
 namespace detail {
 
-/// One unnormalized causal pass, out_i = sum_{j<=i} g^(i-j) (q_i . k_j) v_j, or with
-/// `reversed` the anti-causal one, out_j = sum_{i>=j} g^(i-j) (q_i . k_j) v_i. The arguments
-/// are expressions that live for the whole call.
+/// The gates of a whole sequence as log a_t in double, N x G: what the gated backward's
+/// passes read forwards and, through reversed(), backwards.
+class SequenceGates final : public GateRows {
+ public:
+  /// Reads every gate of `gates` (a_t, or log_gates(g)).
+  template <class G>
+  explicit SequenceGates(const G& gates)
+      : GateRows(gate_traits<G>::values(gates).cols()),
+        logs_(gate_traits<G>::values(gates).rows(), cols()) {
+    GateMatrix<G>(gates).log_rows(0, logs_.rows(), logs_);
+  }
+
+  /// The gates of the anti-causal passes, which run over the reversed sequence:
+  /// dS_t = ... + diag(a_{t+1}) dS_{t+1}, so reversed token r is moved by a_{N-r}, the first by 1.
+  SequenceGates reversed() const {
+    const Eigen::Index n = logs_.rows();
+    LogRows logs(n, cols());
+    logs.row(0).setZero();
+    logs.bottomRows(n - 1) = logs_.bottomRows(n - 1).colwise().reverse();
+    return SequenceGates(std::move(logs));
+  }
+
+  /// N x G: log a_t of every token.
+  const LogRows& logs() const { return logs_; }
+
+  void log_rows(Eigen::Index begin, Eigen::Index len, LogRows& dst) const override {
+    dst.topRows(len) = logs_.middleRows(begin, len);
+  }
+
+ private:
+  explicit SequenceGates(LogRows logs) : GateRows(logs.cols()), logs_(std::move(logs)) {}
+
+  LogRows logs_;
+};
+
+/// One unnormalized causal pass, out_i = sum_{j<=i} A_ij (q_i . k_j) v_j, or with `reversed`
+/// the anti-causal one, out_j = sum_{i>=j} A_ij (q_i . k_j) v_i, where A_ij is the transition
+/// from token j to token i: g^(i-j) for Options::decay, or the product of the gates between
+/// them (given, with `reversed`, as the reversed gates). The arguments are expressions that
+/// live for the whole call.
 template <class Acc, class DQ, class DK, class DV, class Out>
 void causal_pass(const DQ& q, const DK& k, const DV& v, Out out, const Options& inner,
-                 bool reversed) {
+                 bool reversed, const GateRows* gates = nullptr) {
   if (!reversed) {
-    run_attention<true>(FeaturizedSource<Acc, DQ, DK, DV>(q, k, v), out, inner);
+    FeaturizedSource<Acc, DQ, DK, DV> source(q, k, v);
+    if (gates != nullptr) source.attach_gates(*gates);
+    run_attention<true>(source, out, inner);
     return;
   }
   using RQ = Eigen::Reverse<const DQ, Eigen::Vertical>;
@@ -44,8 +86,75 @@ void causal_pass(const DQ& q, const DK& k, const DV& v, Out out, const Options& 
   const RQ rq(q);
   const RK rk(k);
   const RV rv(v);
-  run_attention<true>(FeaturizedSource<Acc, RQ, RK, RV>(rq, rk, rv), out, inner);
+  FeaturizedSource<Acc, RQ, RK, RV> source(rq, rk, rv);
+  if (gates != nullptr) source.attach_gates(*gates);
+  run_attention<true>(source, out, inner);
   out.colwise().reverseInPlace();
+}
+
+/// out_t = sum_{j<=t} (q_t . k_j) diag(a_{j+1} ... a_t) v_j: per-feature gates on the output
+/// index (the backward's d phi_q and d phi_k), which the forward's kernel does not have. The
+/// engine's plain stream runs over pieces within which every feature's log gates sum to at
+/// least -kStreamLogRange: with e_t the sum since the piece's first token, v_j is weighted by
+/// exp(-e_j) and output t by exp(e_t), and the carried state's columns move between pieces.
+template <class Acc, class DQ, class DK, class DV>
+void value_gated_causal(const DQ& q, const DK& k, const DV& v, const LogRows& logs,
+                        Eigen::Ref<Matrix<Acc>> out, const Options& inner) {
+  const Eigen::Index n = q.rows();
+  const Eigen::Index c = v.cols();
+  const Eigen::Index most = std::min(n, 8 * std::max<Eigen::Index>(1, inner.chunk));
+  ChunkedKernel<Acc, Acc> kernel(q.cols(), c, most, inner);
+  CarriedState<Acc> state(q.cols(), c);
+  Matrix<Acc> weighted(most, c);
+  LogRows rise(most, c);  // e_t, rows of the piece
+  Eigen::Array<Acc, 1, Eigen::Dynamic> factor(c);
+  auto move_state = [&](const auto& log_factor) {
+    factor = log_factor.exp().template cast<Acc>();  // a reset, -infinity, gives 0
+    state.s.array().rowwise() *= factor;
+  };
+  for (Eigen::Index first = 0, len = 0; first < n; first += len) {
+    move_state(logs.row(first));
+    rise.row(0).setZero();
+    for (len = 1; first + len < n && len < most; ++len) {
+      rise.row(len) = rise.row(len - 1) + logs.row(first + len);
+      if (!(rise.row(len).minCoeff() >= -kStreamLogRange<Acc>)) break;
+    }
+    weighted.topRows(len) = (v.middleRows(first, len).template cast<Acc>().array() *
+                             (-rise.topRows(len)).exp().template cast<Acc>())
+                                .matrix();
+    using Weighted = Eigen::Block<Matrix<Acc>, Eigen::Dynamic, Eigen::Dynamic, true>;
+    using RowsQ = decltype(q.middleRows(first, len));
+    using RowsK = decltype(k.middleRows(first, len));
+    const RowsQ rows_q = q.middleRows(first, len);
+    const RowsK rows_k = k.middleRows(first, len);
+    const Weighted rows_v = weighted.topRows(len);
+    const FeaturizedSource<Acc, RowsQ, RowsK, Weighted> source(rows_q, rows_k, rows_v);
+    kernel.causal(source, state, OutRows<Acc>(out.middleRows(first, len)));
+    out.middleRows(first, len).array() *= rise.topRows(len).exp().template cast<Acc>();
+    move_state(rise.row(len - 1));
+  }
+}
+
+/// One pass of the backward: causal_pass, or value_gated_causal where per-feature gates scale
+/// the output index (`gate_on_output`: d phi_q and d phi_k), reversed alike.
+template <class Acc, class DQ, class DK, class DV, class Out>
+void gradient_pass(const DQ& q, const DK& k, const DV& v, Out out, const Options& inner,
+                   bool reversed, const SequenceGates* gates, bool gate_on_output) {
+  if (gates == nullptr || gates->cols() == 1 || !gate_on_output) {
+    causal_pass<Acc>(q, k, v, out, inner, reversed, gates);
+    return;
+  }
+  if constexpr (std::is_same_v<typename Out::Scalar, Acc>) {
+    if (!reversed) {
+      value_gated_causal<Acc>(q, k, v, gates->logs(), out, inner);
+      return;
+    }
+    value_gated_causal<Acc>(q.colwise().reverse(), k.colwise().reverse(), v.colwise().reverse(),
+                            gates->logs(), out, inner);
+    out.colwise().reverseInPlace();
+  } else {
+    LINATTN_ASSERT(false && "the gated backward computes its gradients in the accumulation type");
+  }
 }
 
 /// Turns the rows [num, den] of the unnormalized forward over [v, 1] into G' = [d num, d den]
@@ -77,7 +186,6 @@ void validate_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<D
                        const Options& options, const char* where, const char* q_name,
                        const char* k_name) {
   validate_sequence_shapes(q, k, v, options, where, q_name, k_name);
-  require_unit_scale(options, where);
   if (grad_out.rows() != v.rows() || grad_out.cols() != v.cols()) {
     throw Error(std::string(where) + ": grad_out is " + shape_string(grad_out) + " but v is " +
                 shape_string(v) + "; the gradient has the output's shape");
@@ -98,22 +206,26 @@ void require_gradient_shape(const Out& grad, Eigen::Index rows, Eigen::Index col
   }
 }
 
-/// The causal backward on validated inputs, every pass in Acc.
+/// The causal backward on validated inputs, every pass in Acc. Options::scale s multiplies
+/// phi_q, so it multiplies every pass's output: each gradient is linear in s. With gates
+/// (`gates` and `reversed_gates`, its reversed()) the outputs must be in Acc.
 template <class Acc, class DQ, class DK, class DV, class DG, class T>
 void causal_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
                      const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
                      Eigen::Ref<Matrix<T>> grad_phi_q, Eigen::Ref<Matrix<T>> grad_phi_k,
-                     Eigen::Ref<Matrix<T>> grad_v, const Options& options) {
+                     Eigen::Ref<Matrix<T>> grad_v, const Options& options,
+                     const SequenceGates* gates = nullptr,
+                     const SequenceGates* reversed_gates = nullptr) {
   Options inner = options;
   inner.normalize = false;
   inner.check_finite = false;
   if (!options.normalize) {
-    causal_pass<Acc>(grad_out.template cast<Acc>(), v.template cast<Acc>(),
-                     phi_k.template cast<Acc>(), grad_phi_q, inner, false);
-    causal_pass<Acc>(v.template cast<Acc>(), grad_out.template cast<Acc>(),
-                     phi_q.template cast<Acc>(), grad_phi_k, inner, true);
-    causal_pass<Acc>(phi_k.template cast<Acc>(), phi_q.template cast<Acc>(),
-                     grad_out.template cast<Acc>(), grad_v, inner, true);
+    gradient_pass<Acc>(grad_out.template cast<Acc>(), v.template cast<Acc>(),
+                       phi_k.template cast<Acc>(), grad_phi_q, inner, false, gates, true);
+    gradient_pass<Acc>(v.template cast<Acc>(), grad_out.template cast<Acc>(),
+                       phi_q.template cast<Acc>(), grad_phi_k, inner, true, reversed_gates, true);
+    gradient_pass<Acc>(phi_k.template cast<Acc>(), phi_q.template cast<Acc>(),
+                       grad_out.template cast<Acc>(), grad_v, inner, true, reversed_gates, false);
     return;
   }
   const Eigen::Index n = v.rows();
@@ -130,13 +242,15 @@ void causal_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase
   values_storage.leftCols(dv) = v.template cast<Acc>();
   values_storage.col(dv).setOnes();
   causal_pass<Acc>(phi_q.template cast<Acc>(), phi_k.template cast<Acc>(), values,
-                   Eigen::Ref<Matrix<Acc>>(grads_storage.leftCols(dv + 1)), inner, false);
+                   Eigen::Ref<Matrix<Acc>>(grads_storage.leftCols(dv + 1)), inner, false, gates);
   normalization_gradients<Acc>(grads_storage.leftCols(dv + 1), grad_out, options.eps);
-  causal_pass<Acc>(grads, values, phi_k.template cast<Acc>(), grad_phi_q, inner, false);
-  causal_pass<Acc>(values, grads, phi_q.template cast<Acc>(), grad_phi_k, inner, true);
+  gradient_pass<Acc>(grads, values, phi_k.template cast<Acc>(), grad_phi_q, inner, false, gates,
+                     true);
+  gradient_pass<Acc>(values, grads, phi_q.template cast<Acc>(), grad_phi_k, inner, true,
+                     reversed_gates, true);
   const Rows grad_num(grads_storage, 0, 0, n, dv);
-  causal_pass<Acc>(phi_k.template cast<Acc>(), phi_q.template cast<Acc>(), grad_num, grad_v, inner,
-                   true);
+  gradient_pass<Acc>(phi_k.template cast<Acc>(), phi_q.template cast<Acc>(), grad_num, grad_v,
+                     inner, true, reversed_gates, false);
 }
 
 /// The non-causal backward on validated inputs: five GEMMs through C x (Dv + 1) sums.
@@ -148,7 +262,8 @@ void non_causal_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matrix
   const Eigen::Index n = v.rows();
   const Eigen::Index dv = v.cols();
   const Eigen::Index width = options.normalize ? dv + 1 : dv;
-  const Matrix<Acc> q = phi_q.template cast<Acc>();
+  const Acc scale = static_cast<Acc>(options.scale);  // on phi_q, so on each gradient
+  const Matrix<Acc> q = phi_q.template cast<Acc>() * scale;
   const Matrix<Acc> k = phi_k.template cast<Acc>();
   Matrix<Acc> values(n, width);
   values.leftCols(dv) = v.template cast<Acc>();
@@ -164,7 +279,7 @@ void non_causal_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matrix
   }
   Matrix<Acc> result(n, q.cols());
   result.noalias() = grads * sums.transpose();
-  grad_phi_q = result.template cast<T>();
+  grad_phi_q = (result * scale).template cast<T>();
   Matrix<Acc> query_grads(q.cols(), width);
   query_grads.noalias() = q.transpose() * grads;
   result.noalias() = values * query_grads.transpose();
@@ -199,6 +314,20 @@ void featurized_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matrix
   }
 }
 
+/// The map's features of the raw queries (or keys) x, in their type, which the backward needs
+/// finite: unscaled exponential features can overflow where the forward's stabiliser does not.
+template <class Map, class A>
+Matrix<A> backward_features(const Map& map, const Matrix<A>& x, bool keys, const char* where) {
+  Matrix<A> phi = keys ? map.keys(x) : map.queries(x);
+  if (!phi.allFinite()) {
+    throw Error(std::string(where) + ": the feature map overflows " +
+                (std::is_same_v<A, float> ? "float" : "double") + " on " + (keys ? "k" : "q") +
+                "; the backward needs finite features (accumulate in double, "
+                "the backward<double>, or scale the inputs down)");
+  }
+  return phi;
+}
+
 /// Featurizes q and k in Acc, runs the featurized backward there and chains the map's backward.
 template <class Acc, class DQ, class DK, class DV, class DG, class Map>
 void mapped_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -218,18 +347,8 @@ void mapped_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   require_gradient_shape(grad_v, v.rows(), v.cols(), where, "grad_v");
   const Matrix<A> raw_q = q.template cast<A>();
   const Matrix<A> raw_k = k.template cast<A>();
-  const Matrix<A> phi_q = map.queries(raw_q);
-  const Matrix<A> phi_k = map.keys(raw_k);
-  // Unscaled exponential features can overflow where the forward's stabiliser does not.
-  for (const Matrix<A>* phi : {&phi_q, &phi_k}) {
-    if (!phi->allFinite()) {
-      throw Error(std::string(where) + ": the feature map overflows " +
-                  (std::is_same_v<A, float> ? "float" : "double") + " on " +
-                  (phi == &phi_q ? "q" : "k") +
-                  "; the backward needs finite features (accumulate in double, "
-                  "causal_linear_attention_backward<double>, or scale the inputs down)");
-    }
-  }
+  const Matrix<A> phi_q = backward_features(map, raw_q, false, where);
+  const Matrix<A> phi_k = backward_features(map, raw_k, true, where);
   Matrix<A> grad_phi_q(phi_q.rows(), phi_q.cols());
   Matrix<A> grad_phi_k(phi_k.rows(), phi_k.cols());
   Matrix<A> grad_values(v.rows(), v.cols());
@@ -243,6 +362,99 @@ void mapped_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   grad_q = map.backward(raw_q, grad_phi_q).template cast<T>();
   grad_k = map.backward(raw_k, grad_phi_k).template cast<T>();
   grad_v = grad_values.template cast<T>();
+}
+
+/// d loss / d gates from the feature gradients. With b_t = sum_{s<=t} g_s (g_t = log a_t),
+/// d b_t = phi_q_t o d phi_q_t - phi_k_t o d phi_k_t and d g_t = sum_{s>=t} d b_s, summed in
+/// double (the terms cancel over long sequences); d a_t = d g_t / a_t. A reset gets 0.
+template <bool LogSpace, class DQ, class DK, class A, class T>
+void gate_gradients(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+                    const Matrix<A>& grad_phi_q, const Matrix<A>& grad_phi_k, const LogRows& logs,
+                    Matrix<T>& grad) {
+  const Eigen::Index n = logs.rows();
+  const Eigen::Index g = logs.cols();
+  grad.resize(n, g);
+  Eigen::Array<double, 1, Eigen::Dynamic> running =
+      Eigen::Array<double, 1, Eigen::Dynamic>::Zero(g);
+  Eigen::Array<double, 1, Eigen::Dynamic> term(phi_q.cols());
+  for (Eigen::Index t = n - 1; t >= 0; --t) {
+    term = phi_q.row(t).template cast<double>().array() *
+               grad_phi_q.row(t).template cast<double>().array() -
+           phi_k.row(t).template cast<double>().array() *
+               grad_phi_k.row(t).template cast<double>().array();
+    if (g == 1) {
+      running(0) += term.sum();
+    } else {
+      running += term;
+    }
+    for (Eigen::Index c = 0; c < g; ++c) {
+      const double log_gate = logs(t, c);
+      double d = 0.0;  // a reset: the output is flat in g_t
+      if (log_gate != -std::numeric_limits<double>::infinity()) {
+        d = LogSpace ? running(c) : running(c) / std::exp(log_gate);
+      }
+      grad(t, c) = static_cast<T>(d);
+    }
+  }
+}
+
+/// The gated causal backward: validates everything, runs the passes of causal_backward with
+/// the gates (featurized in Acc for a map other than Identity, whose backward is chained) and
+/// the gate gradients, and writes `grads` only when all of it succeeded.
+template <class Acc, class DQ, class DK, class DV, class Gates, class DO, class Map>
+void gated_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Gates& gates,
+                    const Eigen::MatrixBase<DO>& grad_out, const Map& map,
+                    GatedAttentionGradients<typename DQ::Scalar>& grads, const Options& options,
+                    const char* where) {
+  using T = typename DQ::Scalar;
+  using A = accumulator_t<Acc, T>;
+  static_assert(is_supported_scalar<T> && is_supported_scalar<A>,
+                "the gated backward takes float or double inputs and accumulators");
+  static_assert(std::is_same_v<gate_scalar_t<Gates>, T>,
+                "the gates must have the inputs' scalar type");
+  static_assert(std::is_same_v<typename DO::Scalar, T>, "grad_out must have the inputs' scalar");
+  if constexpr (check_feature_map<Map, A>()) {
+    constexpr bool features = is_identity_map<Map>;
+    validate_backward(q, k, v, grad_out, options, where, features ? "phi_q" : "q",
+                      features ? "phi_k" : "k");
+    validate_gates(gates, q.rows(), features ? q.cols() : map.feature_dim(q.cols()), options,
+                   where);
+    const SequenceGates forward(gates);
+    const SequenceGates backward = forward.reversed();
+    GatedAttentionGradients<T> result;
+    // The feature gradients in A: the gate gradients are sums of their products.
+    auto run = [&](const auto& phi_q, const auto& phi_k, Matrix<A>& dq, Matrix<A>& dk) {
+      using PQ = std::decay_t<decltype(phi_q)>;
+      using PK = std::decay_t<decltype(phi_k)>;
+      dq.resize(q.rows(), phi_q.cols());
+      dk.resize(k.rows(), phi_k.cols());
+      Matrix<A> dv(v.rows(), v.cols());
+      causal_backward<A, PQ, PK, DV, DO, A>(phi_q, phi_k, v, grad_out, dq, dk, dv, options,
+                                            &forward, &backward);
+      gate_gradients<gate_traits<Gates>::log_space>(phi_q, phi_k, dq, dk, forward.logs(),
+                                                    result.gates);
+      result.v = dv.template cast<T>();
+    };
+    Matrix<A> dq;
+    Matrix<A> dk;
+    if constexpr (features) {
+      run(q.derived(), k.derived(), dq, dk);
+      result.q = dq.template cast<T>();
+      result.k = dk.template cast<T>();
+    } else {
+      static_assert(has_map_backward<Map, A>::value,
+                    "this feature map has no backward(x, grad_phi) member, so gradients cannot "
+                    "reach q and k; featurize yourself and pass linattn::Identity{}");
+      const Matrix<A> raw_q = q.template cast<A>();
+      const Matrix<A> raw_k = k.template cast<A>();
+      run(backward_features(map, raw_q, false, where), backward_features(map, raw_k, true, where),
+          dq, dk);
+      result.q = map.backward(raw_q, dq).template cast<T>();
+      result.k = map.backward(raw_k, dk).template cast<T>();
+    }
+    grads = std::move(result);
+  }
 }
 
 /// The one dispatch of the backward entry points: Identity runs the featurized backward on

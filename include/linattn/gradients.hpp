@@ -19,4 +19,18 @@ struct AttentionGradients {
   Matrix<T> v;
 };
 
+/// Gradients of a scalar loss with respect to the inputs of causal_gated_linear_attention.
+template <class T>
+struct GatedAttentionGradients {
+  /// N x Dk (or N x C): d loss / d q (or d phi_q)
+  Matrix<T> q;
+  /// N x Dk (or N x C): d loss / d k (or d phi_k)
+  Matrix<T> k;
+  /// N x Dv: d loss / d v
+  Matrix<T> v;
+  /// N x 1 or N x C, the shape of the gates: d loss / d a_t for gates a_t, d loss / d g_t for
+  /// log_gates(g) (0 at a reset, g_t = -infinity: nothing depends on it)
+  Matrix<T> gates;
+};
+
 }  // namespace linattn

@@ -479,6 +479,11 @@ void append_segment_rows(CarriedState<T>& state, CarriedState<T> segment,
   }
 }
 
+/// Largest spread of log-scales inside one streamed chunk: factors down to exp(-range) stay
+/// normal numbers, so nothing a later token does can flush an earlier one to zero.
+template <class T>
+inline constexpr double kStreamLogRange = std::is_same_v<T, float> ? 40.0 : 300.0;
+
 /// Runs the recurrence chunk by chunk, for every transition: none, a constant decay, scalar
 /// gates (per-token factors of the register-tiled stream, or a masked, weighted product of
 /// queries and keys when they spread too far) and per-feature gates (the stream on queries and
@@ -667,9 +672,7 @@ class ChunkedKernel {
  private:
   bool has_decay() const { return options_.decay != 1.0; }
 
-  /// Largest spread of log-scales inside one streamed chunk: factors down to exp(-range) stay
-  /// normal numbers, so nothing a later token does can flush an earlier one to zero.
-  static constexpr double kStreamRange = std::is_same_v<T, float> ? 40.0 : 300.0;
+  static constexpr double kStreamRange = kStreamLogRange<T>;
 
   /// The log transition of token r of the chunk (its gate, or the constant decay).
   double step_log(Eigen::Index r) const { return gated_ ? buf_.log_gate(r, 0) : log_decay_; }

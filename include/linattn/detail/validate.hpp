@@ -98,15 +98,6 @@ inline double output_log_scale(const Options& options) {
   return options.scale == 1.0 ? 0.0 : std::log(options.scale);
 }
 
-/// Throws unless Options::scale is 1, for the routines that do not take it yet.
-inline void require_unit_scale(const Options& options, const char* where) {
-  if (options.scale != 1.0) {
-    throw Error(std::string(where) + ": Options::scale must be 1 here (not supported yet; " +
-                "multiply q or its features by the scale instead), got " +
-                std::to_string(options.scale));
-  }
-}
-
 /// Throws if `m` has no rows or no columns.
 template <class Derived>
 void require_nonempty(const Eigen::MatrixBase<Derived>& m, const char* where, const char* name) {
