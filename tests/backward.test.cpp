@@ -340,6 +340,45 @@ TEMPLATE_TEST_CASE("backward on several threads matches one thread", "[backward]
 }
 #endif
 
+TEMPLATE_TEST_CASE("backward with Options::scale is the backward on scaled queries", "[backward]",
+                   float, double) {
+  // out(phi_q; s) = out(s phi_q; 1), so d/d phi_q at s is s times d/d(s phi_q) at 1, and the
+  // gradients of phi_k and v are those of the call on s phi_q; causal (with a decay) and not.
+  using T = TestType;
+  const double bound = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+  constexpr Eigen::Index n = 150, c = 5, dv = 4;
+  const Matrix<T> q = positive_features(n, c, 71).template cast<T>();
+  const Matrix<T> k = positive_features(n, c, 72).template cast<T>();
+  const Matrix<T> v = gaussian<T>(n, dv, 73);
+  const Matrix<T> grad_out = gaussian<T>(n, dv, 74);
+  const T s = T(0.3);
+  const Matrix<T> sq = q * s;
+  for (const bool causal : {true, false}) {
+    for (const bool normalize : {true, false}) {
+      INFO("causal = " << causal << ", normalize = " << normalize);
+      linattn::Options plain;
+      plain.normalize = normalize;
+      plain.decay = causal ? 0.98 : 1.0;
+      plain.chunk = 32;
+      linattn::Options scaled = plain;
+      scaled.scale = static_cast<double>(s);
+      const AttentionGradients<T> got =
+          causal
+              ? linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{},
+                                                          scaled)
+              : linattn::linear_attention_backward(q, k, v, grad_out, linattn::Identity{}, scaled);
+      const AttentionGradients<T> want =
+          causal
+              ? linattn::causal_linear_attention_backward(sq, k, v, grad_out, linattn::Identity{},
+                                                          plain)
+              : linattn::linear_attention_backward(sq, k, v, grad_out, linattn::Identity{}, plain);
+      CHECK(relative_error(got.q, (want.q * s).eval()) <= bound);
+      CHECK(relative_error(got.k, want.k) <= bound);
+      CHECK(relative_error(got.v, want.v) <= bound);
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("backward rejects bad input and writes nothing", "[backward][errors]", float,
                    double) {
   using T = TestType;

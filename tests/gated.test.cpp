@@ -534,6 +534,115 @@ TEMPLATE_TEST_CASE("gated backward: gates near 0 stay finite and match", "[gated
   WARN("backward with gates near 0, worst relative error " << worst);
 }
 
+TEMPLATE_TEST_CASE("gated backward: log gates give d L / d g, and a reset splits the documents",
+                   "[gated][backward]", float, double) {
+  // The gradient with respect to g = log a is a * (d L / d a). A reset (g = -infinity) makes the
+  // tokens after it a document of their own: the gradients of q, k, v are those of two
+  // separate calls, and the reset gate's own gradient is 0 (nothing depends on it).
+  using T = TestType;
+  const double bound = std::is_same_v<T, float> ? 1e-4 : 1e-10;
+  const Eigen::Index n = 300;
+  const Eigen::Index cut = 117;  // inside a chunk of 64
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+    INFO(gate_kind(gate_cols) << " gates");
+    const Problem<T> p(n, gate_cols, 810 + gate_cols);
+    const Matrix<T> grad_out = gaussian<T>(n, kDv, 811);
+    const Matrix<T> logs = p.gates.array().log().matrix();
+    const linattn::GatedAttentionGradients<T> by_a =
+        linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out,
+                                                        linattn::Identity{});
+    const linattn::GatedAttentionGradients<T> by_g =
+        linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, linattn::log_gates(logs),
+                                                        grad_out, linattn::Identity{});
+    CHECK(relative_error(by_g.q, by_a.q) <= bound);
+    CHECK(relative_error(by_g.k, by_a.k) <= bound);
+    CHECK(relative_error(by_g.v, by_a.v) <= bound);
+    const Matrix<T> chain = by_a.gates.cwiseProduct(p.gates);
+    CHECK(relative_error(by_g.gates, chain) <= bound);
+
+    Matrix<T> reset = logs;
+    reset.row(cut).setConstant(-std::numeric_limits<T>::infinity());
+    const linattn::GatedAttentionGradients<T> whole =
+        linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, linattn::log_gates(reset),
+                                                        grad_out, linattn::Identity{});
+    const auto part = [&](Eigen::Index first, Eigen::Index rows) {
+      return linattn::causal_gated_linear_attention_backward(
+          p.q.middleRows(first, rows), p.k.middleRows(first, rows), p.v.middleRows(first, rows),
+          linattn::log_gates(reset.middleRows(first, rows)), grad_out.middleRows(first, rows),
+          linattn::Identity{});
+    };
+    const linattn::GatedAttentionGradients<T> before = part(0, cut);
+    const linattn::GatedAttentionGradients<T> after = part(cut, n - cut);
+    CHECK(relative_error(whole.q.topRows(cut), before.q) <= bound);
+    CHECK(relative_error(whole.k.topRows(cut), before.k) <= bound);
+    CHECK(relative_error(whole.v.topRows(cut), before.v) <= bound);
+    CHECK(relative_error(whole.gates.topRows(cut), before.gates) <= bound);
+    CHECK(relative_error(whole.q.bottomRows(n - cut), after.q) <= bound);
+    CHECK(relative_error(whole.k.bottomRows(n - cut), after.k) <= bound);
+    CHECK(relative_error(whole.v.bottomRows(n - cut), after.v) <= bound);
+    CHECK(whole.gates.row(cut).isZero(0));
+    CHECK(after.gates.row(0).isZero(0));
+    CHECK(relative_error(whole.gates.bottomRows(n - cut - 1),
+                         after.gates.bottomRows(n - cut - 1)) <= bound);
+  }
+}
+
+TEMPLATE_TEST_CASE("gated backward: Options::scale scales phi_q", "[gated][backward]", float,
+                   double) {
+  // FLA's scale: out(q; s) = out(s q; 1), so d/dq at s is s times d/d(s q) at 1, and the
+  // gradients of k, v and the gates are those of the call on s q.
+  using T = TestType;
+  const double bound = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+  const T s = T(0.125);
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+    for (const bool normalize : {true, false}) {
+      INFO(gate_kind(gate_cols) << " gates, normalize = " << normalize);
+      const Problem<T> p(200, gate_cols, 830 + gate_cols);
+      const Matrix<T> grad_out = gaussian<T>(200, kDv, 831);
+      linattn::Options scaled;
+      scaled.normalize = normalize;
+      scaled.scale = static_cast<double>(s);
+      linattn::Options plain;
+      plain.normalize = normalize;
+      const Matrix<T> sq = p.q * s;
+      const linattn::GatedAttentionGradients<T> got =
+          linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out,
+                                                          linattn::Identity{}, scaled);
+      const linattn::GatedAttentionGradients<T> want =
+          linattn::causal_gated_linear_attention_backward(sq, p.k, p.v, p.gates, grad_out,
+                                                          linattn::Identity{}, plain);
+      CHECK(relative_error(got.q, (want.q * s).eval()) <= bound);
+      CHECK(relative_error(got.k, want.k) <= bound);
+      CHECK(relative_error(got.v, want.v) <= bound);
+      CHECK(relative_error(got.gates, want.gates) <= bound);
+    }
+  }
+}
+
+TEST_CASE("gated backward: threads give the one-thread gradients", "[gated][backward]") {
+  // 8192 tokens split across the sequence (scalar and per-feature gates alike).
+  const Eigen::Index n = 8192;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+    INFO(gate_kind(gate_cols) << " gates");
+    const Problem<double> p(n, gate_cols, 850 + gate_cols, 0.97, 1.0);
+    const Matrix<double> grad_out = gaussian<double>(n, kDv, 851);
+    linattn::Options one;
+    one.threads = 1;
+    linattn::Options two;
+    two.threads = 2;
+    const linattn::GatedAttentionGradients<double> a =
+        linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out,
+                                                        linattn::Identity{}, one);
+    const linattn::GatedAttentionGradients<double> b =
+        linattn::causal_gated_linear_attention_backward(p.q, p.k, p.v, p.gates, grad_out,
+                                                        linattn::Identity{}, two);
+    CHECK(relative_error(b.q, a.q) <= 1e-12);
+    CHECK(relative_error(b.k, a.k) <= 1e-12);
+    CHECK(relative_error(b.v, a.v) <= 1e-12);
+    CHECK(relative_error(b.gates, a.gates) <= 1e-10);
+  }
+}
+
 TEMPLATE_TEST_CASE("gated: bad input throws linattn::Error and writes nothing", "[gated]", float,
                    double) {
   using T = TestType;
