@@ -3,7 +3,6 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <limits>
-#include <linattn/backward.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/recurrent_state.hpp>
@@ -429,9 +428,5 @@ TEMPLATE_TEST_CASE("Options::scale multiplies phi(q), in every form", "[linear_a
     CHECK_THROWS_WITH(linattn::causal_linear_attention(q, k, v, map, bad),
                       Catch::Contains("Options::scale"));
   }
-  // The backward does not take a scale yet: it says so instead of giving wrong gradients.
-  linattn::Options scaled;
-  scaled.scale = s;
-  CHECK_THROWS_WITH(linattn::causal_linear_attention_backward(q, k, v, v, map, scaled),
-                    Catch::Contains("Options::scale"));
+  // The backward takes the scale too: tests/backward.test.cpp checks its gradients.
 }
