@@ -74,10 +74,13 @@ class SequenceGates final : public GateRows {
 template <class Acc, class DQ, class DK, class DV, class Out>
 void causal_pass(const DQ& q, const DK& k, const DV& v, Out out, const Options& inner,
                  bool reversed, const GateRows* gates = nullptr) {
-  if (!reversed) {
-    FeaturizedSource<Acc, DQ, DK, DV> source(q, k, v);
+  auto run = [&](ChunkSource<Acc>& source) {
     if (gates != nullptr) source.attach_gates(*gates);
     run_attention<true>(source, out, inner);
+  };
+  if (!reversed) {
+    FeaturizedSource<Acc, DQ, DK, DV> source(q, k, v);
+    run(source);
     return;
   }
   using RQ = Eigen::Reverse<const DQ, Eigen::Vertical>;
@@ -87,8 +90,7 @@ void causal_pass(const DQ& q, const DK& k, const DV& v, Out out, const Options& 
   const RK rk(k);
   const RV rv(v);
   FeaturizedSource<Acc, RQ, RK, RV> source(rq, rk, rv);
-  if (gates != nullptr) source.attach_gates(*gates);
-  run_attention<true>(source, out, inner);
+  run(source);
   out.colwise().reverseInPlace();
 }
 
@@ -423,8 +425,9 @@ void gated_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>&
     const SequenceGates forward(gates);
     const SequenceGates backward = forward.reversed();
     GatedAttentionGradients<T> result;
-    // The feature gradients in A: the gate gradients are sums of their products.
-    auto run = [&](const auto& phi_q, const auto& phi_k, Matrix<A>& dq, Matrix<A>& dk) {
+    Matrix<A> dq;  // the feature gradients in A: the gate gradients are sums of their products
+    Matrix<A> dk;
+    auto run = [&](const auto& phi_q, const auto& phi_k) {
       using PQ = std::decay_t<decltype(phi_q)>;
       using PK = std::decay_t<decltype(phi_k)>;
       dq.resize(q.rows(), phi_q.cols());
@@ -436,10 +439,8 @@ void gated_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>&
                                                     result.gates);
       result.v = dv.template cast<T>();
     };
-    Matrix<A> dq;
-    Matrix<A> dk;
     if constexpr (features) {
-      run(q.derived(), k.derived(), dq, dk);
+      run(q.derived(), k.derived());
       result.q = dq.template cast<T>();
       result.k = dk.template cast<T>();
     } else {
@@ -448,8 +449,7 @@ void gated_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>&
                     "reach q and k; featurize yourself and pass linattn::Identity{}");
       const Matrix<A> raw_q = q.template cast<A>();
       const Matrix<A> raw_k = k.template cast<A>();
-      run(backward_features(map, raw_q, false, where), backward_features(map, raw_k, true, where),
-          dq, dk);
+      run(backward_features(map, raw_q, false, where), backward_features(map, raw_k, true, where));
       result.q = map.backward(raw_q, dq).template cast<T>();
       result.k = map.backward(raw_k, dk).template cast<T>();
     }
