@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <linattn/feature_maps.hpp>
+#include <linattn/gated.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/multi_head.hpp>
@@ -1139,3 +1140,359 @@ TEST_CASE("OpenMP: calls leave the caller's thread count as they found it",
   omp_set_num_threads(before);
 }
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// Transitions per head: gate views ([B, H, N, 1] and [B, H, N, C]) and HeadDecays.
+
+namespace {
+
+/// The naive gated recurrence of one head in double, from the formula:
+/// S_t = diag(exp(g_t)) S_{t-1} + phi_k_t v_t^T, z alike, out_t = phi_q_t^T S_t / guard(. + eps)
+/// (the numerator alone without normalize); g is N x 1 or N x C log gates (-inf resets).
+Matrix<double> naive_gated(const Matrix<double>& phi_q, const Matrix<double>& phi_k,
+                           const Matrix<double>& v, const Matrix<double>& g,
+                           const linattn::Options& options) {
+  const Eigen::Index n = phi_q.rows(), c = phi_q.cols();
+  Matrix<double> s = Matrix<double>::Zero(c, v.cols());
+  Eigen::VectorXd z = Eigen::VectorXd::Zero(c);
+  Matrix<double> out(n, v.cols());
+  for (Eigen::Index t = 0; t < n; ++t) {
+    for (Eigen::Index i = 0; i < c; ++i) {
+      const double a = std::exp(g(t, g.cols() == 1 ? 0 : i));
+      s.row(i) = a * s.row(i) + phi_k(t, i) * v.row(t);
+      z(i) = a * z(i) + phi_k(t, i);
+    }
+    const Eigen::RowVectorXd num = options.scale * (phi_q.row(t) * s);
+    if (!options.normalize) {
+      out.row(t) = num;
+      continue;
+    }
+    double den = options.scale * phi_q.row(t).dot(z) + options.eps;
+    if (std::abs(den) < options.eps) den = den < 0 ? -options.eps : options.eps;
+    out.row(t) = num / den;
+  }
+  return out;
+}
+
+/// Log gates for B x H heads in a layout, D = 1 (scalar) or kDk (per feature): log a_t drawn
+/// from -0.3 * |N(0, 1)| with a -infinity reset at token 37 of every other head (mid-chunk).
+template <class T>
+Heads<T> random_log_gates(Layout layout, Eigen::Index batch, Eigen::Index heads,
+                          Eigen::Index tokens, Eigen::Index dim, std::uint64_t seed) {
+  Heads<T> g(layout, batch, heads, tokens, dim, std::numeric_limits<T>::quiet_NaN());
+  for (Eigen::Index b = 0; b < batch; ++b) {
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      Matrix<T> x =
+          -T(0.3) * gaussian<T>(tokens, dim, seed + 31 * static_cast<std::uint64_t>(b * heads + h))
+                        .cwiseAbs();
+      if ((b + h) % 2 == 1 && tokens > 37) {
+        x.row(37).setConstant(-std::numeric_limits<T>::infinity());
+      }
+      g.set_head(b, h, x);
+    }
+  }
+  return g;
+}
+
+/// The same gates as a_t = exp(g) (a reset becomes a_t = 0, out of range, so it is clamped to
+/// the smallest normal: the gate forms are compared without resets).
+template <class T>
+Heads<T> exp_gates(const Heads<T>& log_gates, Layout layout, Eigen::Index batch, Eigen::Index heads,
+                   Eigen::Index tokens, Eigen::Index dim) {
+  Heads<T> a(layout, batch, heads, tokens, dim, std::numeric_limits<T>::quiet_NaN());
+  for (Eigen::Index b = 0; b < batch; ++b) {
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      a.set_head(b, h,
+                 log_gates.head(b, h).array().exp().max(std::numeric_limits<T>::min()).matrix());
+    }
+  }
+  return a;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("gated views: every layout and gate form gives each head the matrix call",
+                   "[multi_head][gated]", float, double) {
+  using T = TestType;
+  const Eigen::Index B = 2, H = 3, N = 150;
+  Tally tally;
+  double worst_naive = 0.0;
+  for (std::size_t set = 0; set < kLayoutSets.size(); ++set) {
+    const Layouts& layouts = kLayoutSets[set];
+    for (const Kind kind : {Kind::featurized, Kind::elu, Kind::prf}) {
+      const Problem<T> p = make_problem<T>(kind, layouts, B, H, N, 500 + 10 * set);
+      for (const Eigen::Index gate_dim : {Eigen::Index(1), feature_dim(kind)}) {
+        const Heads<T> g = random_log_gates<T>(layouts.k, B, H, N, gate_dim, 600 + set);
+        const Heads<T> a = exp_gates(g, layouts.k, B, H, N, gate_dim);
+        for (const bool log_space : {true, false}) {
+          linattn::Options options;
+          options.threads = 1;
+          options.normalize = gate_dim == 1;
+          options.scale = log_space ? 0.5 : 1.0;
+          Heads<T> out(layouts.out, B, H, N, kDv, kSentinel<T>);
+          auto run = [&](const auto& map) {
+            if (log_space) {
+              linattn::causal_gated_linear_attention_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                                          linattn::log_gates(g.cview()), map,
+                                                          out.view(), options);
+            } else {
+              linattn::causal_gated_linear_attention_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                                          a.cview(), map, out.view(), options);
+            }
+          };
+          if (kind == Kind::featurized) run(linattn::Identity{});
+          if (kind == Kind::elu) run(linattn::EluPlusOne{});
+          if (kind == Kind::prf) run(prf_map());
+          INFO("layouts " << layout_name(layouts.q) << ", " << layout_name(layouts.k) << " -> "
+                          << layout_name(layouts.out) << "; " << kind_name(kind)
+                          << ", gate_dim = " << gate_dim << ", log_space = " << log_space);
+          CHECK(out.gaps_hold(kSentinel<T>));
+          for (Eigen::Index b = 0; b < B; ++b) {
+            for (Eigen::Index h = 0; h < H; ++h) {
+              const Matrix<T> q = p.q.head(b, h), k = p.k.head(b, h), v = p.v.head(b, h);
+              const Matrix<T> gh = g.head(b, h), ah = a.head(b, h);
+              Matrix<T> expected;
+              auto plain = [&](const auto& map) {
+                expected = log_space
+                               ? linattn::causal_gated_linear_attention(
+                                     q, k, v, linattn::log_gates(gh), map, options)
+                               : linattn::causal_gated_linear_attention(q, k, v, ah, map, options);
+              };
+              if (kind == Kind::featurized) plain(linattn::Identity{});
+              if (kind == Kind::elu) plain(linattn::EluPlusOne{});
+              if (kind == Kind::prf) plain(prf_map());
+              const Matrix<T> got = out.head(b, h);
+              REQUIRE(got.allFinite());
+              CHECK(relative_error(got, expected) <= tolerance<T>());
+              tally.add(got, expected);
+              if (kind == Kind::featurized) {
+                // Independent of the engine: the recurrence in double, resets included.
+                const Matrix<double> gates =
+                    log_space ? Matrix<double>(gh.template cast<double>())
+                              : Matrix<double>(ah.template cast<double>().array().log().matrix());
+                const Matrix<double> reference =
+                    naive_gated(q.template cast<double>(), k.template cast<double>(),
+                                v.template cast<double>(), gates, options);
+                const double error = relative_error(got.template cast<double>(), reference);
+                CHECK(error <= (std::is_same_v<T, float> ? 2e-5 : 1e-12));
+                worst_naive = std::max(worst_naive, error);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  WARN("gated views vs matrix calls: " << tally.differing << " of " << tally.compared
+                                       << " heads not bit-identical, worst relative error "
+                                       << tally.worst << "; vs the naive recurrence "
+                                       << worst_naive);
+  CHECK(tally.differing == 0);
+}
+
+TEMPLATE_TEST_CASE("HeadDecays: RetNet's multi-scale decay in one call", "[multi_head][gated]",
+                   float, double) {
+  using T = TestType;
+  const Eigen::Index B = 2, H = 4, N = 200;
+  linattn::HeadDecays decays;
+  for (Eigen::Index h = 0; h < H; ++h) decays.values.push_back(1.0 - std::exp2(-5.0 - double(h)));
+  Tally tally;
+  double worst_naive = 0.0;
+  for (const Layout layout : {Layout::bhnd, Layout::bnhd, Layout::padded}) {
+    const Layouts layouts{layout, layout, layout, layout};
+    const Problem<T> p = make_problem<T>(Kind::featurized, layouts, B, H, N, 700);
+    for (const bool normalize : {true, false}) {
+      linattn::Options options;
+      options.threads = 1;
+      options.normalize = normalize;
+      Heads<T> out(layout, B, H, N, kDv, kSentinel<T>);
+      linattn::causal_gated_linear_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), decays,
+                                                  linattn::Identity{}, out.view(), options);
+      CHECK(out.gaps_hold(kSentinel<T>));
+      for (Eigen::Index b = 0; b < B; ++b) {
+        for (Eigen::Index h = 0; h < H; ++h) {
+          INFO(layout_name(layout) << ", normalize = " << normalize << ", head " << h);
+          linattn::Options head = options;
+          head.decay = decays.values[std::size_t(h)];
+          const Matrix<T> expected = linattn::causal_linear_attention(
+              p.q.head(b, h), p.k.head(b, h), p.v.head(b, h), linattn::Identity{}, head);
+          const Matrix<T> got = out.head(b, h);
+          tally.add(got, expected);
+          const Matrix<double> g =
+              Matrix<double>::Constant(N, 1, std::log(decays.values[std::size_t(h)]));
+          const double error =
+              relative_error(got.template cast<double>(),
+                             naive_gated(p.q.head(b, h).template cast<double>(),
+                                         p.k.head(b, h).template cast<double>(),
+                                         p.v.head(b, h).template cast<double>(), g, options));
+          CHECK(error <= tolerance<T>());
+          worst_naive = std::max(worst_naive, error);
+        }
+      }
+    }
+  }
+  WARN("HeadDecays vs per-head Options::decay: " << tally.differing << " of " << tally.compared
+                                                 << " heads not bit-identical; vs the naive "
+                                                 << "recurrence " << worst_naive);
+  CHECK(tally.differing == 0);
+}
+
+TEMPLATE_TEST_CASE("gated varlen: packed sequences with gates equal one call per sequence",
+                   "[multi_head][gated][varlen]", float, double) {
+  using T = TestType;
+  const std::vector<std::int64_t> offsets = {0, 0, 1, 71, 76, 266};
+  const Eigen::Index H = 3, total = 266;
+  Tally tally;
+  for (const Layout layout : {Layout::bhnd, Layout::bnhd, Layout::padded}) {
+    const Layouts layouts{layout, layout, layout, layout};
+    const Problem<T> p = make_problem<T>(Kind::elu, layouts, 1, H, total, 800);
+    for (const Eigen::Index gate_dim : {Eigen::Index(1), kDk}) {
+      const Heads<T> g = random_log_gates<T>(layout, 1, H, total, gate_dim, 810);
+      for (const int threads : {1, 3}) {  // 15 pairs: threads over pairs
+        linattn::Options options;
+        options.threads = threads;
+        Heads<T> out(layout, 1, H, total, kDv, kSentinel<T>);
+        linattn::causal_gated_linear_attention_varlen_into(
+            p.q.cview(), p.k.cview(), p.v.cview(), linattn::log_gates(g.cview()),
+            linattn::EluPlusOne{}, offsets, out.view(), options);
+        CHECK(out.gaps_hold(kSentinel<T>));
+        linattn::Options plain = options;
+        plain.threads = 1;
+        for (Eigen::Index h = 0; h < H; ++h) {
+          const Matrix<T> q = p.q.head(0, h), k = p.k.head(0, h), v = p.v.head(0, h);
+          const Matrix<T> gh = g.head(0, h), got_head = out.head(0, h);
+          for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
+            const Eigen::Index begin = offsets[s], len = offsets[s + 1] - offsets[s];
+            if (len == 0) continue;
+            INFO(layout_name(layout) << ", gate_dim = " << gate_dim << ", threads = " << threads
+                                     << ", head " << h << ", sequence " << s);
+            const Matrix<T> gs = gh.middleRows(begin, len);
+            const Matrix<T> expected = linattn::causal_gated_linear_attention(
+                q.middleRows(begin, len), k.middleRows(begin, len), v.middleRows(begin, len),
+                linattn::log_gates(gs), linattn::EluPlusOne{}, plain);
+            const Matrix<T> got = got_head.middleRows(begin, len);
+            CHECK(relative_error(got, expected) <= tolerance<T>());
+            tally.add(got, expected);
+          }
+        }
+      }
+    }
+  }
+  WARN("gated varlen vs per-sequence calls: " << tally.differing << " of " << tally.compared
+                                              << " not bit-identical, worst relative error "
+                                              << tally.worst);
+  CHECK(tally.differing == 0);
+}
+
+TEMPLATE_TEST_CASE("gated views: threads over heads and over one long sequence",
+                   "[multi_head][gated][threads]", float, double) {
+  using T = TestType;
+  SECTION("16 heads: bit for bit") {
+    const Eigen::Index B = 1, H = 16, N = 300;
+    const Layouts layouts{Layout::bnhd, Layout::bnhd, Layout::bnhd, Layout::bnhd};
+    const Problem<T> p = make_problem<T>(Kind::featurized, layouts, B, H, N, 900);
+    for (const Eigen::Index gate_dim : {Eigen::Index(1), kDk}) {
+      const Heads<T> g = random_log_gates<T>(Layout::bnhd, B, H, N, gate_dim, 910);
+      std::vector<T> serial;
+      for (const int threads : {1, 2, 4}) {
+        linattn::Options options;
+        options.threads = threads;
+        Heads<T> out(layouts.out, B, H, N, kDv, kSentinel<T>);
+        linattn::causal_gated_linear_attention_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                                    linattn::log_gates(g.cview()),
+                                                    linattn::Identity{}, out.view(), options);
+        if (threads == 1) {
+          serial = out.data();
+        } else {
+          INFO("gate_dim = " << gate_dim << ", threads = " << threads);
+          CHECK(same_data(out.data(), serial));
+        }
+      }
+    }
+  }
+  SECTION("one head of 8192 tokens split across threads") {
+    const Eigen::Index N = 8192;
+    const Layouts layouts{Layout::bhnd, Layout::bhnd, Layout::bhnd, Layout::bhnd};
+    const Problem<T> p = make_problem<T>(Kind::featurized, layouts, 1, 1, N, 920);
+    for (const Eigen::Index gate_dim : {Eigen::Index(1), kDk}) {
+      const Heads<T> g = random_log_gates<T>(Layout::bhnd, 1, 1, N, gate_dim, 930);
+      linattn::Options options;
+      options.threads = 1;
+      Heads<T> serial(Layout::bhnd, 1, 1, N, kDv, kSentinel<T>);
+      linattn::causal_gated_linear_attention_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                                  linattn::log_gates(g.cview()),
+                                                  linattn::Identity{}, serial.view(), options);
+      options.threads = 2;
+      Heads<T> out(Layout::bhnd, 1, 1, N, kDv, kSentinel<T>);
+      linattn::causal_gated_linear_attention_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                                  linattn::log_gates(g.cview()),
+                                                  linattn::Identity{}, out.view(), options);
+      INFO("gate_dim = " << gate_dim);
+      const Matrix<T> got = out.head(0, 0);
+      REQUIRE(got.allFinite());
+      CHECK(relative_error(got, serial.head(0, 0)) <= tolerance<T>());
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("gated views: bad gates and decays throw before anything is written",
+                   "[multi_head][gated][errors]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  const Eigen::Index B = 2, H = 3, N = 10;
+  const Layouts layouts{Layout::bhnd, Layout::bhnd, Layout::bhnd, Layout::bhnd};
+  const Problem<T> p = make_problem<T>(Kind::featurized, layouts, B, H, N, 1000);
+  Heads<T> out(Layout::bhnd, B, H, N, kDv, kSentinel<T>);
+  out.view().head(0, 0).setConstant(T(5));
+  const std::vector<T> untouched = out.data();
+  auto gated = [&](const auto& gates, const linattn::Options& options = {}) {
+    linattn::causal_gated_linear_attention_into(p.q.cview(), p.k.cview(), p.v.cview(), gates,
+                                                linattn::Identity{}, out.view(), options);
+  };
+  const Heads<T> good = random_log_gates<T>(Layout::bhnd, B, H, N, 1, 1010);
+  // Shapes: wrong D, wrong N, wrong H.
+  const Heads<T> wide = random_log_gates<T>(Layout::bhnd, B, H, N, 2, 1020);
+  const Heads<T> short_gates = random_log_gates<T>(Layout::bhnd, B, H, N - 1, 1, 1030);
+  const Heads<T> few = random_log_gates<T>(Layout::bhnd, B, H - 1, N, 1, 1040);
+  CHECK_THROWS_WITH(gated(linattn::log_gates(wide.cview())),
+                    Contains("gates is [2, 3, 10, 2]") && Contains("[2, 3, 10, 6]"));
+  CHECK_THROWS_WITH(gated(linattn::log_gates(short_gates.cview())),
+                    Contains("gates is [2, 3, 9, 1]"));
+  CHECK_THROWS_WITH(gated(linattn::log_gates(few.cview())), Contains("gates is [2, 2, 10, 1]"));
+  // Ranges, in the last head: a log gate > 0, NaN; a_t = 0 and a_t > 1.
+  for (const T bad : {T(0.5), std::numeric_limits<T>::quiet_NaN()}) {
+    Heads<T> g = good;
+    Matrix<T> last = g.head(1, 2);
+    last(7, 0) = bad;
+    g.set_head(1, 2, last);
+    CHECK_THROWS_WITH(gated(linattn::log_gates(g.cview())),
+                      Contains("gates[b=1, h=2]") && Contains("row 7"));
+  }
+  for (const T bad : {T(0), T(1.5)}) {
+    Heads<T> a = exp_gates(good, Layout::bhnd, B, H, N, 1);
+    Matrix<T> last = a.head(1, 2);
+    last(3, 0) = bad;
+    a.set_head(1, 2, last);
+    CHECK_THROWS_WITH(gated(a.cview()), Contains("gates[b=1, h=2]") && Contains("(0, 1]"));
+  }
+  linattn::Options decayed;
+  decayed.decay = 0.9;
+  CHECK_THROWS_WITH(gated(linattn::log_gates(good.cview()), decayed),
+                    Contains("Options::decay must be 1"));
+  // HeadDecays: the count, the range, and Options::decay.
+  CHECK_THROWS_WITH(gated(linattn::HeadDecays{{0.9, 0.8}}), Contains("H = 3"));
+  CHECK_THROWS_WITH(gated(linattn::HeadDecays{{0.9, 0.0, 0.8}}), Contains("values[1]"));
+  CHECK_THROWS_WITH(gated(linattn::HeadDecays{{0.9, 1.5, 0.8}}), Contains("values[1]"));
+  CHECK_THROWS_WITH(gated(linattn::HeadDecays{{0.9, 0.8, 0.7}}, decayed),
+                    Contains("Options::decay must be 1"));
+  // A NaN in the last head's values with check_finite, after the gates are fine.
+  Problem<T> nan = p;
+  Matrix<T> v_last = nan.v.head(1, 2);
+  v_last(9, 4) = std::numeric_limits<T>::quiet_NaN();
+  nan.v.set_head(1, 2, v_last);
+  CHECK_THROWS_WITH(linattn::causal_gated_linear_attention_into(
+                        nan.q.cview(), nan.k.cview(), nan.v.cview(),
+                        linattn::log_gates(good.cview()), linattn::Identity{}, out.view()),
+                    Contains("v[b=1, h=2]"));
+  CHECK(same_data(out.data(), untouched));
+}

@@ -53,7 +53,8 @@ struct gate_traits<Derived,
 };
 
 template <class Derived>
-struct gate_traits<LogGates<Derived>> {
+struct gate_traits<LogGates<Derived>,
+                   std::enable_if_t<std::is_base_of_v<Eigen::MatrixBase<Derived>, Derived>>> {
   static constexpr bool is_gate = true;
   static constexpr bool log_space = true;
   using Values = Derived;
@@ -162,6 +163,24 @@ class GateRows {
   Eigen::Index cols_;
 };
 
+/// dst rows [0, len) = log a_t of rows [begin, begin + len) of `values` (a_t, or log a_t when
+/// LogSpace), in double.
+template <bool LogSpace, class Values>
+void load_log_rows(const Values& values, Eigen::Index begin, Eigen::Index len, LogRows& dst) {
+  if constexpr (!is_half_scalar<typename Values::Scalar>) {
+    // Converted first, then the logs in dst: vectorised, and the same whatever the strides.
+    dst.topRows(len) = values.middleRows(begin, len).template cast<double>().array();
+    if constexpr (!LogSpace) dst.topRows(len) = dst.topRows(len).log();
+  } else {
+    for (Eigen::Index r = 0; r < len; ++r) {
+      for (Eigen::Index c = 0; c < values.cols(); ++c) {
+        const double x = static_cast<double>(values(begin + r, c));
+        dst(r, c) = LogSpace ? x : std::log(x);
+      }
+    }
+  }
+}
+
 /// GateRows over a caller's gate argument (a_t, or log a_t with LogGates).
 template <class G>
 class GateMatrix final : public GateRows {
@@ -173,25 +192,7 @@ class GateMatrix final : public GateRows {
       : GateRows(Traits::values(gates).cols()), values_(Traits::values(gates)) {}
 
   void log_rows(Eigen::Index begin, Eigen::Index len, LogRows& dst) const override {
-    if constexpr (!is_half_scalar<typename Values::Scalar>) {
-      // Vectorised conversions (and logs) for float and double gates.
-      if constexpr (Traits::log_space) {
-        dst.topRows(len) = values_.middleRows(begin, len).template cast<double>().array();
-      } else {
-        dst.topRows(len) = values_.middleRows(begin, len).template cast<double>().array().log();
-      }
-      return;
-    }
-    for (Eigen::Index r = 0; r < len; ++r) {
-      for (Eigen::Index c = 0; c < cols(); ++c) {
-        const double x = static_cast<double>(values_(begin + r, c));
-        if constexpr (Traits::log_space) {
-          dst(r, c) = x;
-        } else {
-          dst(r, c) = std::log(x);
-        }
-      }
-    }
+    load_log_rows<Traits::log_space>(values_, begin, len, dst);
   }
 
  private:

@@ -9,6 +9,7 @@
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
+#include <linattn/gates.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/softmax.hpp>
@@ -17,6 +18,22 @@
 #include <vector>
 
 namespace linattn {
+
+/// Per-head constant decays for the multi-head entry points, in one call: head h's state is
+/// multiplied by values[h] in (0, 1] before each token (RetNet's multi-scale retention,
+/// 1 - 2^(-5-h); MiniMax lightning attention's lambda_h). Every head runs the constant-decay
+/// kernel, as causal_linear_attention with Options::decay = values[h] would.
+struct HeadDecays {
+  std::vector<double> values;  ///< H decays, one per head, each in (0, 1]
+};
+
+/// Marks a gate view ([B, H, N, 1] or [B, H, N, C], any strides) as log gates g = log a <= 0
+/// for the multi-head gated entry points (-infinity resets). Pass it straight to the call.
+/// @param g  the log gates, laid out like q, k and v (e.g. HeadsView<const float>::bnhd)
+template <class T>
+LogGates<HeadsView<T>> log_gates(const HeadsView<T>& g) {
+  return LogGates<HeadsView<T>>(g);
+}
 
 namespace detail {
 
@@ -171,13 +188,140 @@ void for_each_sequence_head(const HeadsView<Q>& q, const HeadsView<K>& k, const 
   }
 }
 
+/// The transition of every head when a call has none: Options::decay.
+struct UniformDecay {};
+
+/// A multi-head call's gate views: head (b, h) is moved by gates.head(b, h), a_t or (LogSpace)
+/// log a_t, one column (scalar) or C (per feature).
+template <class S, bool LogSpace>
+struct HeadGates {
+  ConstHeadsView<S> view;
+};
+
+/// How a multi-head transition argument is read: HeadDecays, a gate view, or log_gates(view).
+template <class G, class Scalar>
+struct head_transition {
+  static constexpr bool valid = false;
+};
+template <class Scalar>
+struct head_transition<HeadDecays, Scalar> {
+  static constexpr bool valid = true;
+  static const HeadDecays& read(const HeadDecays& decays) { return decays; }
+};
+template <class G, class Scalar>
+struct head_transition<HeadsView<G>, Scalar> {
+  static constexpr bool valid = std::is_same_v<std::remove_const_t<G>, Scalar>;
+  static HeadGates<Scalar, false> read(const HeadsView<G>& gates) { return {gates}; }
+};
+template <class G, class Scalar>
+struct head_transition<LogGates<HeadsView<G>>, Scalar> {
+  static constexpr bool valid = std::is_same_v<std::remove_const_t<G>, Scalar>;
+  static HeadGates<Scalar, true> read(const LogGates<HeadsView<G>>& gates) {
+    return {gates.values()};
+  }
+};
+
+template <class Gates, class O>
+using enable_if_head_transition = std::enable_if_t<head_transition<Gates, O>::valid>;
+
+/// Tokens [begin, begin + rows) of one head's gate view, as the engine reads gates.
+template <class S, bool LogSpace>
+class HeadGateRows final : public GateRows {
+ public:
+  HeadGateRows(const typename ConstHeadsView<S>::HeadMap& gates, Eigen::Index begin)
+      : GateRows(gates.cols()), gates_(gates), begin_(begin) {}
+
+  void log_rows(Eigen::Index begin, Eigen::Index len, LogRows& dst) const override {
+    load_log_rows<LogSpace>(gates_, begin_ + begin, len, dst);
+  }
+
+ private:
+  typename ConstHeadsView<S>::HeadMap gates_;
+  Eigen::Index begin_;
+};
+
+inline void validate_transition(const UniformDecay&, const HeadShape&, const Options&,
+                                const char*) {}
+
+/// Throws unless there is one decay in (0, 1] per head and Options::decay is 1.
+inline void validate_transition(const HeadDecays& decays, const HeadShape& shape,
+                                const Options& options, const char* where) {
+  if (options.decay != 1.0) {
+    throw Error(std::string(where) + ": Options::decay must be 1 with HeadDecays (they replace " +
+                "it), got " + std::to_string(options.decay));
+  }
+  if (static_cast<Eigen::Index>(decays.values.size()) != shape.heads) {
+    throw Error(std::string(where) + ": HeadDecays holds " + std::to_string(decays.values.size()) +
+                " decays but the views have H = " + std::to_string(shape.heads) + " heads");
+  }
+  for (std::size_t h = 0; h < decays.values.size(); ++h) {
+    const double g = decays.values[h];
+    if (!(g > 0.0 && g <= 1.0)) {
+      throw Error(std::string(where) + ": HeadDecays values[" + std::to_string(h) +
+                  "] must lie in (0, 1], got " + std::to_string(g));
+    }
+  }
+}
+
+/// Throws unless the gate view is [B, H, N, 1] or [B, H, N, C] for the call's shape, with C
+/// the feature width, and Options::decay is 1.
+template <class S, bool LogSpace>
+void validate_transition(const HeadGates<S, LogSpace>& gates, const HeadShape& shape,
+                         const Options& options, const char* where) {
+  require_unit_decay(options, where);
+  const ConstHeadsView<S>& g = gates.view;
+  if (g.batch() != shape.batch || g.heads() != shape.heads || g.tokens() != shape.tokens ||
+      (g.dim() != 1 && g.dim() != shape.dim)) {
+    const auto sizes = [](Eigen::Index d, const HeadShape& s) {
+      return "[" + std::to_string(s.batch) + ", " + std::to_string(s.heads) + ", " +
+             std::to_string(s.tokens) + ", " + std::to_string(d) + "]";
+    };
+    throw Error(std::string(where) + ": gates is " + g.sizes_string() + " but must be " +
+                sizes(1, shape) + " (one gate per token) or " + sizes(shape.dim, shape) +
+                " (one per feature)");
+  }
+}
+
+/// The range check of every head's gates (always, like the matrix form's), over the threads.
+inline void scan_transition(const UniformDecay&, int, const char*) {}
+inline void scan_transition(const HeadDecays&, int, const char*) {}
+template <class S, bool LogSpace>
+void scan_transition(const HeadGates<S, LogSpace>& gates, int threads, const char* where) {
+  const ConstHeadsView<S>& g = gates.view;
+  parallel_for(g.batch() * g.heads(), threads, [&](Eigen::Index i) {
+    const Eigen::Index b = i / g.heads();
+    const Eigen::Index h = i % g.heads();
+    require_gates_in_range<LogSpace>(g.head(b, h), where, head_name("gates", b, h).c_str());
+  });
+}
+
+/// body(gates, options) for tokens [begin, begin + rows) of head h of batch entry b: the
+/// gates to attach (null for a constant decay) and the options with head h's decay.
+template <class Body>
+void with_transition(const UniformDecay&, Eigen::Index, Eigen::Index, Eigen::Index,
+                     Options& options, const Body& body) {
+  body(static_cast<const GateRows*>(nullptr), options);
+}
+template <class Body>
+void with_transition(const HeadDecays& decays, Eigen::Index, Eigen::Index h, Eigen::Index,
+                     Options& options, const Body& body) {
+  options.decay = decays.values[static_cast<std::size_t>(h)];
+  body(static_cast<const GateRows*>(nullptr), options);
+}
+template <class S, bool LogSpace, class Body>
+void with_transition(const HeadGates<S, LogSpace>& gates, Eigen::Index b, Eigen::Index h,
+                     Eigen::Index begin, Options& options, const Body& body) {
+  const HeadGateRows<S, LogSpace> rows(gates.view.head(b, h), begin);
+  body(static_cast<const GateRows*>(&rows), options);
+}
+
 /// Linear attention (causal or not) over every sequence and head; `map` is null for
 /// featurized inputs.
-template <class Acc, class Q, class K, class V, class O, class Map>
+template <class Acc, class Q, class K, class V, class O, class Map, class Transition>
 void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                             const Map* map, const HeadsView<O>& out,
                             const std::vector<std::int64_t>* offsets, const Options& options,
-                            bool causal, const char* where) {
+                            bool causal, const Transition& transition, const char* where) {
   using Scalar = accumulator_t<Acc, O>;
   static_assert(is_input_scalar<O>,
                 "linattn kernels take float, double, Eigen::half or Eigen::bfloat16 inputs");
@@ -206,45 +350,58 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
                   std::to_string(feature_dim) + " for input_dim " + std::to_string(q.dim()));
     }
   }
+  validate_transition(transition, HeadShape{q.batch(), q.heads(), q.tokens(), feature_dim}, options,
+                      where);
+  scan_transition(transition, resolve_threads(options), where);
   scan_heads(q, k, v, options, where, q_name, k_name);
-  for_each_sequence_head(q, k, v, out, sequences, options,
-                         [&](Eigen::Index, Eigen::Index, const auto& qs, const auto& ks,
-                             const auto& vs, auto os, int threads) {
-                           using DQ = std::decay_t<decltype(qs)>;
-                           using DK = std::decay_t<decltype(ks)>;
-                           using DV = std::decay_t<decltype(vs)>;
-                           CarriedState<Scalar> state(feature_dim, v.dim());
-                           Options run_options = options;
-                           run_options.threads = threads;
-                           auto attend = [&](const auto& source) {
-                             if (causal) {
-                               run_causal(source, state, os, run_options, threads);
-                             } else {
-                               run_non_causal(source, state, os, run_options, threads);
-                             }
-                           };
-                           if constexpr (std::is_same_v<Map, void>) {
-                             attend(FeaturizedSource<Scalar, DQ, DK, DV>(qs, ks, vs));
-                           } else {
-                             attend(MappedSource<Scalar, DQ, DK, DV, Map>(
-                                 qs, ks, vs, *map, options.check_finite, where));
-                           }
-                         });
+  for_each_sequence_head(
+      q, k, v, out, sequences, options,
+      [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
+          int threads) {
+        using DQ = std::decay_t<decltype(qs)>;
+        using DK = std::decay_t<decltype(ks)>;
+        using DV = std::decay_t<decltype(vs)>;
+        CarriedState<Scalar> state(feature_dim, v.dim());
+        Options head_options = options;
+        head_options.threads = threads;
+        with_transition(transition, sequences.batch_of(s), h, sequences.begin(s), head_options,
+                        [&](const GateRows* gates, const Options& run_options) {
+                          auto attend = [&](ChunkSource<Scalar>& source) {
+                            if (gates != nullptr) source.attach_gates(*gates);
+                            if (causal) {
+                              run_causal(source, state, os, run_options, threads);
+                            } else {
+                              run_non_causal(source, state, os, run_options, threads);
+                            }
+                          };
+                          if constexpr (std::is_same_v<Map, void>) {
+                            FeaturizedSource<Scalar, DQ, DK, DV> source(qs, ks, vs);
+                            attend(source);
+                          } else {
+                            // Per-feature gates read plain features (an exponential map's checked
+                            // finite).
+                            MappedSource<Scalar, DQ, DK, DV, Map> source(
+                                qs, ks, vs, *map, options.check_finite, where,
+                                gates == nullptr || gates->cols() == 1);
+                            attend(source);
+                          }
+                        });
+      });
 }
 
 /// The one dispatch of the view entry points: checks the map concept, then reads Identity
 /// inputs in place as features and featurizes any other map chunk by chunk.
-template <class Acc, class Q, class K, class V, class O, class Map>
+template <class Acc, class Q, class K, class V, class O, class Map, class Transition = UniformDecay>
 void heads_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                      const Map& map, const HeadsView<O>& out,
                      const std::vector<std::int64_t>* offsets, const Options& options, bool causal,
-                     const char* where) {
+                     const char* where, const Transition& transition = {}) {
   if constexpr (check_feature_map<Map, accumulator_t<Acc, std::remove_const_t<O>>>()) {
     if constexpr (is_identity_map<Map>) {
       heads_linear_attention<Acc>(q, k, v, static_cast<const void*>(nullptr), out, offsets, options,
-                                  causal, where);
+                                  causal, transition, where);
     } else {
-      heads_linear_attention<Acc>(q, k, v, &map, out, offsets, options, causal, where);
+      heads_linear_attention<Acc>(q, k, v, &map, out, offsets, options, causal, transition, where);
     }
   }
 }
@@ -317,6 +474,59 @@ void linear_attention_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k,
                                   const Options& options = {}) {
   detail::heads_attention<Acc>(q, k, v, map, out, &offsets, options, false,
                                "linear_attention_varlen");
+}
+
+/// Causal linear attention with a transition per head, for every head of every sequence on
+/// caller memory: per-token gates as views laid out like q, k and v ([B, H, N, 1] scalar or
+/// [B, H, N, C] per feature, any strides; a_t, or log_gates(view) for g_t = log a_t), or one
+/// constant decay per head (HeadDecays). Head (b, h) gives exactly
+/// causal_gated_linear_attention on q.head(b, h), ..., gates.head(b, h) (with HeadDecays:
+/// causal_linear_attention with Options::decay = values[h]) up to rounding; threads as
+/// causal_linear_attention_into. Every gate is range-checked before anything is written.
+/// @param q        B x H x N x Dk queries (features, with Identity)
+/// @param k        B x H x N x Dk keys
+/// @param v        B x H x N x Dv values
+/// @param gates    B x H x N x 1 or B x H x N x C gates a_t in (0, 1], log_gates(view) with
+///                 g <= 0, or HeadDecays with H decays in (0, 1]
+/// @param map      feature map (Identity{} for precomputed features)
+/// @param out      B x H x N x Dv result
+/// @param options  eps, normalize, chunk, check_finite, threads, scale; decay must be 1
+template <class Acc = void, class Q, class K, class V, class Gates, class Map, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>,
+          class = detail::enable_if_head_transition<Gates, O>>
+void causal_gated_linear_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                        const HeadsView<V>& v, const Gates& gates, const Map& map,
+                                        const HeadsView<O>& out, const Options& options = {}) {
+  detail::heads_attention<Acc>(q, k, v, map, out, nullptr, options, true,
+                               "causal_gated_linear_attention",
+                               detail::head_transition<Gates, O>::read(gates));
+}
+
+/// Gated causal linear attention over a packed batch of sequences of different lengths:
+/// sequence s is tokens [offsets[s], offsets[s+1]) of every view, gates included, and starts
+/// from an empty state. See causal_gated_linear_attention_into and
+/// causal_linear_attention_varlen_into.
+/// @param q        1 x H x total x Dk queries
+/// @param k        1 x H x total x Dk keys
+/// @param v        1 x H x total x Dv values
+/// @param gates    1 x H x total x 1 or 1 x H x total x C gates (a_t or log_gates(view)), or
+///                 HeadDecays
+/// @param map      feature map (Identity{} for precomputed features)
+/// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
+/// @param out      1 x H x total x Dv result
+/// @param options  as causal_gated_linear_attention_into
+template <class Acc = void, class Q, class K, class V, class Gates, class Map, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>,
+          class = detail::enable_if_head_transition<Gates, O>>
+void causal_gated_linear_attention_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                               const HeadsView<V>& v, const Gates& gates,
+                                               const Map& map,
+                                               const std::vector<std::int64_t>& offsets,
+                                               const HeadsView<O>& out,
+                                               const Options& options = {}) {
+  detail::heads_attention<Acc>(q, k, v, map, out, &offsets, options, true,
+                               "causal_gated_linear_attention_varlen",
+                               detail::head_transition<Gates, O>::read(gates));
 }
 
 /// Softmax attention (the tiled baseline) for every head of every sequence, threads over
