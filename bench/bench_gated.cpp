@@ -2,19 +2,25 @@
 // per-feature gates (GLA, RWKV-6) beside the ungated kernel and a per-token recurrent loop
 // (RecurrentState::step over every token, the form ggml's gated op runs), all on featurized
 // inputs and one thread, with Eigen's GEMM rate measured in the same binary. Shapes: C = Dv = 64
-// at several N, GLA's 128-dim heads, and Mamba-2's head (head dim 64, state 128).
+// at several N, GLA's 128-dim heads, and Mamba-2's head (head dim 64, state 128). And 8 heads
+// of C = Dv = 64 on the multi-head views, head-contiguous ([B, H, N, D]) and token-major
+// ([B, N, H, D], a QKV projection's layout), for every transition, with and without the scan.
 #include <cmath>
 #include <cstdint>
 #include <linattn/gated.hpp>
+#include <linattn/heads_view.hpp>
 #include <linattn/linear_attention.hpp>
+#include <linattn/multi_head.hpp>
 #include <linattn/recurrent_state.hpp>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bench_common.hpp"
 
 namespace {
 
+using linattn::HeadsView;
 using linattn::Matrix;
 using linattn_bench::random_matrix;
 using linattn_bench::set_rates;
@@ -73,6 +79,79 @@ void BM_StepLoop(benchmark::State& state, Eigen::Index c, Eigen::Index dv, Eigen
   state.counters["C"] = double(c);
 }
 
+/// The transitions of the multi-head rows.
+enum class Transition { ungated, head_decays, scalar, feature };
+
+/// 8 heads of range(0) tokens, C = Dv = 64, on views of one layout (token-major or not), one
+/// thread; `check_finite` on or off, to read the scan's share.
+template <class T>
+void BM_Heads(benchmark::State& state, Transition transition, bool token_major, bool check_finite) {
+  constexpr Eigen::Index kHeads = 8, kDim = 64;
+  const Eigen::Index n = state.range(0);
+  const Eigen::Index gate_cols = transition == Transition::feature ? kDim : 1;
+  // Every layout holds the same element count; the views give them their meaning.
+  Head<T> in(kHeads * n, kDim, kDim, gate_cols);
+  const linattn::HeadShape shape{1, kHeads, n, kDim};
+  const linattn::HeadShape gate_shape{1, kHeads, n, gate_cols};
+  auto view = [&](auto* data, const linattn::HeadShape& s) {
+    using V = HeadsView<std::remove_pointer_t<decltype(data)>>;
+    return token_major ? V::bnhd(data, s) : V::bhnd(data, s);
+  };
+  const auto q = view(static_cast<const T*>(in.phi_q.data()), shape);
+  const auto k = view(static_cast<const T*>(in.phi_k.data()), shape);
+  const auto v = view(static_cast<const T*>(in.v.data()), shape);
+  const auto g = view(static_cast<const T*>(in.log_gates.data()), gate_shape);
+  const auto out = view(in.out.data(), shape);
+  linattn::HeadDecays decays;
+  for (Eigen::Index h = 0; h < kHeads; ++h) decays.values.push_back(1.0 - std::exp2(-5.0 - h));
+  linattn::Options options;
+  options.threads = 1;
+  options.check_finite = check_finite;
+  linattn_bench::measure(state, [&] {
+    switch (transition) {
+      case Transition::ungated:
+        linattn::causal_linear_attention_into(q, k, v, linattn::Identity{}, out, options);
+        break;
+      case Transition::head_decays:
+        linattn::causal_gated_linear_attention_into(q, k, v, decays, linattn::Identity{}, out,
+                                                    options);
+        break;
+      case Transition::scalar:
+      case Transition::feature:
+        linattn::causal_gated_linear_attention_into(q, k, v, linattn::log_gates(g),
+                                                    linattn::Identity{}, out, options);
+        break;
+    }
+    benchmark::DoNotOptimize(in.out.data());
+  });
+  set_rates(state, kHeads * recurrence_flops(n, kDim, kDim), double(kHeads * n));
+}
+
+/// The multi-head rows: every transition in both layouts, the scan on and off.
+void register_heads(const std::vector<Eigen::Index>& sizes) {
+  struct Kind {
+    const char* name;
+    Transition transition;
+  };
+  for (const Eigen::Index n : sizes) {
+    for (const Kind kind :
+         {Kind{"Ungated", Transition::ungated}, Kind{"HeadDecays", Transition::head_decays},
+          Kind{"ScalarGates", Transition::scalar}, Kind{"FeatureGates", Transition::feature}}) {
+      for (const bool token_major : {false, true}) {
+        for (const bool check_finite : {true, false}) {
+          benchmark::RegisterBenchmark(
+              ("BM_GatedHeads8_" + std::string(kind.name) + "_" + (token_major ? "BNHD" : "BHND") +
+               (check_finite ? "" : "_NoScan") + "<float>")
+                  .c_str(),
+              BM_Heads<float>, kind.transition, token_major, check_finite)
+              ->Arg(n)
+              ->Unit(benchmark::kMillisecond);
+        }
+      }
+    }
+  }
+}
+
 /// Registers one shape's rows: ungated, scalar and per-feature chunked, and the step loop.
 template <class T>
 void register_shape(const std::string& shape, Eigen::Index c, Eigen::Index dv,
@@ -114,6 +193,8 @@ int main(int argc, char** argv) {
   register_shape<float>("GLA128", 128, 128, {4096}, true);
   register_shape<float>("Mamba2", 128, 64, {4096}, false);
   register_shape<double>("C64", 64, 64, {4096}, false);
+  register_heads(quick ? std::vector<Eigen::Index>{4096}
+                       : std::vector<Eigen::Index>{1024, 4096, 16384});
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

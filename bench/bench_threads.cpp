@@ -53,6 +53,32 @@ void BM_HeadsKernel(benchmark::State& state, Eigen::Index heads) {
   state.counters["threads"] = double(options.threads);
 }
 
+/// Gated causal kernel over 16 heads ([B, N, H, D] views, B = 4, H = 4, log gates in
+/// [-0.05, 0], `gate_cols` per token) on range(1) threads.
+template <class T>
+void BM_GatedHeads(benchmark::State& state, Eigen::Index gate_cols) {
+  const Eigen::Index n = state.range(0);
+  constexpr Eigen::Index kHeads = 16;
+  HeadInputs<T> in(kHeads, n);
+  const Matrix<T> g =
+      (random_matrix<T>(kHeads * n, gate_cols, 24).array().abs() * T(-0.05)).matrix();
+  const linattn::HeadShape shape{4, 4, n, kDim};
+  const auto q = HeadsView<const T>::bnhd(in.phi_q.data(), shape);
+  const auto k = HeadsView<const T>::bnhd(in.phi_k.data(), shape);
+  const auto v = HeadsView<const T>::bnhd(in.v.data(), shape);
+  const auto gates = HeadsView<const T>::bnhd(g.data(), {4, 4, n, gate_cols});
+  const auto out = HeadsView<T>::bnhd(in.out.data(), shape);
+  linattn::Options options;
+  options.threads = static_cast<int>(state.range(1));
+  linattn_bench::measure(state, [&] {
+    linattn::causal_gated_linear_attention_into(q, k, v, linattn::log_gates(gates),
+                                                linattn::Identity{}, out, options);
+    benchmark::DoNotOptimize(in.out.data());
+  });
+  set_rates(state, 4.0 * double(kHeads) * double(n) * kDim * kDim, double(kHeads * n));
+  state.counters["threads"] = double(options.threads);
+}
+
 /// Causal kernel over one sequence of range(0) tokens on range(1) threads.
 template <class T>
 void BM_SequenceKernel(benchmark::State& state) {
@@ -104,6 +130,15 @@ void register_scalar(int max_threads) {
         ->Args({65536, threads})
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
+    for (const Eigen::Index cols : {Eigen::Index{1}, kDim}) {
+      benchmark::RegisterBenchmark(
+          (std::string(cols == 1 ? "BM_ScalarGatedHeads16<" : "BM_FeatureGatedHeads16<") + t + ">")
+              .c_str(),
+          BM_GatedHeads<T>, cols)
+          ->Args({4096, threads})
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
     for (const Eigen::Index cols : {Eigen::Index{1}, kDim}) {
       benchmark::RegisterBenchmark(
           (std::string(cols == 1 ? "BM_ScalarGatedSequence<" : "BM_FeatureGatedSequence<") + t +

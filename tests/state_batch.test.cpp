@@ -479,3 +479,208 @@ TEMPLATE_TEST_CASE("a batch step checks every state and every feature before any
     CHECK((untouched.array() == T(9)).all());
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Gated batches: per-token gates in the batch step, gate views in the batch prefill.
+
+namespace {
+
+/// rows x cols log gates in [-0.4, 0], with -infinity (a reset) where `reset_row` says.
+template <class T>
+Matrix<T> log_gate_rows(Eigen::Index rows, Eigen::Index cols, std::uint64_t seed,
+                        Eigen::Index reset_row = -1) {
+  Matrix<T> g = (-T(0.2) * gaussian<T>(rows, cols, seed).cwiseAbs()).cwiseMax(T(-0.4));
+  if (reset_row >= 0) g.row(reset_row).setConstant(-std::numeric_limits<T>::infinity());
+  return g;
+}
+
+/// One gated step of the batch and of every single state for a kind, a_t or log gates;
+/// returns the output rows that differ.
+template <class T>
+int gated_step_both(Kind kind, RecurrentStateBatch<T>& batch,
+                    std::vector<RecurrentState<T>>& single, const Matrix<T>& g, bool log_space,
+                    std::uint64_t seed) {
+  const Eigen::Index count = batch.size();
+  const Matrix<T> q = inputs<T>(kind, count, seed), k = inputs<T>(kind, count, seed + 1);
+  const Matrix<T> v = gaussian<T>(count, kDv, seed + 2);
+  const Matrix<T> a = g.array().exp().matrix();
+  Matrix<T> out(count, kDv);
+  auto run = [&](const auto& map) {
+    if (log_space) {
+      batch.step_into(q, k, v, linattn::log_gates(g), map, out);
+    } else {
+      batch.step_into(q, k, v, a, map, out);
+    }
+    int differing = 0;
+    for (Eigen::Index i = 0; i < count; ++i) {
+      RecurrentState<T>& state = single[static_cast<std::size_t>(i)];
+      const Vector<T> expected =
+          log_space ? state.step(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)), map)
+                    : state.step(q.row(i), k.row(i), v.row(i), a.row(i), map);
+      if (!(out.row(i).transpose() == expected)) ++differing;
+    }
+    return differing;
+  };
+  switch (kind) {
+    case Kind::featurized:
+      return run(linattn::Identity{});
+    case Kind::elu:
+      return run(linattn::EluPlusOne{});
+    case Kind::prf:
+      return run(prf_map());
+  }
+  return -1;
+}
+
+template <class T>
+bool same_gated_state(const RecurrentState<T>& a, const RecurrentState<T>& b) {
+  return same_state(a, b) && (a.row_log_scale() == b.row_log_scale()).all();
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("gated batch steps equal per-session gated steps bit for bit",
+                   "[state_batch][gated]", float, double) {
+  using T = TestType;
+  const Eigen::Index count = 5, steps = 30;
+  int differing = 0, rows = 0;
+  for (const Kind kind : {Kind::featurized, Kind::elu, Kind::prf}) {
+    for (const Eigen::Index gate_dim : {Eigen::Index(1), feature_dim(kind)}) {
+      for (const bool log_space : {true, false}) {
+        for (const int threads : {1, 3}) {
+          linattn::Options options;
+          options.threads = threads;
+          options.normalize = gate_dim == 1;
+          RecurrentStateBatch<T> batch(count, feature_dim(kind), kDv, options);
+          std::vector<RecurrentState<T>> single(static_cast<std::size_t>(count),
+                                                RecurrentState<T>(feature_dim(kind), kDv, options));
+          INFO(kind_name(kind) << ", gate_dim = " << gate_dim << ", log_space = " << log_space
+                               << ", threads = " << threads);
+          for (Eigen::Index t = 0; t < steps; ++t) {
+            // Step 17 resets state 2 (log gates only: a_t = 0 is out of range).
+            const Matrix<T> g = log_gate_rows<T>(count, gate_dim, 4000 + 7 * std::uint64_t(t),
+                                                 log_space && t == 17 ? 2 : -1);
+            const int d = gated_step_both(kind, batch, single, g, log_space, 4100 + 3 * t);
+            CHECK(d == 0);
+            differing += d;
+            rows += static_cast<int>(count);
+          }
+          for (Eigen::Index i = 0; i < count; ++i) {
+            CHECK(same_gated_state(batch[i], single[static_cast<std::size_t>(i)]));
+          }
+        }
+      }
+    }
+  }
+  WARN("gated batch vs per-session gated steps: " << differing << " of " << rows
+                                                  << " output rows not bit-identical");
+}
+
+TEMPLATE_TEST_CASE("gated prefill_into equals a per-head gated prefill, then gated steps continue",
+                   "[state_batch][gated][prefill]", float, double) {
+  using T = TestType;
+  const Eigen::Index B = 2, H = 2, N = 200, steps = 10;
+  for (const Kind kind : {Kind::featurized, Kind::elu, Kind::prf}) {
+    const Eigen::Index c = feature_dim(kind);
+    for (const Eigen::Index gate_dim : {Eigen::Index(1), c}) {
+      // Token-major views, as a QKV projection writes them.
+      std::vector<T> qd(static_cast<std::size_t>(B * H * N * kDk)), kd(qd.size());
+      std::vector<T> vd(static_cast<std::size_t>(B * H * N * kDv));
+      std::vector<T> gd(static_cast<std::size_t>(B * H * N * gate_dim));
+      auto view = [&](std::vector<T>& data, Eigen::Index dim) {
+        return HeadsView<T>::bnhd(data.data(), {B, H, N, dim});
+      };
+      std::vector<Matrix<T>> q, k, v, g;
+      for (Eigen::Index i = 0; i < B * H; ++i) {
+        const std::uint64_t seed = 5000 + 10 * static_cast<std::uint64_t>(i);
+        q.push_back(inputs<T>(kind, N, seed));
+        k.push_back(inputs<T>(kind, N, seed + 1));
+        v.push_back(gaussian<T>(N, kDv, seed + 2));
+        g.push_back(log_gate_rows<T>(N, gate_dim, seed + 3, i == 1 ? 100 : -1));
+        view(qd, kDk).head(i / H, i % H) = q.back();
+        view(kd, kDk).head(i / H, i % H) = k.back();
+        view(vd, kDv).head(i / H, i % H) = v.back();
+        view(gd, gate_dim).head(i / H, i % H) = g.back();
+      }
+      for (const int threads : {1, 2}) {
+        linattn::Options options;
+        options.threads = threads;
+        RecurrentStateBatch<T> batch(B * H, c, kDv, options);
+        std::vector<T> od(vd.size(), T(0));
+        const HeadsView<const T> qv = view(qd, kDk), kv = view(kd, kDk), vv = view(vd, kDv),
+                                 gv = view(gd, gate_dim);
+        std::vector<RecurrentState<T>> single;
+        int differing = 0;
+        auto run = [&](const auto& map) {
+          batch.prefill_into(qv, kv, vv, linattn::log_gates(gv), map, view(od, kDv));
+          for (Eigen::Index i = 0; i < B * H; ++i) {
+            RecurrentState<T> state(c, kDv, options);
+            const std::size_t si = static_cast<std::size_t>(i);
+            const Matrix<T> expected =
+                state.prefill(q[si], k[si], v[si], linattn::log_gates(g[si]), map);
+            const Matrix<T> got = view(od, kDv).head(i / H, i % H);
+            differing += got == expected ? 0 : 1;
+            CHECK(same_gated_state(batch[i], state));
+            single.push_back(state);
+          }
+        };
+        if (kind == Kind::featurized) run(linattn::Identity{});
+        if (kind == Kind::elu) run(linattn::EluPlusOne{});
+        if (kind == Kind::prf) run(prf_map());
+        INFO(kind_name(kind) << ", gate_dim = " << gate_dim << ", threads = " << threads);
+        CHECK(differing == 0);
+        for (Eigen::Index t = 0; t < steps; ++t) {
+          const Matrix<T> gs = log_gate_rows<T>(B * H, gate_dim, 5500 + std::uint64_t(t));
+          CHECK(gated_step_both(kind, batch, single, gs, true, 5600 + 3 * t) == 0);
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("a gated batch step or prefill that throws moves no state",
+                   "[state_batch][gated][errors]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  const Eigen::Index count = 4, c = kDk;
+  RecurrentStateBatch<T> batch(count, c, kDv);
+  const Matrix<T> q = inputs<T>(Kind::featurized, count, 1),
+                  k = inputs<T>(Kind::featurized, count, 2);
+  const Matrix<T> v = gaussian<T>(count, kDv, 3);
+  Matrix<T> out(count, kDv);
+  batch.step_into(q, k, v, linattn::log_gates(log_gate_rows<T>(count, 1, 4)), linattn::Identity{},
+                  out);
+  const std::vector<RecurrentState<T>> before = snapshot(batch);
+  Matrix<T> bad = log_gate_rows<T>(count, c, 5);
+  bad(3, 2) = T(0.25);  // log gate > 0 in the last state's row
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::log_gates(bad), linattn::Identity{}, out),
+                    Contains("row 3"));
+  CHECK_THROWS_WITH(
+      batch.step_into(q, k, v, Matrix<T>::Constant(count, 2, T(0.5)), linattn::Identity{}, out),
+      Contains("gates is 4 x 2"));
+  CHECK_THROWS_WITH(
+      batch.step_into(q, k, v, Matrix<T>::Constant(count - 1, 1, T(0.5)), linattn::Identity{}, out),
+      Contains("gates is 3 x 1"));
+  CHECK(states_moved(batch, before) == 0);
+  // The prefill: the last head's gate view holds a NaN.
+  const Eigen::Index N = 9;
+  std::vector<T> qd(static_cast<std::size_t>(count * N * c), T(0.5)), kd(qd);
+  std::vector<T> vd(static_cast<std::size_t>(count * N * kDv), T(1)), od(vd);
+  std::vector<T> gd(static_cast<std::size_t>(count * N), T(-0.1));
+  gd.back() = std::numeric_limits<T>::quiet_NaN();
+  const linattn::HeadShape shape{1, count, N, c};
+  CHECK_THROWS_WITH(
+      batch.prefill_into(HeadsView<const T>::bhnd(qd.data(), shape),
+                         HeadsView<const T>::bhnd(kd.data(), shape),
+                         HeadsView<const T>::bhnd(vd.data(), {1, count, N, kDv}),
+                         linattn::log_gates(HeadsView<const T>::bhnd(gd.data(), {1, count, N, 1})),
+                         linattn::Identity{}, HeadsView<T>::bhnd(od.data(), {1, count, N, kDv})),
+      Contains("gates[b=0, h=3]"));
+  CHECK(states_moved(batch, before) == 0);
+  linattn::Options decayed;
+  decayed.decay = 0.9;
+  RecurrentStateBatch<T> decaying(count, c, kDv, decayed);
+  CHECK_THROWS_WITH(decaying.step_into(q, k, v, linattn::log_gates(log_gate_rows<T>(count, 1, 6)),
+                                       linattn::Identity{}, out),
+                    Contains("Options::decay must be 1"));
+}

@@ -141,6 +141,19 @@ void validate_gates(const G& gates, Eigen::Index rows, Eigen::Index features,
   require_gates_in_range<Traits::log_space>(Traits::values(gates), where, "gates");
 }
 
+/// body(gate) with row i of a gate argument, in the argument's own form (a_t or log_gates).
+template <class G, class Body>
+void with_gate_row(const G& gates, Eigen::Index i, const Body& body) {
+  using Traits = gate_traits<G>;
+  using Row = std::remove_const_t<typename Traits::Values::ConstRowXpr>;
+  const Row row = Traits::values(gates).row(i);
+  if constexpr (Traits::log_space) {
+    body(LogGates<Row>(row));
+  } else {
+    body(row);
+  }
+}
+
 /// Log gates of a chunk in double, rows x (1 or C).
 using LogRows = Eigen::Array<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 

@@ -89,6 +89,52 @@ class RecurrentStateBatch {
     }
   }
 
+  /// One gated token for every state: row i of `gates` moves state i, as its gated step
+  /// would (Options::decay must be 1). Every state, input and gate is checked, and every
+  /// token featurized, before any state moves: a throwing call changes nothing.
+  /// @param q      size() x Dk queries, row i for state i (features, with Identity)
+  /// @param k      size() x Dk keys
+  /// @param v      size() x Dv values
+  /// @param gates  size() x 1 or size() x C gates a_t in (0, 1], or log_gates(g) with g <= 0
+  /// @param map    feature map with map.feature_dim(Dk) == C
+  /// @param out    size() x Dv outputs, row-major
+  template <class DQ, class DK, class DV, class Gates, class Map,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Gates& gates, const Map& map,
+                 Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "RecurrentStateBatch::step";
+    static_assert(std::is_same_v<detail::gate_scalar_t<Gates>, T>,
+                  "the gates must have the states' input scalar type");
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      constexpr bool features = detail::is_identity_map<Map>;
+      check_rows(q, k, v, out, features ? feature_dim() : q.cols(), where, features ? "phi_q" : "q",
+                 features ? "phi_k" : "k");
+      detail::validate_gates(gates, size(), feature_dim(), options(), where);
+      const bool per_feature = detail::gate_traits<Gates>::values(gates).cols() > 1;
+      if constexpr (!features) {
+        // Every state featurizes its token (which can throw) before any state advances.
+        for_each_state([&](Eigen::Index i) {
+          State& state = states_[i];
+          state.featurize_token(q.row(i), k.row(i), v.row(i), map, value_dim(), where);
+          if (per_feature) state.unscale_token(where);
+        });
+      }
+      for_each_state([&](Eigen::Index i) {
+        detail::with_gate_row(gates, i, [&](const auto& gate) {
+          if constexpr (features) {
+            states_[i].step_into(q.row(i), k.row(i), v.row(i), gate, map, out.row(i).transpose());
+          } else {
+            State& state = states_[i];
+            state.load_gate(gate, where);
+            const typename State::GateScope scope(state);
+            state.advance_featurized(v.row(i), true, out.row(i).transpose());
+          }
+        });
+      });
+    }
+  }
+
   /// As step_into, returning size() x Dv.
   template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap>
   Matrix<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -110,13 +156,25 @@ class RecurrentStateBatch {
             class = detail::enable_if_heads_scalars<Q, K, V, O>>
   void prefill_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const Map& map, const HeadsView<O>& out) {
-    if constexpr (detail::check_feature_map<Map, Acc>()) {
-      if constexpr (detail::is_identity_map<Map>) {
-        prefill_heads(q, k, v, static_cast<const void*>(nullptr), out, "phi_q", "phi_k");
-      } else {
-        prefill_heads(q, k, v, &map, out, "q", "k");
-      }
-    }
+    prefill_dispatch(q, k, v, map, out, detail::UniformDecay{});
+  }
+
+  /// A gated prompt for every state from multi-head views: state b * H + h takes head h of
+  /// sequence b with gates.head(b, h), and ends where its gated steps would leave it
+  /// (Options::decay must be 1).
+  /// @param q      B x H x N x Dk queries, B * H == size() (features, with Identity)
+  /// @param k      B x H x N x Dk keys
+  /// @param v      B x H x N x Dv values
+  /// @param gates  B x H x N x 1 or B x H x N x C gates a_t in (0, 1], or log_gates(view)
+  /// @param map    feature map (Identity{} for precomputed features)
+  /// @param out    B x H x N x Dv outputs
+  template <class Q, class K, class V, class Gates, class Map, class O,
+            class = detail::enable_if_heads_scalars<Q, K, V, O>,
+            class = std::enable_if_t<detail::head_transition<Gates, O>::valid &&
+                                     !std::is_same_v<Gates, HeadDecays>>>
+  void prefill_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const Gates& gates, const Map& map, const HeadsView<O>& out) {
+    prefill_dispatch(q, k, v, map, out, detail::head_transition<Gates, O>::read(gates));
   }
 
  private:
@@ -174,10 +232,23 @@ class RecurrentStateBatch {
     });
   }
 
-  template <class Q, class K, class V, class Map, class O>
+  template <class Q, class K, class V, class Map, class O, class Transition>
+  void prefill_dispatch(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                        const Map& map, const HeadsView<O>& out, const Transition& transition) {
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      if constexpr (detail::is_identity_map<Map>) {
+        prefill_heads(q, k, v, static_cast<const void*>(nullptr), out, transition, "phi_q",
+                      "phi_k");
+      } else {
+        prefill_heads(q, k, v, &map, out, transition, "q", "k");
+      }
+    }
+  }
+
+  template <class Q, class K, class V, class Map, class O, class Transition>
   void prefill_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                     const Map* map, const HeadsView<O>& out, const char* q_name,
-                     const char* k_name) {
+                     const Map* map, const HeadsView<O>& out, const Transition& transition,
+                     const char* q_name, const char* k_name) {
     constexpr const char* where = "RecurrentStateBatch::prefill";
     static_assert(std::is_same_v<O, T>, "RecurrentStateBatch<T>: views must hold T");
     detail::validate_heads(q, k, v, out, value_dim(), options(), where, q_name, k_name);
@@ -196,8 +267,11 @@ class RecurrentStateBatch {
       throw Error(std::string(where) + ": " + q_name + " gives " + std::to_string(features) +
                   " features per token but the states hold " + std::to_string(feature_dim()));
     }
+    detail::validate_transition(
+        transition, HeadShape{q.batch(), q.heads(), q.tokens(), feature_dim()}, options(), where);
     require_uniform_states(where);
     for (const State& state : states_) state.require_token_room(q.tokens(), where);
+    detail::scan_transition(transition, detail::resolve_threads(options()), where);
     detail::scan_heads(q, k, v, options(), where, q_name, k_name);
     // Each state works on a copy and is replaced only when every head succeeded.
     std::vector<State> next = states_;
@@ -210,13 +284,25 @@ class RecurrentStateBatch {
           using DK = std::decay_t<decltype(ks)>;
           using DV = std::decay_t<decltype(vs)>;
           State& state = next[static_cast<std::size_t>(b * q.heads() + h)];
-          if constexpr (std::is_same_v<Map, void>) {
-            state.run_chunked(detail::FeaturizedSource<Acc, DQ, DK, DV>(qs, ks, vs), os, threads);
-          } else {
-            state.run_chunked(detail::MappedSource<Acc, DQ, DK, DV, Map>(
-                                  qs, ks, vs, *map, options().check_finite, where),
-                              os, threads);
-          }
+          Options head_options = options();
+          detail::with_transition(transition, b, h, 0, head_options,
+                                  [&](const detail::GateRows* gates, const Options&) {
+                                    auto run = [&](detail::ChunkSource<Acc>& source) {
+                                      if (gates != nullptr) source.attach_gates(*gates);
+                                      state.run_chunked(source, os, threads);
+                                    };
+                                    if constexpr (std::is_same_v<Map, void>) {
+                                      detail::FeaturizedSource<Acc, DQ, DK, DV> source(qs, ks, vs);
+                                      run(source);
+                                    } else {
+                                      // Per-feature gates read plain features (an exponential map's
+                                      // checked finite).
+                                      detail::MappedSource<Acc, DQ, DK, DV, Map> source(
+                                          qs, ks, vs, *map, options().check_finite, where,
+                                          gates == nullptr || gates->cols() == 1);
+                                      run(source);
+                                    }
+                                  });
         });
     states_ = std::move(next);
   }
