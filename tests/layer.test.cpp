@@ -342,3 +342,149 @@ TEST_CASE("layer: float inputs with double accumulation", "[layer]") {
   WARN("layer<float, PRF, double>, N = 400: worst relative error, recurrent vs parallel "
        << worst_steps << ", parallel vs double " << worst_reference);
 }
+
+namespace {
+
+/// The layer's forward against prefill + steps with a transition per head: HeadDecays given
+/// to the layer (gate_dim 0), or per-token log gates, gate_dim 1 or C wide, in [B, N, H, G]
+/// memory. Prompts of 0, 1, 257 and N tokens; every output against forward's.
+template <class T, class Map>
+double transition_forward_vs_recurrent(const Map& map, Eigen::Index gate_dim, Eigen::Index n,
+                                       std::uint64_t seed) {
+  linattn::Options options;
+  options.threads = 2;
+  linattn::HeadDecays decays;
+  for (Eigen::Index h = 0; h < kH; ++h) decays.values.push_back(1.0 - std::exp2(-5.0 - h));
+  const LinearAttentionLayer<T, Map> layer =
+      gate_dim == 0 ? LinearAttentionLayer<T, Map>(map, kH, kDk, kDv, decays, options)
+                    : LinearAttentionLayer<T, Map>(map, kH, kDk, kDv, options);
+  const HeadData<T> q(n, kDk, seed), k(n, kDk, seed + 1), v(n, kDv, seed + 2);
+  // Log gates in [-0.3, 0]; a reset at token 300 of head 1.
+  HeadData<T> g(n, std::max<Eigen::Index>(gate_dim, 1), seed + 3);
+  for (Eigen::Index i = 0; i < kB * kH; ++i) {
+    Matrix<T>& head = g.heads[static_cast<std::size_t>(i)];
+    head = (-T(0.1) * head.cwiseAbs()).cwiseMax(T(-0.3));
+    if (i == 1) head.row(300).setConstant(-std::numeric_limits<T>::infinity());
+    g.view().head(i / kH, i % kH) = head;
+  }
+  std::vector<T> forward_data(static_cast<std::size_t>(kB * kH * n * kDv), T(-5));
+  const auto forward = HeadsView<T>::bhnd(forward_data.data(), {kB, kH, n, kDv});
+  if (gate_dim == 0) {
+    CHECK(layer.head_decays().values == decays.values);
+    layer.forward_into(q.cview(), k.cview(), v.cview(), forward);
+  } else {
+    layer.forward_into(q.cview(), k.cview(), v.cview(), linattn::log_gates(g.cview()), forward);
+  }
+  double worst = 0.0;
+  for (const Eigen::Index prompt : {Eigen::Index(0), Eigen::Index(1), Eigen::Index(257), n}) {
+    auto states = layer.make_states(kB);
+    std::vector<Matrix<T>> recurrent(static_cast<std::size_t>(kB * kH), Matrix<T>(n, kDv));
+    if (prompt > 0) {
+      std::vector<T> out(static_cast<std::size_t>(kB * kH * prompt * kDv));
+      const auto out_view = HeadsView<T>::bhnd(out.data(), {kB, kH, prompt, kDv});
+      if (gate_dim == 0) {
+        layer.prefill_into(states, token_range(q.cview(), 0, prompt),
+                           token_range(k.cview(), 0, prompt), token_range(v.cview(), 0, prompt),
+                           out_view);
+      } else {
+        layer.prefill_into(states, token_range(q.cview(), 0, prompt),
+                           token_range(k.cview(), 0, prompt), token_range(v.cview(), 0, prompt),
+                           linattn::log_gates(token_range(g.cview(), 0, prompt)), out_view);
+      }
+      for (Eigen::Index i = 0; i < kB * kH; ++i) {
+        recurrent[static_cast<std::size_t>(i)].topRows(prompt) = out_view.head(i / kH, i % kH);
+      }
+    }
+    Matrix<T> qt(kB * kH, kDk), kt(kB * kH, kDk), vt(kB * kH, kDv), ot(kB * kH, kDv);
+    Matrix<T> gt(kB * kH, std::max<Eigen::Index>(gate_dim, 1));
+    for (Eigen::Index t = prompt; t < n; ++t) {
+      for (Eigen::Index i = 0; i < kB * kH; ++i) {
+        const auto idx = static_cast<std::size_t>(i);
+        qt.row(i) = q.heads[idx].row(t);
+        kt.row(i) = k.heads[idx].row(t);
+        vt.row(i) = v.heads[idx].row(t);
+        gt.row(i) = g.heads[idx].row(t);
+      }
+      if (gate_dim == 0) {
+        layer.step_into(states, qt, kt, vt, ot);
+      } else {
+        layer.step_into(states, qt, kt, vt, linattn::log_gates(gt), ot);
+      }
+      for (Eigen::Index i = 0; i < kB * kH; ++i) {
+        recurrent[static_cast<std::size_t>(i)].row(t) = ot.row(i);
+      }
+    }
+    INFO("gate_dim = " << gate_dim << ", prompt of " << prompt << " tokens");
+    for (Eigen::Index i = 0; i < kB * kH; ++i) {
+      const Matrix<T>& got = recurrent[static_cast<std::size_t>(i)];
+      const Matrix<T> expected = forward.head(i / kH, i % kH);
+      REQUIRE(got.allFinite());
+      const double error = relative_error(got, expected);
+      CHECK(error <= tolerance<T>());
+      if (prompt == n) CHECK(got == expected);
+      worst = std::max(worst, error);
+    }
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("layer: HeadDecays and gates, forward equals prefill then steps",
+                   "[layer][gated]", float, double) {
+  using T = TestType;
+  const Eigen::Index n = 600;
+  double worst = 0.0;
+  for (const Eigen::Index gate_dim : {Eigen::Index(0), Eigen::Index(1), kDk}) {
+    worst =
+        std::max(worst, transition_forward_vs_recurrent<T>(linattn::EluPlusOne{}, gate_dim, n, 41));
+  }
+  worst = std::max(worst, transition_forward_vs_recurrent<T>(
+                              linattn::PositiveRandomFeatures(kDk, 16, 21), 1, n, 51));
+  WARN("layer with HeadDecays or gates, N = 600: worst relative error, recurrent vs parallel "
+       << worst);
+  // HeadDecays head h against a plain layer with Options::decay = values[h]: the same kernel.
+  linattn::HeadDecays decays{{0.9, 0.95, 0.99, 1.0}};
+  const LinearAttentionLayer<T, linattn::EluPlusOne> layer(linattn::EluPlusOne{}, kH, kDk, kDv,
+                                                           decays);
+  const HeadData<T> q(100, kDk, 61), k(100, kDk, 62), v(100, kDv, 63);
+  std::vector<T> out(static_cast<std::size_t>(kB * kH * 100 * kDv));
+  const auto out_view = HeadsView<T>::bhnd(out.data(), {kB, kH, 100, kDv});
+  layer.forward_into(q.cview(), k.cview(), v.cview(), out_view);
+  for (Eigen::Index i = 0; i < kB * kH; ++i) {
+    linattn::Options head;
+    head.decay = decays.values[static_cast<std::size_t>(i % kH)];
+    const auto idx = static_cast<std::size_t>(i);
+    const Matrix<T> expected = linattn::causal_linear_attention(
+        q.heads[idx], k.heads[idx], v.heads[idx], linattn::EluPlusOne{}, head);
+    CHECK(Matrix<T>(out_view.head(i / kH, i % kH)) == expected);
+  }
+}
+
+TEMPLATE_TEST_CASE("layer: HeadDecays and gates errors", "[layer][gated][errors]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  using Layer = LinearAttentionLayer<T, linattn::EluPlusOne>;
+  using Batch = linattn::RecurrentStateBatch<T>;
+  const linattn::EluPlusOne elu;
+  CHECK_THROWS_WITH(Layer(elu, kH, kDk, kDv, linattn::HeadDecays{{0.9, 0.9}}), Contains("H = 4"));
+  linattn::Options decayed;
+  decayed.decay = 0.5;
+  CHECK_THROWS_WITH(Layer(elu, kH, kDk, kDv, linattn::HeadDecays{{0.9, 0.9, 0.9, 0.9}}, decayed),
+                    Contains("Options::decay must be 1"));
+  CHECK_THROWS_WITH(Batch(6, kDk, kDv, linattn::HeadDecays{{0.9, 0.9, 0.9, 0.9}}),
+                    Contains("multiple"));
+  // Gates on a layer with HeadDecays throw before any state moves.
+  const Layer layer(elu, kH, kDk, kDv, linattn::HeadDecays{{0.9, 0.8, 0.7, 0.6}});
+  auto states = layer.make_states(kB);
+  CHECK(states[1].options().decay == 0.8);
+  const Matrix<T> q = gaussian<T>(kB * kH, kDk, 1), v = gaussian<T>(kB * kH, kDv, 2);
+  const Matrix<T> g = Matrix<T>::Constant(kB * kH, 1, T(-0.1));
+  Matrix<T> out(kB * kH, kDv);
+  CHECK_THROWS_WITH(layer.step_into(states, q, q, v, linattn::log_gates(g), out),
+                    Contains("HeadDecays"));
+  // A batch of HeadDecays states refuses gates itself, naming a state.
+  CHECK_THROWS_WITH(states.step_into(q, q, v, linattn::log_gates(g), elu, out),
+                    Contains("Options::decay"));
+  CHECK(states[0].tokens() == 0);
+}

@@ -5,6 +5,7 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
+#include <linattn/gates.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/multi_head.hpp>
 #include <linattn/state_batch.hpp>
@@ -51,6 +52,22 @@ class LinearAttentionLayer {
     }
   }
 
+  /// A layer whose heads decay by a constant each (RetNet's multi-scale retention, MiniMax's
+  /// lambda_h): head h by decays.values[h], in both forms.
+  /// @param map        feature map applied to every head's queries and keys
+  /// @param heads      H, heads per sequence
+  /// @param key_dim    Dk, width of each head's q and k
+  /// @param value_dim  Dv, width of each head's v and output
+  /// @param decays     H decays in (0, 1]
+  /// @param options    eps, normalize, chunk, check_finite, threads, scale; decay must be 1
+  LinearAttentionLayer(Map map, Eigen::Index heads, Eigen::Index key_dim, Eigen::Index value_dim,
+                       HeadDecays decays, const Options& options = {})
+      : LinearAttentionLayer(std::move(map), heads, key_dim, value_dim, options) {
+    detail::validate_transition(decays, HeadShape{1, heads_, 1, feature_dim_}, options_,
+                                "LinearAttentionLayer");
+    decays_ = std::move(decays);
+  }
+
   /// The map applied to every head's queries and keys.
   const Map& feature_map() const { return map_; }
   /// H, heads per sequence.
@@ -63,6 +80,8 @@ class LinearAttentionLayer {
   Eigen::Index feature_dim() const { return feature_dim_; }
   /// The options both forms run with.
   const Options& options() const { return options_; }
+  /// The heads' constant decays (empty unless the layer was made with HeadDecays).
+  const HeadDecays& head_decays() const { return decays_; }
 
   /// The parallel form over whole sequences.
   /// @param q    B x H x N x Dk queries (any layout, e.g. HeadsView::bnhd over a QKV buffer)
@@ -73,14 +92,36 @@ class LinearAttentionLayer {
   void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const HeadsView<O>& out) const {
     check_heads(q, v, "LinearAttentionLayer::forward");
-    causal_linear_attention_into<Acc>(q, k, v, map_, out, options_);
+    if (decays_.values.empty()) {
+      causal_linear_attention_into<Acc>(q, k, v, map_, out, options_);
+    } else {
+      causal_gated_linear_attention_into<Acc>(q, k, v, decays_, map_, out, options_);
+    }
+  }
+
+  /// The parallel form with per-token gates, laid out like q, k and v.
+  /// @param q      B x H x N x Dk queries
+  /// @param k      B x H x N x Dk keys
+  /// @param v      B x H x N x Dv values
+  /// @param gates  B x H x N x 1 or B x H x N x C gates a_t in (0, 1], or log_gates(view)
+  /// @param out    B x H x N x Dv outputs
+  template <class Q, class K, class V, class Gates, class O,
+            class = detail::enable_if_head_transition<Gates, O>>
+  void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const Gates& gates, const HeadsView<O>& out) const {
+    constexpr const char* where = "LinearAttentionLayer::forward";
+    check_heads(q, v, where);
+    require_no_decays<Gates>(where);
+    causal_gated_linear_attention_into<Acc>(q, k, v, gates, map_, out, options_);
   }
 
   /// Fresh (empty) states for `batch` sequences: batch * heads() of them, state b * H + h for
   /// head h of sequence b.
   States make_states(Eigen::Index batch) const {
-    return States(detail::require_positive_dim(batch, "LinearAttentionLayer", "batch") * heads_,
-                  feature_dim_, value_dim_, options_);
+    const Eigen::Index count =
+        detail::require_positive_dim(batch, "LinearAttentionLayer", "batch") * heads_;
+    if (decays_.values.empty()) return States(count, feature_dim_, value_dim_, options_);
+    return States(count, feature_dim_, value_dim_, decays_, options_);
   }
 
   /// A prompt through the parallel form that also leaves each sequence's states ready to step.
@@ -92,6 +133,22 @@ class LinearAttentionLayer {
                     const HeadsView<V>& v, const HeadsView<O>& out) const {
     check_heads(q, v, "LinearAttentionLayer::prefill");
     states.prefill_into(q, k, v, map_, out);
+  }
+
+  /// A gated prompt through the parallel form, leaving the states ready for gated steps.
+  /// @param states  from make_states(B)
+  /// @param q       B x H x N x Dk queries; k likewise; v B x H x N x Dv
+  /// @param gates   B x H x N x 1 or B x H x N x C gates a_t in (0, 1], or log_gates(view)
+  /// @param out     B x H x N x Dv outputs
+  template <class Q, class K, class V, class Gates, class O,
+            class = std::enable_if_t<detail::head_transition<Gates, O>::valid &&
+                                     !std::is_same_v<Gates, HeadDecays>>>
+  void prefill_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
+                    const HeadsView<V>& v, const Gates& gates, const HeadsView<O>& out) const {
+    constexpr const char* where = "LinearAttentionLayer::prefill";
+    check_heads(q, v, where);
+    require_no_decays<Gates>(where);
+    states.prefill_into(q, k, v, gates, map_, out);
   }
 
   /// One token for each of B sequences; row b * H + h holds head h of sequence b (a [B, H, D]
@@ -111,6 +168,25 @@ class LinearAttentionLayer {
     states.step_into(q, k, v, map_, out);
   }
 
+  /// One gated token for each of B sequences, rows as the ungated step.
+  /// @param states  from make_states(B)
+  /// @param q       (B * H) x Dk queries; k likewise; v (B * H) x Dv
+  /// @param gates   (B * H) x 1 or (B * H) x C gates a_t in (0, 1], or log_gates(g)
+  /// @param out     (B * H) x Dv outputs
+  template <class DQ, class DK, class DV, class Gates,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Gates& gates,
+                 Eigen::Ref<Matrix<T>> out) const {
+    constexpr const char* where = "LinearAttentionLayer::step";
+    if (q.cols() != key_dim_) {
+      throw Error(std::string(where) + ": q is " + detail::shape_string(q) +
+                  " but the layer has key_dim " + std::to_string(key_dim_));
+    }
+    require_no_decays<Gates>(where);
+    states.step_into(q, k, v, gates, map_, out);
+  }
+
  private:
   template <class Q, class V>
   void check_heads(const HeadsView<Q>& q, const HeadsView<V>& v, const char* where) const {
@@ -121,10 +197,23 @@ class LinearAttentionLayer {
     }
   }
 
+  /// Gates replace the decay: a layer made with HeadDecays takes none.
+  template <class Gates>
+  void require_no_decays(const char* where) const {
+    static_assert(!std::is_same_v<Gates, HeadDecays>,
+                  "LinearAttentionLayer: give HeadDecays to the constructor, not to a call");
+    if (!decays_.values.empty()) {
+      throw Error(std::string(where) +
+                  ": this layer decays by HeadDecays; gates replace the decay (fold it into "
+                  "them as log g_h + g_t and make the layer without HeadDecays)");
+    }
+  }
+
   Map map_;
   Eigen::Index heads_, key_dim_, value_dim_;
   Eigen::Index feature_dim_ = 0;
   Options options_;
+  HeadDecays decays_;  ///< empty: Options::decay for every head
 };
 
 }  // namespace linattn

@@ -37,13 +37,42 @@ class RecurrentStateBatch {
                     detail::require_positive_dim(count, "RecurrentStateBatch", "count")),
                 State(feature_dim, value_dim, options)) {}
 
+  /// States with a constant decay per head (RetNet's multi-scale retention): state i decays
+  /// by decays.values[i % H] (H = decays.values.size()), so state b * H + h is head h of
+  /// sequence b, as prefill_into orders them. Each state keeps its decay in its own options;
+  /// the batch's other options are shared.
+  /// @param count        number of states, a multiple of H
+  /// @param feature_dim  C of every state
+  /// @param value_dim    Dv of every state
+  /// @param decays       H decays in (0, 1]
+  /// @param options      shared by every state; Options::decay must be 1
+  RecurrentStateBatch(Eigen::Index count, Eigen::Index feature_dim, Eigen::Index value_dim,
+                      const HeadDecays& decays, const Options& options = {})
+      : RecurrentStateBatch(count, feature_dim, value_dim, options) {
+    constexpr const char* where = "RecurrentStateBatch";
+    const Eigen::Index heads = static_cast<Eigen::Index>(decays.values.size());
+    if (heads < 1 || count % heads != 0) {
+      throw Error(std::string(where) + ": count " + std::to_string(count) +
+                  " must be a positive multiple of the " + std::to_string(heads) +
+                  " heads of HeadDecays");
+    }
+    detail::validate_transition(decays, HeadShape{count / heads, heads, 1, feature_dim}, options,
+                                where);
+    for (Eigen::Index i = 0; i < count; ++i) {
+      Options head = options;
+      head.decay = decays.values[static_cast<std::size_t>(i % heads)];
+      states_[static_cast<std::size_t>(i)] = State(feature_dim, value_dim, head);
+    }
+  }
+
   /// Number of states.
   Eigen::Index size() const { return static_cast<Eigen::Index>(states_.size()); }
   /// C of every state.
   Eigen::Index feature_dim() const { return states_.front().feature_dim(); }
   /// Dv of every state.
   Eigen::Index value_dim() const { return states_.front().value_dim(); }
-  /// The options shared by every state.
+  /// The options shared by every state (state 0's: with HeadDecays each state has its own
+  /// decay).
   const Options& options() const { return states_.front().options(); }
 
   /// State i, e.g. to save or load one session.
@@ -111,6 +140,7 @@ class RecurrentStateBatch {
       check_rows(q, k, v, out, features ? feature_dim() : q.cols(), where, features ? "phi_q" : "q",
                  features ? "phi_k" : "k");
       detail::validate_gates(gates, size(), feature_dim(), options(), where);
+      require_unit_decays(where);
       const bool per_feature = detail::gate_traits<Gates>::values(gates).cols() > 1;
       if constexpr (!features) {
         // Every state featurizes its token (which can throw) before any state advances.
@@ -222,6 +252,18 @@ class RecurrentStateBatch {
     }
   }
 
+  /// Throws unless every state's Options::decay is 1, as gates need (HeadDecays states and
+  /// states assigned through operator[] may have their own), before any state moves.
+  void require_unit_decays(const char* where) const {
+    for (std::size_t i = 0; i < states_.size(); ++i) {
+      if (states_[i].options().decay != 1.0) {
+        throw Error(std::string(where) + ": state " + std::to_string(i) + " has Options::decay " +
+                    std::to_string(states_[i].options().decay) +
+                    "; gates replace the decay, so every state's must be 1");
+      }
+    }
+  }
+
   /// body(i) for every state, the states split in equal blocks across the threads.
   template <class Body>
   void for_each_state(const Body& body) {
@@ -270,6 +312,7 @@ class RecurrentStateBatch {
     detail::validate_transition(
         transition, HeadShape{q.batch(), q.heads(), q.tokens(), feature_dim()}, options(), where);
     require_uniform_states(where);
+    if constexpr (!std::is_same_v<Transition, detail::UniformDecay>) require_unit_decays(where);
     for (const State& state : states_) state.require_token_room(q.tokens(), where);
     detail::scan_transition(transition, detail::resolve_threads(options()), where);
     detail::scan_heads(q, k, v, options(), where, q_name, k_name);
