@@ -441,7 +441,28 @@ void run_gated(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
           pieces->step(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)), map).transpose();
     }
   });
-  if (!check || !par_ok || !steps_ok || !split_ok) return;
+  // The same head on the multi-head surfaces: a 1 x 1 x N view (bit for bit the matrix
+  // call) and a batch of one state prefilled from it.
+  Matrix<T> viewed(in.n, in.dv), batched(in.n, in.dv);
+  const linattn::HeadShape qk_shape{1, 1, in.n, in.dk}, v_shape{1, 1, in.n, in.dv};
+  const auto qv = linattn::HeadsView<const T>::bhnd(q.data(), qk_shape);
+  const auto kv = linattn::HeadsView<const T>::bhnd(k.data(), qk_shape);
+  const auto vv = linattn::HeadsView<const T>::bhnd(v.data(), v_shape);
+  const auto gv = linattn::HeadsView<const T>::bhnd(g.data(), {1, 1, in.n, g.cols()});
+  const bool viewed_ok = attempt("causal_gated_linear_attention_into(views)", must, [&] {
+    linattn::causal_gated_linear_attention_into(
+        qv, kv, vv, linattn::log_gates(gv), map,
+        linattn::HeadsView<T>::bhnd(viewed.data(), v_shape), opt);
+  });
+  const bool batched_ok = attempt("RecurrentStateBatch::prefill(gates)", must, [&] {
+    linattn::RecurrentStateBatch<T> batch(1, c, in.dv, opt);
+    batch.prefill_into(qv, kv, vv, linattn::log_gates(gv), map,
+                       linattn::HeadsView<T>::bhnd(batched.data(), v_shape));
+  });
+  if (par_ok && viewed_ok && !bit_equal(par, viewed)) {
+    fail("gated views differ from the gated matrix call");
+  }
+  if (!check || !par_ok || !steps_ok || !split_ok || !batched_ok) return;
   require_finite("causal_gated_linear_attention", par);
   require_finite("RecurrentState::step(gate)", steps);
   require_finite("RecurrentState::prefill(gates)", split);
@@ -449,6 +470,7 @@ void run_gated(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
   const double tol = kRelTol<T> * std::max(max_abs(par), max_abs(par_abs)) + 1e-6;
   require_close("gated parallel vs step", par, steps, tol);
   require_close("gated parallel vs prefill+step", par, split, tol);
+  require_close("gated parallel vs batch prefill", par, batched, tol);
 }
 
 /// The linear kernels with one map: through the map, and on the features it computes.
