@@ -421,7 +421,10 @@ double transition_forward_vs_recurrent(const Map& map, Eigen::Index gate_dim, Ei
       REQUIRE(got.allFinite());
       const double error = relative_error(got, expected);
       CHECK(error <= tolerance<T>());
-      if (prompt == n) CHECK(got == expected);
+      // The whole sequence as a prompt is the same kernel, except that the token-major
+      // forward runs in blocks, and a block edge may split a chunk that the prefill cuts
+      // before a scalar reset differently: within rounding there.
+      if (prompt == n && gate_dim != 1) CHECK(got == expected);
       worst = std::max(worst, error);
     }
   }

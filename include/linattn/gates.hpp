@@ -76,6 +76,30 @@ inline void require_unit_decay(const Options& options, const char* where) {
 
 /// Throws naming the first gate outside its range by row and column: a_t in (0, 1], or for
 /// log gates g_t <= 0 (-infinity allowed); NaN is out of range in both.
+/// True when every gate is in range (see require_gates_in_range): one vectorised pass.
+template <bool LogSpace, class Derived>
+bool gates_in_range(const Eigen::MatrixBase<Derived>& gates) {
+  using Scalar = typename Derived::Scalar;
+  if (gates.size() == 0) return true;
+  if constexpr (is_half_scalar<Scalar>) {
+    // NaN fails every comparison, so one pass covers it.
+    if constexpr (LogSpace) {
+      return (gates.array() <= Scalar(0)).all();
+    } else {
+      return ((gates.array() > Scalar(0)) && (gates.array() <= Scalar(1))).all();
+    }
+  } else {
+    // The extremes; PropagateNaN makes a NaN the extreme, out of range.
+    const Scalar top = gates.template maxCoeff<Eigen::PropagateNaN>();
+    if constexpr (LogSpace) {
+      return top <= Scalar(0);
+    } else {
+      const Scalar bottom = gates.template minCoeff<Eigen::PropagateNaN>();
+      return bottom > Scalar(0) && top <= Scalar(1);
+    }
+  }
+}
+
 template <bool LogSpace, class Derived>
 void require_gates_in_range(const Eigen::MatrixBase<Derived>& gates, const char* where,
                             const char* name) {
@@ -87,24 +111,7 @@ void require_gates_in_range(const Eigen::MatrixBase<Derived>& gates, const char*
       return a > Scalar(0) && a <= Scalar(1);
     }
   };
-  // One vectorised pass for the extremes; PropagateNaN makes a NaN the extreme, out of range.
-  if (gates.size() == 0) return;
-  if constexpr (is_half_scalar<Scalar>) {
-    // NaN fails every comparison, so one pass covers it.
-    if constexpr (LogSpace) {
-      if ((gates.array() <= Scalar(0)).all()) return;
-    } else {
-      if (((gates.array() > Scalar(0)) && (gates.array() <= Scalar(1))).all()) return;
-    }
-  } else {
-    const Scalar top = gates.template maxCoeff<Eigen::PropagateNaN>();
-    if constexpr (LogSpace) {
-      if (top <= Scalar(0)) return;
-    } else {
-      const Scalar bottom = gates.template minCoeff<Eigen::PropagateNaN>();
-      if (bottom > Scalar(0) && top <= Scalar(1)) return;
-    }
-  }
+  if (gates_in_range<LogSpace>(gates)) return;
   for (Eigen::Index r = 0; r < gates.rows(); ++r) {
     for (Eigen::Index c = 0; c < gates.cols(); ++c) {
       const Scalar a = gates(r, c);

@@ -3,6 +3,7 @@
 // with threads over batch x heads; and packed variable-length batches.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
@@ -13,6 +14,7 @@
 #include <linattn/heads_view.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/softmax.hpp>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -90,19 +92,6 @@ inline void validate_offsets(const std::vector<std::int64_t>& offsets, Eigen::In
   }
 }
 
-/// Throws if head (b, h) of `view` holds a NaN or an infinity.
-template <class T>
-void require_finite_head(const HeadsView<T>& view, Eigen::Index b, Eigen::Index h,
-                         const char* where, const char* name) {
-  const std::string head = head_name(name, b, h);
-  // Adjacent features let the scan vectorise.
-  if (view.strides().dim == 1) {
-    require_finite(view.head_rows(b, h), where, head.c_str());
-  } else {
-    require_finite(view.head(b, h), where, head.c_str());
-  }
-}
-
 /// Shape checks for q, k (B x H x N x Dq), v (B x H x N x Dv) and out (B x H x N x out_dim).
 template <class Q, class K, class V, class O>
 void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
@@ -128,18 +117,66 @@ void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVie
   }
 }
 
-/// With check_finite, scans every head of q, k and v, heads split over the threads; called
+/// Runs check(head, b, h) over every head of `view` (it throws naming the head), on the
+/// threads; head is a map with adjacent features where the view has them. When the heads of a
+/// token sit side by side (token-major), ok(rows) first passes over blocks of whole tokens in
+/// memory order (one head alone would read one row per H * D elements, each a wait on memory),
+/// and the heads are checked one by one only after a block fails.
+template <class T, class Ok, class Check>
+void scan_view(const HeadsView<T>& view, int threads, const Ok& ok, const Check& check) {
+  const HeadStrides& st = view.strides();
+  const Eigen::Index heads = view.heads(), tokens = view.tokens(), width = heads * view.dim();
+  auto check_heads = [&](Eigen::Index b) {
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      if (st.dim == 1) {
+        check(view.head_rows(b, h), b, h);
+      } else {
+        check(view.head(b, h), b, h);
+      }
+    }
+  };
+  if (st.dim == 1 && st.head == view.dim() && st.token >= width && heads > 1) {
+    using Rows =
+        Eigen::Map<const Matrix<std::remove_const_t<T>>, Eigen::Unaligned, Eigen::OuterStride<>>;
+    // Each sequence in up to `threads` blocks of tokens.
+    const Eigen::Index parts = std::max<Eigen::Index>(
+        1, std::min<Eigen::Index>(tokens / 256, threads / std::max<Eigen::Index>(view.batch(), 1)));
+    parallel_for(view.batch() * parts, threads, [&](Eigen::Index i) {
+      const Eigen::Index b = i / parts, p = i % parts;
+      const Eigen::Index begin = tokens * p / parts, end = tokens * (p + 1) / parts;
+      const Rows rows(view.data() + b * st.batch + begin * st.token, end - begin, width,
+                      Eigen::OuterStride<>(st.token));
+      if (!ok(rows)) check_heads(b);
+    });
+    return;
+  }
+  parallel_for(view.batch() * heads, threads, [&](Eigen::Index i) {
+    const Eigen::Index b = i / heads, h = i % heads;
+    if (st.dim == 1) {
+      check(view.head_rows(b, h), b, h);
+    } else {
+      check(view.head(b, h), b, h);
+    }
+  });
+}
+
+/// With check_finite, scans every head of q, k and v over the threads (scan_view); called
 /// before anything is written, so bad input leaves the output views as they were.
 template <class Q, class K, class V>
 void scan_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                 const Options& options, const char* where, const char* q_name, const char* k_name) {
   if (!options.check_finite) return;
-  const Eigen::Index heads = q.heads();
-  parallel_for(q.batch() * heads, resolve_threads(options), [&](Eigen::Index i) {
-    require_finite_head(q, i / heads, i % heads, where, q_name);
-    require_finite_head(k, i / heads, i % heads, where, k_name);
-    require_finite_head(v, i / heads, i % heads, where, "v");
-  });
+  const int threads = resolve_threads(options);
+  auto scan = [&](const auto& view, const char* name) {
+    scan_view(
+        view, threads, [](const auto& rows) { return all_finite(rows); },
+        [&](const auto& head, Eigen::Index b, Eigen::Index h) {
+          if (!all_finite(head)) require_finite(head, where, head_name(name, b, h).c_str());
+        });
+  };
+  scan(q, q_name);
+  scan(k, k_name);
+  scan(v, "v");
 }
 
 /// Calls body(q_head, k_head, v_head, out_head) with N x D maps of head h of batch entry b;
@@ -195,8 +232,14 @@ struct UniformDecay {};
 /// log a_t, one column (scalar) or C (per feature).
 template <class S, bool LogSpace>
 struct HeadGates {
+  static constexpr bool log_space = LogSpace;
   ConstHeadsView<S> view;
 };
+
+template <class Transition>
+inline constexpr bool is_head_gates = false;
+template <class S, bool LogSpace>
+inline constexpr bool is_head_gates<HeadGates<S, LogSpace>> = true;
 
 /// How a multi-head transition argument is read: HeadDecays, a gate view, or log_gates(view).
 template <class G, class Scalar>
@@ -287,12 +330,13 @@ inline void scan_transition(const UniformDecay&, int, const char*) {}
 inline void scan_transition(const HeadDecays&, int, const char*) {}
 template <class S, bool LogSpace>
 void scan_transition(const HeadGates<S, LogSpace>& gates, int threads, const char* where) {
-  const ConstHeadsView<S>& g = gates.view;
-  parallel_for(g.batch() * g.heads(), threads, [&](Eigen::Index i) {
-    const Eigen::Index b = i / g.heads();
-    const Eigen::Index h = i % g.heads();
-    require_gates_in_range<LogSpace>(g.head(b, h), where, head_name("gates", b, h).c_str());
-  });
+  scan_view(
+      gates.view, threads, [](const auto& rows) { return gates_in_range<LogSpace>(rows); },
+      [&](const auto& head, Eigen::Index b, Eigen::Index h) {
+        if (!gates_in_range<LogSpace>(head)) {
+          require_gates_in_range<LogSpace>(head, where, head_name("gates", b, h).c_str());
+        }
+      });
 }
 
 /// body(gates, options) for tokens [begin, begin + rows) of head h of batch entry b: the
@@ -313,6 +357,135 @@ void with_transition(const HeadGates<S, LogSpace>& gates, Eigen::Index b, Eigen:
                      Eigen::Index begin, Options& options, const Body& body) {
   const HeadGateRows<S, LogSpace> rows(gates.view.head(b, h), begin);
   body(static_cast<const GateRows*>(&rows), options);
+}
+
+/// True when heads of one token lie side by side and a head's rows far apart (a token-major
+/// [B, N, H, D] view): such heads run best chunk by chunk across heads (causal_head_group).
+template <class T>
+bool token_major(const HeadsView<T>& view) {
+  return view.strides().dim == 1 && view.strides().token > view.dim() && view.heads() > 1;
+}
+
+/// Causal attention of heads [h0, h1) of sequence s, block by block of tokens across the heads:
+/// each block is packed for all of them in one pass through the caller's memory (token by
+/// token, so the hardware prefetcher follows it, where one head alone reads one row per
+/// H * D elements and waits on memory for each), attended per head from the packed rows by a
+/// kernel and state of its own, and unpacked the same way. Gates are packed with the tokens.
+template <class T, class Q, class K, class V, class O, class Map, class Transition>
+void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                       const HeadsView<O>& out, const Map* map, const Transition& transition,
+                       const SequenceRows& sequences, Eigen::Index s, Eigen::Index h0,
+                       Eigen::Index h1, Eigen::Index feature_dim, const Options& options,
+                       const char* where) {
+  using Rows = typename ConstHeadsView<O>::RowsMap;
+  const Eigen::Index b = sequences.batch_of(s);
+  const Eigen::Index first = sequences.begin(s);
+  const Eigen::Index rows = sequences.rows(s);
+  if (rows == 0) return;
+  // Whole chunks, at least 64 tokens: a kernel call per head and block.
+  const Eigen::Index block = options.chunk * ((64 + options.chunk - 1) / options.chunk);
+  const Eigen::Index dk = q.dim(), dv = v.dim();
+  Eigen::Index gate_cols = 0;
+  if constexpr (is_head_gates<Transition>) gate_cols = transition.view.dim();
+  struct Head {
+    CarriedState<T> state;
+    Matrix<O> q, k, v, g, out;
+    std::optional<ChunkedKernel<T, O>> kernel;
+  };
+  std::vector<Head> heads;
+  heads.reserve(static_cast<std::size_t>(h1 - h0));
+  for (Eigen::Index h = h0; h < h1; ++h) {
+    heads.push_back(Head{CarriedState<T>(feature_dim, dv), Matrix<O>(block, dk),
+                         Matrix<O>(block, dk), Matrix<O>(block, dv), Matrix<O>(block, gate_cols),
+                         Matrix<O>(block, dv), std::nullopt});
+  }
+  for (Eigen::Index begin = 0; begin < rows; begin += block) {
+    const Eigen::Index len = std::min(block, rows - begin);
+    for (Eigen::Index t = first + begin; t < first + begin + len; ++t) {
+      const Eigen::Index r = t - first - begin;
+      for (Eigen::Index h = h0; h < h1; ++h) {
+        Head& head = heads[static_cast<std::size_t>(h - h0)];
+        head.q.row(r) = q.head_rows(b, h).row(t);
+        head.k.row(r) = k.head_rows(b, h).row(t);
+        head.v.row(r) = v.head_rows(b, h).row(t);
+        if constexpr (is_head_gates<Transition>) {
+          if (transition.view.strides().dim == 1) {
+            head.g.row(r) = transition.view.head_rows(b, h).row(t);
+          } else {
+            head.g.row(r) = transition.view.head(b, h).row(t);
+          }
+        }
+      }
+    }
+    for (Eigen::Index h = h0; h < h1; ++h) {
+      Head& head = heads[static_cast<std::size_t>(h - h0)];
+      const Rows qs(head.q.data(), len, dk, Eigen::OuterStride<>(dk));
+      const Rows ks(head.k.data(), len, dk, Eigen::OuterStride<>(dk));
+      const Rows vs(head.v.data(), len, dv, Eigen::OuterStride<>(dv));
+      auto run = [&](const GateRows* gates, const Options& run_options) {
+        if (!head.kernel) head.kernel.emplace(feature_dim, dv, block, run_options);
+        auto attend = [&](ChunkSource<T>& source) {
+          if (gates != nullptr) source.attach_gates(*gates);
+          head.kernel->causal(source, head.state, OutRows<O>(head.out.topRows(len)));
+        };
+        if constexpr (std::is_same_v<Map, void>) {
+          FeaturizedSource<T, Rows, Rows, Rows> source(qs, ks, vs);
+          attend(source);
+        } else {
+          MappedSource<T, Rows, Rows, Rows, Map> source(qs, ks, vs, *map, options.check_finite,
+                                                        where,
+                                                        gates == nullptr || gates->cols() == 1);
+          attend(source);
+        }
+      };
+      Options head_options = options;
+      head_options.threads = 1;
+      if constexpr (is_head_gates<Transition>) {
+        const typename ConstHeadsView<O>::HeadMap packed(
+            head.g.data(), len, gate_cols,
+            Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>(gate_cols, 1));
+        const HeadGateRows<O, Transition::log_space> gates(packed, 0);
+        run(&gates, head_options);
+      } else {
+        with_transition(transition, b, h, 0, head_options, run);
+      }
+    }
+    for (Eigen::Index t = first + begin; t < first + begin + len; ++t) {
+      const Eigen::Index r = t - first - begin;
+      for (Eigen::Index h = h0; h < h1; ++h) {
+        out.head_rows(b, h).row(t) = heads[static_cast<std::size_t>(h - h0)].out.row(r);
+      }
+    }
+  }
+}
+
+/// Runs causal_head_group over every sequence, the heads of each split into as many groups as
+/// the threads need; false (nothing done) when the views are not token-major or there are
+/// fewer heads than threads (the per-head path splits each sequence across them instead).
+template <class T, class Q, class K, class V, class O, class Map, class Transition>
+bool causal_token_major(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                        const HeadsView<O>& out, const Map* map, const Transition& transition,
+                        const SequenceRows& sequences, Eigen::Index feature_dim,
+                        const Options& options, const char* where) {
+  const Eigen::Index heads = q.heads();
+  const int threads = resolve_threads(options);
+  if (!(token_major(q) || token_major(k) || token_major(v) || token_major(out)) ||
+      q.strides().dim != 1 || k.strides().dim != 1 || v.strides().dim != 1 ||
+      out.strides().dim != 1 || heads < 2 || sequences.count * heads < threads) {
+    return false;
+  }
+  if constexpr (is_head_gates<Transition>) {
+    if (transition.view.strides().dim != 1 && transition.view.dim() > 1) return false;
+  }
+  const Eigen::Index groups =
+      std::min<Eigen::Index>(heads, (threads + sequences.count - 1) / sequences.count);
+  const SerialEigenScope serial_eigen;
+  parallel_for(sequences.count * groups, threads, [&](Eigen::Index i) {
+    const Eigen::Index s = i / groups, g = i % groups;
+    causal_head_group<T>(q, k, v, out, map, transition, sequences, s, heads * g / groups,
+                         heads * (g + 1) / groups, feature_dim, options, where);
+  });
+  return true;
 }
 
 /// Linear attention (causal or not) over every sequence and head; `map` is null for
@@ -354,6 +527,10 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
                       where);
   scan_transition(transition, resolve_threads(options), where);
   scan_heads(q, k, v, options, where, q_name, k_name);
+  if (causal && causal_token_major<Scalar>(q, k, v, out, map, transition, sequences, feature_dim,
+                                           options, where)) {
+    return;
+  }
   for_each_sequence_head(
       q, k, v, out, sequences, options,
       [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,

@@ -116,18 +116,25 @@ bool is_finite_value(Scalar x) {
   }
 }
 
+/// True when `m` holds no NaN and no infinity: one vectorised pass.
+template <class Derived>
+bool all_finite(const Eigen::MatrixBase<Derived>& m) {
+  using Scalar = typename Derived::Scalar;
+  if constexpr (is_half_scalar<Scalar>) {
+    return !has_nonfinite_half(m);
+  } else {
+    // x * 0 is NaN exactly for NaN and +-Inf (allFinite is not vectorised).
+    return (m.array() * Scalar(0)).sum() == Scalar(0);
+  }
+}
+
 /// Throws naming the first NaN or Inf in `m` by row and column; `first_row` is the index the
 /// caller knows m's row 0 by (m may be one chunk of a longer input).
 template <class Derived>
 void require_finite(const Eigen::MatrixBase<Derived>& m, const char* where, const char* name,
                     Eigen::Index first_row = 0) {
   using Scalar = typename Derived::Scalar;
-  if constexpr (is_half_scalar<Scalar>) {
-    if (!has_nonfinite_half(m)) return;
-  } else {
-    // x * 0 is NaN exactly for NaN and +-Inf: one vectorised pass (allFinite is not).
-    if ((m.array() * Scalar(0)).sum() == Scalar(0)) return;
-  }
+  if (all_finite(m)) return;
   for (Eigen::Index r = 0; r < m.rows(); ++r) {
     for (Eigen::Index c = 0; c < m.cols(); ++c) {
       if (!is_finite_value<Scalar>(m(r, c))) {
