@@ -450,9 +450,9 @@ void run_gated(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
   const auto vv = linattn::HeadsView<const T>::bhnd(v.data(), v_shape);
   const auto gv = linattn::HeadsView<const T>::bhnd(g.data(), {1, 1, in.n, g.cols()});
   const bool viewed_ok = attempt("causal_gated_linear_attention_into(views)", must, [&] {
-    linattn::causal_gated_linear_attention_into(
-        qv, kv, vv, linattn::log_gates(gv), map,
-        linattn::HeadsView<T>::bhnd(viewed.data(), v_shape), opt);
+    linattn::causal_gated_linear_attention_into(qv, kv, vv, linattn::log_gates(gv), map,
+                                                linattn::HeadsView<T>::bhnd(viewed.data(), v_shape),
+                                                opt);
   });
   const bool batched_ok = attempt("RecurrentStateBatch::prefill(gates)", must, [&] {
     linattn::RecurrentStateBatch<T> batch(1, c, in.dv, opt);
