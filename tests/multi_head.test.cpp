@@ -855,9 +855,10 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
                       Contains("k is [2, 3, 11, 6]"));
     Heads<T> short_out(Layout::bhnd, B, H, N - 1, kDv, T(0));
     CHECK_THROWS_WITH(causal(q, k, v, short_out.view(), ok), Contains("out is [2, 3, 9, 5]"));
-    CHECK_THROWS_WITH(linattn::softmax_attention_into(q.cview(), heads(B, 1, N, kDk, 4).cview(),
+    // 2 heads do not divide q's and out's 3 (1 would: multi-query, a grouping).
+    CHECK_THROWS_WITH(linattn::softmax_attention_into(q.cview(), heads(B, 2, N, kDk, 4).cview(),
                                                       v.cview(), linattn::Mask::causal, out.view()),
-                      Contains("softmax_attention") && Contains("k is [2, 1, 10, 6]"));
+                      Contains("softmax_attention") && Contains("k is [2, 2, 10, 6]"));
     // A feature map built for another input width.
     const linattn::PositiveRandomFeatures other(kDk + 1, 8, 1);
     CHECK_THROWS_AS(
@@ -1536,4 +1537,98 @@ TEMPLATE_TEST_CASE("token-major views: a bad value is named by its head and noth
                       Contains("gates[b=0, h=3]") && Contains("row 450"));
     CHECK(same_data(out.data(), untouched));
   }
+}
+
+TEMPLATE_TEST_CASE("grouped heads: output head h reads head h / (H / H_in) of each input",
+                   "[multi_head][grouped]", float, double) {
+  using T = TestType;
+  // FLA's grouping (and ggml's, ik2 = iq2 / (neq2 / nek2)): Qwen3-Next's fewer q/k heads than
+  // v heads, and grouped-query / multi-query attention's fewer k/v heads than q heads.
+  const Eigen::Index B = 2, H = 4, N = 150;
+  struct Grouping {
+    Eigen::Index q, k, v;
+  };
+  Tally tally, token_major;
+  double worst = 0.0;
+  for (const Grouping heads :
+       {Grouping{2, 2, 4}, Grouping{4, 2, 2}, Grouping{4, 1, 1}, Grouping{1, 4, 2}}) {
+    for (const Layout layout : {Layout::bhnd, Layout::bnhd, Layout::padded}) {
+      const Heads<T> q = random_heads<T>(layout, B, heads.q, N, kDk, 1200, true);
+      const Heads<T> k = random_heads<T>(layout, B, heads.k, N, kDk, 1210, true);
+      const Heads<T> v = random_heads<T>(layout, B, heads.v, N, kDv, 1220);
+      const Heads<T> g = random_log_gates<T>(layout, B, H, N, 1, 1230);
+      for (const bool gated : {false, true}) {
+        linattn::Options options;
+        options.threads = 2;
+        Heads<T> out(layout, B, H, N, kDv, kSentinel<T>);
+        if (gated) {
+          linattn::causal_gated_linear_attention_into(q.cview(), k.cview(), v.cview(),
+                                                      linattn::log_gates(g.cview()),
+                                                      linattn::Identity{}, out.view(), options);
+        } else {
+          linattn::causal_linear_attention_into(q.cview(), k.cview(), v.cview(),
+                                                linattn::Identity{}, out.view(), options);
+        }
+        CHECK(out.gaps_hold(kSentinel<T>));
+        for (Eigen::Index b = 0; b < B; ++b) {
+          for (Eigen::Index h = 0; h < H; ++h) {
+            INFO("heads q " << heads.q << ", k " << heads.k << ", v " << heads.v << ", "
+                            << layout_name(layout) << ", gated = " << gated << ", head " << h);
+            // The grouping written out: output head h reads input head h * H_in / H.
+            const Matrix<T> qh = q.head(b, h * heads.q / H), kh = k.head(b, h * heads.k / H),
+                            vh = v.head(b, h * heads.v / H), gh = g.head(b, h);
+            const Matrix<T> expected =
+                gated ? linattn::causal_gated_linear_attention(qh, kh, vh, linattn::log_gates(gh),
+                                                               linattn::Identity{}, options)
+                      : linattn::causal_linear_attention(qh, kh, vh, linattn::Identity{}, options);
+            const Matrix<T> got = out.head(b, h);
+            const double error = relative_error(got, expected);
+            CHECK(error <= tolerance<T>());
+            worst = std::max(worst, error);
+            (layout == Layout::bnhd ? token_major : tally).add(got, expected);
+          }
+        }
+      }
+    }
+    // Softmax groups its heads the same way.
+    const Heads<T> q = random_heads<T>(Layout::bnhd, B, heads.q, N, kDk, 1240);
+    const Heads<T> k = random_heads<T>(Layout::bnhd, B, heads.k, N, kDk, 1250);
+    const Heads<T> v = random_heads<T>(Layout::bnhd, B, heads.v, N, kDv, 1260);
+    Heads<T> out(Layout::bnhd, B, H, N, kDv, kSentinel<T>);
+    linattn::softmax_attention_into(q.cview(), k.cview(), v.cview(), linattn::Mask::causal,
+                                    out.view());
+    for (Eigen::Index h = 0; h < H; ++h) {
+      const Matrix<T> expected =
+          linattn::softmax_attention(q.head(1, h * heads.q / H), k.head(1, h * heads.k / H),
+                                     v.head(1, h * heads.v / H), linattn::Mask::causal);
+      CHECK(relative_error(out.head(1, h), expected) <= tolerance<T>());
+    }
+  }
+  WARN("grouped heads vs per-head calls: "
+       << tally.differing << " of " << tally.compared << " not bit-identical; token-major "
+       << token_major.differing << " of " << token_major.compared << "; worst " << worst);
+  CHECK(tally.differing == 0);
+  // A batch prefill groups alike: state b * H + h holds output head h.
+  const Heads<T> q = random_heads<T>(Layout::bnhd, B, 2, N, kDk, 1270, true);
+  const Heads<T> k = random_heads<T>(Layout::bnhd, B, 2, N, kDk, 1280, true);
+  const Heads<T> v = random_heads<T>(Layout::bnhd, B, H, N, kDv, 1290);
+  Heads<T> out(Layout::bnhd, B, H, N, kDv, kSentinel<T>);
+  linattn::RecurrentStateBatch<T> batch(B * H, kDk, kDv);
+  batch.prefill_into(q.cview(), k.cview(), v.cview(), linattn::Identity{}, out.view());
+  for (Eigen::Index i = 0; i < B * H; ++i) {
+    linattn::RecurrentState<T> state(kDk, kDv);
+    const Matrix<T> expected = state.prefill(q.head(i / H, (i % H) / 2), k.head(i / H, (i % H) / 2),
+                                             v.head(i / H, i % H), linattn::Identity{});
+    CHECK(Matrix<T>(out.head(i / H, i % H)) == expected);
+    CHECK(batch[i].s() == state.s());
+  }
+  // Heads that do not divide out's throw, naming the rule.
+  const Heads<T> three = random_heads<T>(Layout::bhnd, B, 3, N, kDk, 1300, true);
+  Heads<T> out4(Layout::bhnd, B, H, N, kDv, kSentinel<T>);
+  const std::vector<T> untouched = out4.data();
+  CHECK_THROWS_WITH(
+      linattn::causal_linear_attention_into(three.cview(), three.cview(), v.cview(),
+                                            linattn::Identity{}, out4.view()),
+      Catch::Contains("phi_q is [2, 3, 150, 6]") && Catch::Contains("H divide out's"));
+  CHECK(same_data(out4.data(), untouched));
 }

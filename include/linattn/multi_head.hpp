@@ -14,7 +14,6 @@
 #include <linattn/heads_view.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/softmax.hpp>
-#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -98,15 +97,19 @@ void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVie
                     const HeadsView<O>& out, Eigen::Index out_dim, const Options& options,
                     const char* where, const char* q_name, const char* k_name) {
   validate_options(options, where);
+  // Grouped heads: an input may have fewer heads than out, a divisor of its H (FLA's grouping).
   auto same_bhn = [&](auto& view, const char* name) {
-    if (view.batch() != q.batch() || view.heads() != q.heads() || view.tokens() != q.tokens()) {
-      throw Error(std::string(where) + ": " + name + " is " + view.sizes_string() + " but " +
-                  q_name + " is " + q.sizes_string() + "; B, H and N must match");
+    if (view.batch() != out.batch() || view.tokens() != out.tokens() ||
+        out.heads() % view.heads() != 0) {
+      throw Error(std::string(where) + ": " + name + " is " + view.sizes_string() + " but out is " +
+                  out.sizes_string() +
+                  "; B, H and N must match (or H divide out's: out head h reads head h / (" +
+                  std::to_string(out.heads()) + " / H) of " + name + ")");
     }
   };
+  same_bhn(q, q_name);
   same_bhn(k, k_name);
   same_bhn(v, "v");
-  same_bhn(out, "out");
   if (k.dim() != q.dim()) {
     throw Error(std::string(where) + ": " + k_name + " is " + k.sizes_string() + " but " + q_name +
                 " is " + q.sizes_string() + "; D must match");
@@ -179,17 +182,29 @@ void scan_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>
   scan(v, "v");
 }
 
-/// Calls body(q_head, k_head, v_head, out_head) with N x D maps of head h of batch entry b;
-/// maps with adjacent features when all four views have them, so loads vectorise.
+/// The head of `input` that output head h reads: h / (H_out / H_in), FLA's grouping (with
+/// 16 q/k heads and 32 v heads, v head h reads q/k head h / 2; with fewer k/v heads than q
+/// heads, multi-query, q head h reads k/v head h / G alike).
+template <class T>
+Eigen::Index input_head(const HeadsView<T>& input, Eigen::Index out_heads, Eigen::Index h) {
+  return h / (out_heads / input.heads());
+}
+
+/// Calls body(q_head, k_head, v_head, out_head) with N x D maps of output head h of batch entry
+/// b and the input heads it reads; maps with adjacent features when all four views have them,
+/// so loads vectorise.
 template <class Q, class K, class V, class O, class Body>
 void with_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                 const HeadsView<O>& out, Eigen::Index b, Eigen::Index h, const Body& body) {
+  const Eigen::Index heads = out.heads();
+  const Eigen::Index hq = input_head(q, heads, h), hk = input_head(k, heads, h),
+                     hv = input_head(v, heads, h);
   if (q.strides().dim == 1 && k.strides().dim == 1 && v.strides().dim == 1 &&
       out.strides().dim == 1) {
-    body(q.head_rows(b, h), k.head_rows(b, h), v.head_rows(b, h),
+    body(q.head_rows(b, hq), k.head_rows(b, hk), v.head_rows(b, hv),
          Eigen::Ref<Matrix<O>>(out.head_rows(b, h)));
   } else {
-    body(q.head(b, h), k.head(b, h), v.head(b, h), StridedRef<O>(out.head(b, h)));
+    body(q.head(b, hq), k.head(b, hk), v.head(b, hv), StridedRef<O>(out.head(b, h)));
   }
 }
 
@@ -200,7 +215,7 @@ template <class Q, class K, class V, class O, class Run>
 void for_each_sequence_head(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                             const HeadsView<O>& out, const SequenceRows& sequences,
                             const Options& options, const Run& run) {
-  const Eigen::Index heads = q.heads();
+  const Eigen::Index heads = out.heads();
   const Eigen::Index items = sequences.count * heads;
   const int threads = resolve_threads(options);
   const SerialEigenScope serial_eigen;
@@ -369,8 +384,8 @@ bool token_major(const HeadsView<T>& view) {
 /// Causal attention of heads [h0, h1) of sequence s, block by block of tokens across the heads:
 /// each block is packed for all of them in one pass through the caller's memory (token by
 /// token, so the hardware prefetcher follows it, where one head alone reads one row per
-/// H * D elements and waits on memory for each), attended per head from the packed rows by a
-/// kernel and state of its own, and unpacked the same way. Gates are packed with the tokens.
+/// H * D elements and waits on memory for each), attended per head from the packed rows (each with
+/// a state of its own), and unpacked the same way. Gates are packed with the tokens.
 template <class T, class Q, class K, class V, class O, class Map, class Transition>
 void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                        const HeadsView<O>& out, const Map* map, const Transition& transition,
@@ -390,14 +405,13 @@ void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const Heads
   struct Head {
     CarriedState<T> state;
     Matrix<O> q, k, v, g, out;
-    std::optional<ChunkedKernel<T, O>> kernel;
   };
   std::vector<Head> heads;
   heads.reserve(static_cast<std::size_t>(h1 - h0));
   for (Eigen::Index h = h0; h < h1; ++h) {
     heads.push_back(Head{CarriedState<T>(feature_dim, dv), Matrix<O>(block, dk),
                          Matrix<O>(block, dk), Matrix<O>(block, dv), Matrix<O>(block, gate_cols),
-                         Matrix<O>(block, dv), std::nullopt});
+                         Matrix<O>(block, dv)});
   }
   for (Eigen::Index begin = 0; begin < rows; begin += block) {
     const Eigen::Index len = std::min(block, rows - begin);
@@ -405,9 +419,9 @@ void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const Heads
       const Eigen::Index r = t - first - begin;
       for (Eigen::Index h = h0; h < h1; ++h) {
         Head& head = heads[static_cast<std::size_t>(h - h0)];
-        head.q.row(r) = q.head_rows(b, h).row(t);
-        head.k.row(r) = k.head_rows(b, h).row(t);
-        head.v.row(r) = v.head_rows(b, h).row(t);
+        head.q.row(r) = q.head_rows(b, input_head(q, out.heads(), h)).row(t);
+        head.k.row(r) = k.head_rows(b, input_head(k, out.heads(), h)).row(t);
+        head.v.row(r) = v.head_rows(b, input_head(v, out.heads(), h)).row(t);
         if constexpr (is_head_gates<Transition>) {
           if (transition.view.strides().dim == 1) {
             head.g.row(r) = transition.view.head_rows(b, h).row(t);
@@ -423,10 +437,9 @@ void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const Heads
       const Rows ks(head.k.data(), len, dk, Eigen::OuterStride<>(dk));
       const Rows vs(head.v.data(), len, dv, Eigen::OuterStride<>(dv));
       auto run = [&](const GateRows* gates, const Options& run_options) {
-        if (!head.kernel) head.kernel.emplace(feature_dim, dv, block, run_options);
         auto attend = [&](ChunkSource<T>& source) {
           if (gates != nullptr) source.attach_gates(*gates);
-          head.kernel->causal(source, head.state, OutRows<O>(head.out.topRows(len)));
+          causal_rows<T, O>(source, head.state, OutRows<O>(head.out.topRows(len)), run_options, 1);
         };
         if constexpr (std::is_same_v<Map, void>) {
           FeaturizedSource<T, Rows, Rows, Rows> source(qs, ks, vs);
@@ -467,7 +480,7 @@ bool causal_token_major(const HeadsView<Q>& q, const HeadsView<K>& k, const Head
                         const HeadsView<O>& out, const Map* map, const Transition& transition,
                         const SequenceRows& sequences, Eigen::Index feature_dim,
                         const Options& options, const char* where) {
-  const Eigen::Index heads = q.heads();
+  const Eigen::Index heads = out.heads();
   const int threads = resolve_threads(options);
   if (!(token_major(q) || token_major(k) || token_major(v) || token_major(out)) ||
       q.strides().dim != 1 || k.strides().dim != 1 || v.strides().dim != 1 ||
@@ -523,8 +536,8 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
                   std::to_string(feature_dim) + " for input_dim " + std::to_string(q.dim()));
     }
   }
-  validate_transition(transition, HeadShape{q.batch(), q.heads(), q.tokens(), feature_dim}, options,
-                      where);
+  validate_transition(transition, HeadShape{out.batch(), out.heads(), out.tokens(), feature_dim},
+                      options, where);
   scan_transition(transition, resolve_threads(options), where);
   scan_heads(q, k, v, options, where, q_name, k_name);
   if (causal && causal_token_major<Scalar>(q, k, v, out, map, transition, sequences, feature_dim,
@@ -590,9 +603,12 @@ void heads_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVi
 /// heads (Identity{} for precomputed features). Threads go over B x H (Options::threads, with
 /// OpenMP); with fewer heads than threads each sequence is split across them instead. Head
 /// (b, h) gives exactly causal_linear_attention on q.head(b, h), ... up to rounding.
-/// @param q    B x H x N x Dk queries
-/// @param k    B x H x N x Dk keys
-/// @param v    B x H x N x Dv values
+/// Grouped heads (Qwen3-Next's 16 q/k heads over 32 v heads; multi-query and grouped-query
+/// attention's fewer k/v heads): an input may have fewer heads than out, a divisor of out's H,
+/// and output head h reads head h / (H / H_in) of it (FLA's grouping), in every view call.
+/// @param q    B x Hq x N x Dk queries (Hq divides H)
+/// @param k    B x Hk x N x Dk keys (Hk divides H)
+/// @param v    B x Hv x N x Dv values (Hv divides H)
 /// @param map  feature map
 /// @param out  B x H x N x Dv result; its heads may not overlap each other or the inputs
 template <class Acc = void, class Q, class K, class V, class Map, class O,
@@ -605,9 +621,9 @@ void causal_linear_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k,
 }
 
 /// Non-causal linear attention for every head of every sequence, with a feature map.
-/// @param q    B x H x N x Dk queries
-/// @param k    B x H x N x Dk keys
-/// @param v    B x H x N x Dv values
+/// @param q    B x Hq x N x Dk queries (Hq divides H)
+/// @param k    B x Hk x N x Dk keys (Hk divides H)
+/// @param v    B x Hv x N x Dv values (Hv divides H)
 /// @param map  feature map (Identity{} for precomputed features)
 /// @param out  B x H x N x Dv result
 template <class Acc = void, class Q, class K, class V, class Map, class O,
@@ -620,9 +636,10 @@ void linear_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const H
 /// Causal linear attention over a packed batch of sequences of different lengths: sequence s
 /// is tokens [offsets[s], offsets[s+1]) of the views (like cu_seqlens), and attends only to
 /// itself. Threads go over sequences x heads.
-/// @param q        1 x H x total x Dk queries (B = 1: the sequences are packed along N)
-/// @param k        1 x H x total x Dk keys
-/// @param v        1 x H x total x Dv values
+/// @param q        1 x Hq x total x Dk queries (Hq divides H; B = 1: the sequences are packed along
+/// N)
+/// @param k        1 x Hk x total x Dk keys (Hk divides H)
+/// @param v        1 x Hv x total x Dv values (Hv divides H)
 /// @param map      feature map (Identity{} for precomputed features)
 /// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
 /// @param out      1 x H x total x Dv result
@@ -637,9 +654,9 @@ void causal_linear_attention_varlen_into(const HeadsView<Q>& q, const HeadsView<
 }
 
 /// Non-causal linear attention over a packed batch: each sequence attends to all of itself.
-/// @param q        1 x H x total x Dk queries
-/// @param k        1 x H x total x Dk keys
-/// @param v        1 x H x total x Dv values
+/// @param q        1 x Hq x total x Dk queries (Hq divides H)
+/// @param k        1 x Hk x total x Dk keys (Hk divides H)
+/// @param v        1 x Hv x total x Dv values (Hv divides H)
 /// @param map      feature map (Identity{} for precomputed features)
 /// @param offsets  S + 1 token offsets
 /// @param out      1 x H x total x Dv result
@@ -660,9 +677,9 @@ void linear_attention_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k,
 /// causal_gated_linear_attention on q.head(b, h), ..., gates.head(b, h) (with HeadDecays:
 /// causal_linear_attention with Options::decay = values[h]) up to rounding; threads as
 /// causal_linear_attention_into. Every gate is range-checked before anything is written.
-/// @param q        B x H x N x Dk queries (features, with Identity)
-/// @param k        B x H x N x Dk keys
-/// @param v        B x H x N x Dv values
+/// @param q        B x Hq x N x Dk queries (Hq divides H; features, with Identity)
+/// @param k        B x Hk x N x Dk keys (Hk divides H)
+/// @param v        B x Hv x N x Dv values (Hv divides H)
 /// @param gates    B x H x N x 1 or B x H x N x C gates a_t in (0, 1], log_gates(view) with
 ///                 g <= 0, or HeadDecays with H decays in (0, 1]
 /// @param map      feature map (Identity{} for precomputed features)
@@ -683,9 +700,9 @@ void causal_gated_linear_attention_into(const HeadsView<Q>& q, const HeadsView<K
 /// sequence s is tokens [offsets[s], offsets[s+1]) of every view, gates included, and starts
 /// from an empty state. See causal_gated_linear_attention_into and
 /// causal_linear_attention_varlen_into.
-/// @param q        1 x H x total x Dk queries
-/// @param k        1 x H x total x Dk keys
-/// @param v        1 x H x total x Dv values
+/// @param q        1 x Hq x total x Dk queries (Hq divides H)
+/// @param k        1 x Hk x total x Dk keys (Hk divides H)
+/// @param v        1 x Hv x total x Dv values (Hv divides H)
 /// @param gates    1 x H x total x 1 or 1 x H x total x C gates (a_t or log_gates(view)), or
 ///                 HeadDecays
 /// @param map      feature map (Identity{} for precomputed features)
@@ -708,9 +725,9 @@ void causal_gated_linear_attention_varlen_into(const HeadsView<Q>& q, const Head
 
 /// Softmax attention (the tiled baseline) for every head of every sequence, threads over
 /// B x H.
-/// @param q        B x H x N x Dk queries
-/// @param k        B x H x N x Dk keys
-/// @param v        B x H x N x Dv values
+/// @param q        B x Hq x N x Dk queries (Hq divides H)
+/// @param k        B x Hk x N x Dk keys (Hk divides H)
+/// @param v        B x Hv x N x Dv values (Hv divides H)
 /// @param mask     Mask::causal (query i sees keys j <= i) or Mask::none
 /// @param out      B x H x N x Dv result
 /// @param scale    multiplies q . k; negative means 1/sqrt(Dk)

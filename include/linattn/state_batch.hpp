@@ -298,9 +298,9 @@ class RecurrentStateBatch {
       throw Error(std::string(where) + ": v is " + v.sizes_string() +
                   " but the states hold Dv = " + std::to_string(value_dim()));
     }
-    if (q.batch() * q.heads() != size()) {
-      throw Error(std::string(where) + ": " + q_name + " is " + q.sizes_string() +
-                  ", B x H = " + std::to_string(q.batch() * q.heads()) +
+    if (out.batch() * out.heads() != size()) {
+      throw Error(std::string(where) + ": out is " + out.sizes_string() +
+                  ", B x H = " + std::to_string(out.batch() * out.heads()) +
                   " heads, but the batch holds " + std::to_string(size()) + " states");
     }
     Eigen::Index features = q.dim();
@@ -309,8 +309,9 @@ class RecurrentStateBatch {
       throw Error(std::string(where) + ": " + q_name + " gives " + std::to_string(features) +
                   " features per token but the states hold " + std::to_string(feature_dim()));
     }
-    detail::validate_transition(
-        transition, HeadShape{q.batch(), q.heads(), q.tokens(), feature_dim()}, options(), where);
+    detail::validate_transition(transition,
+                                HeadShape{out.batch(), out.heads(), out.tokens(), feature_dim()},
+                                options(), where);
     require_uniform_states(where);
     if constexpr (!std::is_same_v<Transition, detail::UniformDecay>) require_unit_decays(where);
     for (const State& state : states_) state.require_token_room(q.tokens(), where);
@@ -326,7 +327,7 @@ class RecurrentStateBatch {
           using DQ = std::decay_t<decltype(qs)>;
           using DK = std::decay_t<decltype(ks)>;
           using DV = std::decay_t<decltype(vs)>;
-          State& state = next[static_cast<std::size_t>(b * q.heads() + h)];
+          State& state = next[static_cast<std::size_t>(b * out.heads() + h)];
           Options head_options = options();
           detail::with_transition(transition, b, h, 0, head_options,
                                   [&](const detail::GateRows* gates, const Options&) {
