@@ -430,3 +430,77 @@ TEMPLATE_TEST_CASE("Options::scale multiplies phi(q), in every form", "[linear_a
   }
   // The backward takes the scale too: tests/backward.test.cpp checks its gradients.
 }
+
+TEMPLATE_TEST_CASE("cross-attention: N_q queries over N_k keys match the naive formula",
+                   "[linear_attention][cross]", float, double) {
+  using T = TestType;
+  using Catch::Matchers::Contains;
+  const linattn::PositiveRandomFeatures prf(kDk, 32, 9);
+  double worst = 0.0;
+  struct Lengths {
+    Eigen::Index queries, keys;
+  };
+  for (const Lengths n : {Lengths{37, 300}, Lengths{500, 20}, Lengths{1, 1}, Lengths{64, 2500}}) {
+    const Matrix<T> q = gaussian<T>(n.queries, kDk, 71, 0.5);
+    const Matrix<T> k = gaussian<T>(n.keys, kDk, 72, 0.5);
+    const Matrix<T> v = gaussian<T>(n.keys, kDv, 73);
+    for (const bool normalize : {true, false}) {
+      for (const int threads : {1, 2}) {
+        linattn::Options options;
+        options.normalize = normalize;
+        options.threads = threads;
+        options.scale = normalize ? 1.0 : 0.25;
+        auto check = [&](const auto& map, const char* name) {
+          const Matrix<T> got = linattn::linear_attention(q, k, v, map, options);
+          Matrix<T> into = Matrix<T>::Constant(n.queries, kDv, T(-3));
+          linattn::linear_attention_into(q, k, v, map, into, options);
+          // The formula, in double: out_i = sum_j w_ij v_j / (sum_j w_ij + eps).
+          const Matrix<double> pq = options.scale * map.queries(q.template cast<double>());
+          const Matrix<double> pk = map.keys(k.template cast<double>());
+          const Matrix<double> w = pq * pk.transpose();
+          Matrix<double> expected = w * v.template cast<double>();
+          if (normalize) {
+            for (Eigen::Index i = 0; i < n.queries; ++i) {
+              expected.row(i) /= w.row(i).sum() + options.eps;
+            }
+          }
+          INFO(name << ", N_q = " << n.queries << ", N_k = " << n.keys
+                    << ", normalize = " << normalize << ", threads = " << threads);
+          REQUIRE(got.rows() == n.queries);
+          CHECK(got == into);
+          const double error = relative_error(got, expected);
+          CHECK(error <= tolerance<T>());
+          worst = std::max(worst, error);
+        };
+        check(linattn::EluPlusOne{}, "EluPlusOne");
+        check(prf, "PositiveRandomFeatures");
+        const Matrix<T> phi_q = linattn::EluPlusOne{}.queries(q);
+        const Matrix<T> phi_k = linattn::EluPlusOne{}.keys(k);
+        CHECK(linattn::linear_attention(phi_q, phi_k, v, linattn::Identity{}, options) ==
+              linattn::linear_attention(q, k, v, linattn::EluPlusOne{}, options));
+      }
+    }
+  }
+  WARN("cross-attention vs the naive formula: worst relative error " << worst);
+  // Shapes: keys and values must agree in rows, queries and keys in columns; causal attention
+  // still needs N_q == N_k.
+  const Matrix<T> q = gaussian<T>(10, kDk, 74), k = gaussian<T>(30, kDk, 75);
+  const Matrix<T> v = gaussian<T>(30, kDv, 76);
+  Matrix<T> out = Matrix<T>::Constant(10, kDv, T(5));
+  const Matrix<T> untouched = out;
+  CHECK_THROWS_WITH(
+      linattn::linear_attention_into(q, k, v.topRows(29), linattn::EluPlusOne{}, out),
+      Contains("v is 29 x 7 but k is 30 x 12") && Contains("same number of rows (keys)"));
+  CHECK_THROWS_WITH(linattn::linear_attention_into(q, k.leftCols(5), v, linattn::Identity{}, out),
+                    Contains("phi_k is 30 x 5") && Contains("same number of columns"));
+  CHECK_THROWS_WITH(linattn::causal_linear_attention_into(q, k, v, linattn::Identity{}, out),
+                    Contains("phi_k is 30 x 12"));
+  Matrix<T> bad_k = k;
+  bad_k(29, 1) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_WITH(linattn::linear_attention_into(q, bad_k, v, linattn::Identity{}, out),
+                    Contains("phi_k") && Contains("row 29"));
+  Matrix<T> wrong(30, kDv);
+  CHECK_THROWS_WITH(linattn::linear_attention_into(q, k, v, linattn::Identity{}, wrong),
+                    Contains("out is 30 x 7"));
+  CHECK(out == untouched);
+}

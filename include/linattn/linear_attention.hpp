@@ -56,15 +56,50 @@ void run_attention(const ChunkSource<T>& source, OutRef&& out, const Options& op
   }
 }
 
+/// Non-causal cross-attention into `out` from an empty state: the sums over every key of
+/// `keys`, then every query of `queries` against them.
+template <class T, class OutRef>
+void run_cross_attention(const ChunkSource<T>& keys, const ChunkSource<T>& queries, OutRef&& out,
+                         const Options& options) {
+  CarriedState<T> state(keys.feature_dim(), keys.value_dim());
+  const int threads = resolve_threads(options);
+  const SerialEigenScope serial_eigen;
+  run_cross(keys, queries, state, out, options, threads);
+}
+
+/// Validates the inputs of non-causal attention with N_q != N_k queries and keys, then runs it:
+/// keys and values from a source over (k, k, v), queries from one over (q, q, v), of which the
+/// kernel reads only the queries. make(a, b, c) builds a source.
+template <class DQ, class DK, class DV, class Out, class Make>
+void cross_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                     const Eigen::MatrixBase<DV>& v, Out& out, const Options& options,
+                     const char* where, const char* q_name, const char* k_name, const Make& make) {
+  validate_cross_shapes(q, k, v, options, where, q_name, k_name);
+  require_output_shape(out, q.rows(), v.cols(), where);
+  auto keys = make(k.derived(), k.derived(), v.derived());
+  auto queries = make(q.derived(), q.derived(), v.derived());
+  scan_inputs(q, k, v, options, where, q_name, k_name);
+  run_cross_attention(keys, queries, out, options);
+}
+
 /// Validates featurized inputs and runs the causal or non-causal kernel into `out`.
 template <class Acc, bool Causal, class DQ, class DK, class DV>
 void featurized_attention(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
                           const Eigen::MatrixBase<DV>& v,
                           Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
                           const char* where) {
+  using T = accumulator_t<Acc, typename DQ::Scalar>;
+  if (!Causal && phi_q.rows() != phi_k.rows()) {
+    cross_attention(phi_q, phi_k, v, out, options, where, "phi_q", "phi_k",
+                    [](const auto& a, const auto& b, const auto& c) {
+                      using A = std::decay_t<decltype(a)>;
+                      using C = std::decay_t<decltype(c)>;
+                      return FeaturizedSource<T, A, A, C>(a, b, c);
+                    });
+    return;
+  }
   validate_sequence_threads(phi_q, phi_k, v, options, where, "phi_q", "phi_k");
   require_output_shape(out, phi_q.rows(), v.cols(), where);
-  using T = accumulator_t<Acc, typename DQ::Scalar>;
   run_attention<Causal>(
       FeaturizedSource<T, DQ, DK, DV>(phi_q.derived(), phi_k.derived(), v.derived()), out, options);
 }
@@ -75,9 +110,18 @@ void mapped_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK
                       const Eigen::MatrixBase<DV>& v, const Map& map,
                       Eigen::Ref<Matrix<typename DQ::Scalar>> out, const Options& options,
                       const char* where) {
+  using T = accumulator_t<Acc, typename DQ::Scalar>;
+  if (!Causal && q.rows() != k.rows()) {
+    cross_attention(
+        q, k, v, out, options, where, "q", "k", [&](const auto& a, const auto& b, const auto& c) {
+          using A = std::decay_t<decltype(a)>;
+          using C = std::decay_t<decltype(c)>;
+          return MappedSource<T, A, A, C, Map>(a, b, c, map, options.check_finite, where);
+        });
+    return;
+  }
   validate_sequence_threads(q, k, v, options, where, "q", "k");
   require_output_shape(out, q.rows(), v.cols(), where);
-  using T = accumulator_t<Acc, typename DQ::Scalar>;
   run_attention<Causal>(MappedSource<T, DQ, DK, DV, Map>(q.derived(), k.derived(), v.derived(), map,
                                                          options.check_finite, where),
                         out, options);
@@ -141,12 +185,14 @@ Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>&
 }
 
 /// Non-causal linear attention into `out`: every query attends to all keys,
-/// out_i = phi(q_i)^T S / (phi(q_i) . z + eps). Options::decay is not used.
-/// @param q    N x Dk queries
-/// @param k    N x Dk keys
-/// @param v    N x Dv values
+/// out_i = phi(q_i)^T S / (phi(q_i) . z + eps), S = sum_j phi(k_j) v_j^T over every key.
+/// Queries and keys may differ in number (cross-attention: a Perceiver's latents over its
+/// inputs, a decoder over an encoder's outputs), without padding. Options::decay is not used.
+/// @param q    N_q x Dk queries
+/// @param k    N_k x Dk keys (N_k may differ from N_q)
+/// @param v    N_k x Dv values
 /// @param map  feature map (Identity{} for precomputed features)
-/// @param out  N x Dv result, row-major
+/// @param out  N_q x Dv result, row-major
 template <class Acc = void, class DQ, class DK, class DV, class Map,
           class = detail::enable_if_same_scalar<DQ, DK, DV>>
 void linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -156,10 +202,10 @@ void linear_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBa
   detail::attention<Acc, false>(q, k, v, map, out, options, "linear_attention");
 }
 
-/// Non-causal linear attention; returns N x Dv.
-/// @param q    N x Dk queries
-/// @param k    N x Dk keys
-/// @param v    N x Dv values
+/// Non-causal linear attention; returns N_q x Dv. See linear_attention_into.
+/// @param q    N_q x Dk queries
+/// @param k    N_k x Dk keys (N_k may differ from N_q: cross-attention)
+/// @param v    N_k x Dv values
 /// @param map  feature map (Identity{} for precomputed features); a call without one does
 ///             not compile
 template <class Acc = void, class DQ, class DK, class DV, class Map = detail::MissingFeatureMap,

@@ -661,14 +661,6 @@ class ChunkedKernel {
     }
   }
 
-  /// Non-causal attention: every query sees the sums over all keys. The kernel must be built
-  /// with decay 1 (the non-causal form has none).
-  void non_causal(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out) {
-    LINATTN_ASSERT(!has_decay() && src.gate_dim() == 0);
-    absorb(src, state);
-    attend_fixed(src, state, out);
-  }
-
  private:
   bool has_decay() const { return options_.decay != 1.0; }
 

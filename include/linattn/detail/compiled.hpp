@@ -18,13 +18,14 @@
   X(double, Eigen::bfloat16)
 
 /// The explicit instantiations of one pair; `prefix` is `extern template` or `template`.
-#define LINATTN_KERNEL_INSTANCES(prefix, T, O)                                   \
-  prefix void linattn::detail::causal_rows<T, O>(                                \
-      const linattn::detail::ChunkSource<T>&, linattn::detail::CarriedState<T>&, \
-      linattn::detail::OutRows<O>, const linattn::Options&, int);                \
-  prefix void linattn::detail::non_causal_rows<T, O>(                            \
-      const linattn::detail::ChunkSource<T>&, linattn::detail::CarriedState<T>&, \
-      linattn::detail::OutRows<O>, const linattn::Options&, int);
+#define LINATTN_KERNEL_INSTANCES(prefix, T, O)                                                 \
+  prefix void linattn::detail::causal_rows<T, O>(                                              \
+      const linattn::detail::ChunkSource<T>&, linattn::detail::CarriedState<T>&,               \
+      linattn::detail::OutRows<O>, const linattn::Options&, int);                              \
+  prefix void linattn::detail::non_causal_rows<T, O>(                                          \
+      const linattn::detail::ChunkSource<T>&, const linattn::detail::ChunkSource<T>&,          \
+      linattn::detail::CarriedState<T>&, linattn::detail::OutRows<O>, const linattn::Options&, \
+      int);
 
 #ifdef LINATTN_COMPILED
 #define LINATTN_DECLARE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(extern template, T, O)

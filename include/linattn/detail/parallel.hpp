@@ -178,36 +178,47 @@ void causal_rows(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> o
   kernel.causal(src, state, out);
 }
 
-/// Non-causal attention over `src` into `out` (state from empty): the sums split across
-/// threads by segment and added, then the outputs split the same way.
+/// Non-causal attention (state from empty): the sums over every key of `keys` (split across
+/// threads by segment and added), then every query of `queries` against them into `out`
+/// (split the same way). One source for both is self-attention; two, of N_k and N_q rows,
+/// cross-attention.
 template <class T, class O>
-void non_causal_rows(const ChunkSource<T>& src, CarriedState<T>& state, OutRows<O> out,
-                     const Options& options, int threads) {
-  const Eigen::Index n = src.rows();
+void non_causal_rows(const ChunkSource<T>& keys, const ChunkSource<T>& queries,
+                     CarriedState<T>& state, OutRows<O> out, const Options& options, int threads) {
   Options tuned = options;
   tuned.decay = 1.0;
   // The non-causal sums are plain GEMMs, which like longer panels than the causal chunk.
   tuned.chunk = std::max<Eigen::Index>(options.chunk, 256);
-  const int usable = static_cast<int>(std::min<Eigen::Index>(threads, n / kMinRowsPerThread));
-  if (usable < 2) {
-    ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), n, tuned);
-    kernel.non_causal(src, state, out);
-    return;
+  const Eigen::Index c = state.s.rows(), dv = state.s.cols();
+  auto bounds_of = [&](Eigen::Index n) {
+    const int usable = static_cast<int>(
+        std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, n / kMinRowsPerThread)));
+    std::vector<Eigen::Index> bounds(usable + 1);
+    for (int t = 0; t <= usable; ++t) bounds[t] = n * t / usable;
+    return bounds;
+  };
+  const std::vector<Eigen::Index> key_bounds = bounds_of(keys.rows());
+  const int key_parts = static_cast<int>(key_bounds.size()) - 1;
+  if (key_parts == 1) {
+    ChunkedKernel<T, O> kernel(c, dv, keys.rows(), tuned);
+    kernel.absorb(keys, state);
+  } else {
+    std::vector<CarriedState<T>> sums(key_parts, CarriedState<T>(c, dv));
+    parallel_for(key_parts, key_parts, [&](Eigen::Index t) {
+      const Eigen::Index len = key_bounds[t + 1] - key_bounds[t];
+      const RowRange<T> range(keys, key_bounds[t], len);
+      ChunkedKernel<T, O> kernel(c, dv, len, tuned);
+      kernel.absorb(range, sums[t]);
+    });
+    for (int t = 0; t < key_parts; ++t) append_segment(state, sums[t], 0.0);
   }
-  std::vector<Eigen::Index> bounds(usable + 1);
-  for (int t = 0; t <= usable; ++t) bounds[t] = n * t / usable;
-  std::vector<CarriedState<T>> sums(usable, CarriedState<T>(state.s.rows(), state.s.cols()));
-  parallel_for(usable, usable, [&](Eigen::Index t) {
-    const RowRange<T> range(src, bounds[t], bounds[t + 1] - bounds[t]);
-    ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), bounds[t + 1] - bounds[t], tuned);
-    kernel.absorb(range, sums[t]);
-  });
-  for (int t = 0; t < usable; ++t) append_segment(state, sums[t], 0.0);
-  parallel_for(usable, usable, [&](Eigen::Index t) {
-    const RowRange<T> range(src, bounds[t], bounds[t + 1] - bounds[t]);
-    ChunkedKernel<T, O> kernel(state.s.rows(), state.s.cols(), bounds[t + 1] - bounds[t], tuned);
-    kernel.attend_fixed(range, state,
-                        OutRows<O>(out.middleRows(bounds[t], bounds[t + 1] - bounds[t])));
+  const std::vector<Eigen::Index> query_bounds = bounds_of(queries.rows());
+  const int query_parts = static_cast<int>(query_bounds.size()) - 1;
+  parallel_for(query_parts, query_parts, [&](Eigen::Index t) {
+    const Eigen::Index len = query_bounds[t + 1] - query_bounds[t];
+    const RowRange<T> range(queries, query_bounds[t], len);
+    ChunkedKernel<T, O> kernel(c, dv, len, tuned);
+    kernel.attend_fixed(range, state, OutRows<O>(out.middleRows(query_bounds[t], len)));
   });
 }
 
@@ -224,7 +235,15 @@ template <class T, class OutRef>
 void run_non_causal(const ChunkSource<T>& src, CarriedState<T>& state, OutRef&& out,
                     const Options& options, int threads) {
   using O = typename std::decay_t<OutRef>::Scalar;
-  non_causal_rows<T, O>(src, state, OutRows<O>(out), options, threads);
+  non_causal_rows<T, O>(src, src, state, OutRows<O>(out), options, threads);
+}
+
+/// Cross-attention: non_causal_rows with keys and values from `keys`, queries from `queries`.
+template <class T, class OutRef>
+void run_cross(const ChunkSource<T>& keys, const ChunkSource<T>& queries, CarriedState<T>& state,
+               OutRef&& out, const Options& options, int threads) {
+  using O = typename std::decay_t<OutRef>::Scalar;
+  non_causal_rows<T, O>(keys, queries, state, OutRows<O>(out), options, threads);
 }
 
 }  // namespace linattn::detail

@@ -167,6 +167,26 @@ void validate_sequence_shapes(const Eigen::MatrixBase<DQ>& q, const Eigen::Matri
   }
 }
 
+/// Shape checks of non-causal attention, whose queries and keys may differ in number
+/// (cross-attention): q N_q x Dk, k N_k x Dk and v N_k x Dv.
+template <class DQ, class DK, class DV>
+void validate_cross_shapes(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                           const Eigen::MatrixBase<DV>& v, const Options& options,
+                           const char* where, const char* q_name, const char* k_name) {
+  validate_options(options, where);
+  require_nonempty(q, where, q_name);
+  require_nonempty(k, where, k_name);
+  require_nonempty(v, where, "v");
+  if (k.cols() != q.cols()) {
+    throw Error(std::string(where) + ": " + k_name + " is " + shape_string(k) + " but " + q_name +
+                " is " + shape_string(q) + "; they need the same number of columns (features)");
+  }
+  if (v.rows() != k.rows()) {
+    throw Error(std::string(where) + ": v is " + shape_string(v) + " but " + k_name + " is " +
+                shape_string(k) + "; they need the same number of rows (keys)");
+  }
+}
+
 /// validate_sequence_shapes, then (with check_finite) a scan of all three inputs.
 template <class DQ, class DK, class DV>
 void validate_sequence(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
