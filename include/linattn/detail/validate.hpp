@@ -146,27 +146,6 @@ void require_finite(const Eigen::MatrixBase<Derived>& m, const char* where, cons
   }
 }
 
-/// Shape checks shared by every sequence routine: q, k (N x Dq, N x Dk) and v (N x Dv).
-/// `qk_name` is "phi_q"/"phi_k" for featurized inputs and "q"/"k" for raw ones. The linear
-/// routines then scan for NaN and Inf with require_finite_parallel.
-template <class DQ, class DK, class DV>
-void validate_sequence_shapes(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                              const Eigen::MatrixBase<DV>& v, const Options& options,
-                              const char* where, const char* q_name, const char* k_name) {
-  validate_options(options, where);
-  require_nonempty(q, where, q_name);
-  require_nonempty(k, where, k_name);
-  require_nonempty(v, where, "v");
-  if (k.rows() != q.rows() || k.cols() != q.cols()) {
-    throw Error(std::string(where) + ": " + k_name + " is " + shape_string(k) + " but " + q_name +
-                " is " + shape_string(q) + "; both must have the same shape");
-  }
-  if (v.rows() != q.rows()) {
-    throw Error(std::string(where) + ": v is " + shape_string(v) + " but " + q_name + " is " +
-                shape_string(q) + "; they need the same number of rows (tokens)");
-  }
-}
-
 /// Shape checks of non-causal attention, whose queries and keys may differ in number
 /// (cross-attention): q N_q x Dk, k N_k x Dk and v N_k x Dv.
 template <class DQ, class DK, class DV>
@@ -185,6 +164,22 @@ void validate_cross_shapes(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBa
     throw Error(std::string(where) + ": v is " + shape_string(v) + " but " + k_name + " is " +
                 shape_string(k) + "; they need the same number of rows (keys)");
   }
+}
+
+/// Shape checks shared by every sequence routine: q, k (N x Dq, N x Dk) and v (N x Dv), the
+/// cross-attention checks with one N. `qk_name` is "phi_q"/"phi_k" for featurized inputs and
+/// "q"/"k" for raw ones. The linear routines then scan for NaN and Inf with
+/// require_finite_parallel.
+template <class DQ, class DK, class DV>
+void validate_sequence_shapes(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                              const Eigen::MatrixBase<DV>& v, const Options& options,
+                              const char* where, const char* q_name, const char* k_name) {
+  // Queries and keys first, so a short k is named as such, not through v.
+  if (k.rows() != q.rows()) {
+    throw Error(std::string(where) + ": " + k_name + " is " + shape_string(k) + " but " + q_name +
+                " is " + shape_string(q) + "; both must have the same shape");
+  }
+  validate_cross_shapes(q, k, v, options, where, q_name, k_name);
 }
 
 /// validate_sequence_shapes, then (with check_finite) a scan of all three inputs.
