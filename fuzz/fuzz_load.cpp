@@ -1,19 +1,21 @@
 // SPDX-License-Identifier: MIT
 // libFuzzer target: RecurrentState<T, Acc>::load_unchecked and load(is, map, options) for
-// <float>, <double> and <float, double> on arbitrary bytes (format 1 of linattn 0.1.0 and
-// format 2). Properties checked:
+// <float>, <double> and <float, double> on arbitrary bytes (format 1 of linattn 0.1.0,
+// format 2 and format 3). Properties checked:
 //   * only linattn::Error may escape either load (anything else reaches libFuzzer as a
 //     crash), and a load that throws leaves no object behind;
 //   * load_unchecked that succeeds consumed exactly the bytes of one state: re-saving it
 //     (save(os), no map) reproduces the consumed input byte for byte outside the map record
-//     (format 2), or loads back to the same sums and options (format 1);
+//     (format 3; a format-2 input is compared without the transition byte save adds), or
+//     loads back to the same sums and options (format 1);
 //   * load(is, map, options) never accepts what load_unchecked refuses, and when it succeeds
 //     the state equals load_unchecked's but for the caller's options, and save(os, map)
 //     reproduces the input but for the fields that only say how W was drawn (seed,
 //     projection, row_norm: not compared); it is tried with the maps of the seed corpus, a
 //     map rebuilt from the record itself, and both the file's options and the defaults;
-//   * a loaded state is usable: one step and a short prefill either work or throw
-//     linattn::Error leaving the state as it was, and the state then saves and loads again.
+//   * a loaded state is usable: a step, a gated step and a short prefill either work or throw
+//     linattn::Error leaving the state as it was (a state keeps its transition kind, so some
+//     must throw), and the state then saves and loads again.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -50,11 +52,29 @@ struct FingerprintedFeatures : TwiceFeatures {
   std::uint64_t fingerprint() const { return 0x1234567890abcdefull; }
 };
 
-// Format-2 offsets (recurrent_state.hpp documents the layout).
+// Format-3 offsets (recurrent_state.hpp documents the layout); format 2 is the same without
+// the transition byte at kTransitionAt.
 constexpr std::size_t kVersionAt = 8;
-constexpr std::size_t kMapAt = 57, kMapEnd = 101;
+constexpr std::size_t kMapAt = 57, kMapEnd = 101, kTransitionAt = 101;
 constexpr std::size_t kProjectionAt = 58, kRowNormAt = 59, kSeedAt = 85, kSeedEnd = 93;
-constexpr std::size_t kHeaderV1 = 74, kHeaderV2 = 117;
+constexpr std::size_t kHeaderV1 = 74, kHeaderV2 = 117, kHeaderV3 = 118;
+
+/// The format version of `input` (0 when it is too short to say, or not 1 to 3).
+int version_of(const std::string& input) {
+  if (input.size() <= kVersionAt) return 0;
+  const int version = static_cast<unsigned char>(input[kVersionAt]);
+  return version >= 1 && version <= 3 ? version : 0;
+}
+
+/// `saved` (format 3, as save writes it) in the layout of an input of format `version`: for
+/// format 2, without the transition byte and with version 2 (the checksum is left stale).
+std::string in_layout_of(std::string saved, int version) {
+  if (version == 2 && saved.size() > kTransitionAt) {
+    saved.erase(kTransitionAt, 1);
+    saved[kVersionAt] = 2;
+  }
+  return saved;
+}
 
 template <class T, class Acc>
 std::string save_bytes(const linattn::RecurrentState<T, Acc>& state) {
@@ -105,6 +125,16 @@ void exercise(linattn::RecurrentState<T, Acc>& state, std::size_t size) {
     if (save_bytes(state) != before) fail("a step that threw changed the state", size);
   }
   before = save_bytes(state);
+  const bool continues = state.transition() == linattn::TransitionKind::none ||
+                         state.transition() == linattn::TransitionKind::feature_gates;
+  try {
+    const linattn::Vector<T> gate = linattn::Vector<T>::Constant(c, T(0.5));
+    (void)state.step(phi, phi, v, gate, linattn::Identity{});
+    if (!continues) fail("a gated step continued a state of another transition", size);
+  } catch (const linattn::Error&) {
+    if (save_bytes(state) != before) fail("a gated step that threw changed the state", size);
+  }
+  before = save_bytes(state);
   try {
     const linattn::Matrix<T> x = linattn::Matrix<T>::Constant(3, c, T(0.25));
     const linattn::Matrix<T> vs = linattn::Matrix<T>::Constant(3, dv, T(2));
@@ -122,7 +152,10 @@ void exercise(linattn::RecurrentState<T, Acc>& state, std::size_t size) {
   try {
     const auto again =
         linattn::RecurrentState<T, Acc>::load(is, linattn::EluPlusOne{}, state.options());
-    if (!same_sums(again, state)) fail("a saved and loaded state differs from the original", size);
+    // Bytes, not s(): save folds per-feature gates' pending factors into the sums it writes.
+    if (save_bytes(again, linattn::EluPlusOne{}) != bytes) {
+      fail("a saved and loaded state differs from the original", size);
+    }
   } catch (const linattn::Error&) {
     if (finite) fail("a state with finite S, z and log scale saved, then failed to load", size);
   }
@@ -143,8 +176,9 @@ void try_checked(const std::string& input, const Map& map, const linattn::Option
     return;
   }
   if (!unchecked) fail("load(is, map, options) accepted what load_unchecked refuses", input.size());
-  if (input.size() <= kVersionAt || input[kVersionAt] != 2) {
-    fail("load(is, map, options) accepted a stream that is not format 2", input.size());
+  const int version = version_of(input);
+  if (version != 2 && version != 3) {
+    fail("load(is, map, options) accepted a stream that is not format 2 or 3", input.size());
   }
   if (!same_sums(*state, *unchecked)) fail("checked and unchecked loads differ", input.size());
   if (!same_result_options(state->options(), unchecked->options())) {
@@ -156,7 +190,8 @@ void try_checked(const std::string& input, const Map& map, const linattn::Option
     fail("the checked load did not give the state the caller's options", input.size());
   }
   // save(os, map) writes the same record but for how W was drawn (not compared on load).
-  std::string again = save_bytes(*state, map);
+  const std::string saved = save_bytes(*state, map);
+  std::string again = in_layout_of(saved, version);
   if (again.size() > input.size()) fail("re-saving wrote more than the input", input.size());
   std::string expected = input.substr(0, again.size());
   for (std::size_t at : {kProjectionAt, kRowNormAt}) expected[at] = again[at];
@@ -164,7 +199,7 @@ void try_checked(const std::string& input, const Map& map, const linattn::Option
   if (!same_range(again, expected, 0, again.size() - 4)) {
     fail("save(os, map) after load(is, map, options) does not reproduce the input", input.size());
   }
-  std::istringstream reread(again);
+  std::istringstream reread(saved);
   if (!same_sums(State::load(reread, map, options), *state)) {
     fail("save(os, map) -> load(is, map, options) changed the state", input.size());
   }
@@ -173,7 +208,7 @@ void try_checked(const std::string& input, const Map& map, const linattn::Option
 /// A random-feature map rebuilt from a format-2 record, when it names one of a modest size.
 template <class Map>
 std::optional<Map> map_from_record(const std::string& input) {
-  if (input.size() < kMapEnd || input[kVersionAt] != 2) return std::nullopt;
+  if (input.size() < kMapEnd || version_of(input) < 2) return std::nullopt;
   const auto u64_at = [&](std::size_t at) {
     std::uint64_t value = 0;
     for (int i = 0; i < 8; ++i) {
@@ -230,26 +265,28 @@ void try_load(const std::string& input) {
     const std::streamoff consumed = is.tellg();
     const std::size_t payload =
         sizeof(Acc) * static_cast<std::size_t>(state->s().size() + state->z().size());
-    const bool v2 = input[kVersionAt] == 2;
-    if (consumed < 0 ||
-        static_cast<std::size_t>(consumed) != (v2 ? kHeaderV2 : kHeaderV1) + payload + 4) {
+    const int version = version_of(input);
+    const std::size_t header = version == 3 ? kHeaderV3 : version == 2 ? kHeaderV2 : kHeaderV1;
+    if (consumed < 0 || static_cast<std::size_t>(consumed) != header + payload + 4) {
       fail("load_unchecked consumed a different number of bytes than one state", input.size());
     }
-    const std::string again = save_bytes(*state);
-    if (v2) {
+    const std::string saved = save_bytes(*state);
+    const std::string again = in_layout_of(saved, version);
+    if (version >= 2) {
       // save(os) writes the no-map record; everything else must be the input's bytes.
       if (again.size() != static_cast<std::size_t>(consumed) ||
           !same_range(again, input, 0, kMapAt) ||
           !same_range(again, input, kMapEnd, again.size() - 4)) {
         fail("re-saving a loaded state does not reproduce the input bytes", input.size());
       }
-      if (input[kMapAt] == 0 && !same_range(again, input, 0, again.size())) {
+      if (version == 3 && input[kMapAt] == 0 && !same_range(again, input, 0, again.size())) {
         fail("re-saving a state saved without a map changed its bytes", input.size());
       }
     }
-    std::istringstream reread(again);
+    std::istringstream reread(saved);
     const State loaded = State::load_unchecked(reread);
-    if (!same_sums(loaded, *state) || !same_result_options(loaded.options(), state->options())) {
+    if (!same_sums(loaded, *state) || !same_result_options(loaded.options(), state->options()) ||
+        loaded.transition() != state->transition()) {
       fail("save -> load_unchecked changed the state", input.size());
     }
   }

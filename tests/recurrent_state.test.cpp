@@ -317,9 +317,9 @@ TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persist
   }
   {
     std::string future = bytes;
-    future[8] = 3;  // the format version follows the 8 magic bytes
+    future[8] = 4;  // the format version follows the 8 magic bytes
     std::istringstream in(future);
-    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in), Contains("format version 3"));
+    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in), Contains("format version 4"));
   }
   {
     std::istringstream in(bytes);
@@ -348,8 +348,8 @@ TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persist
   {
     // A token count near INT64_MAX (with a valid checksum) would overflow on the next step.
     std::string huge_count = bytes;
-    for (int i = 101; i < 109; ++i) huge_count[i] = static_cast<char>(0xFF);  // format 2
-    huge_count[108] = 0x7F;
+    for (int i = 102; i < 110; ++i) huge_count[i] = static_cast<char>(0xFF);  // format 3
+    huge_count[109] = 0x7F;
     linattn::detail::Crc32 crc;
     crc.update(reinterpret_cast<const unsigned char*>(huge_count.data()), huge_count.size() - 4);
     for (int i = 0; i < 4; ++i) {
@@ -641,7 +641,7 @@ TEMPLATE_TEST_CASE("save(os, map) and load(is, map, options) round-trip every ki
     INFO("map " << name);
     RecurrentState<T> original = stepped<T>(map, dk, dv, n, options, 300);
     const std::string bytes = saved_bytes(original, map);
-    CHECK(bytes.size() == 117 + (original.s().size() + original.z().size()) * sizeof(T) + 4);
+    CHECK(bytes.size() == 118 + (original.s().size() + original.z().size()) * sizeof(T) + 4);
     linattn::Options server = options;
     server.chunk = 7;  // not recorded: the loaded state takes the server's
     server.check_finite = false;
@@ -821,14 +821,14 @@ TEMPLATE_TEST_CASE("save(os, map) refuses a map that does not fit the state, wri
   CHECK_NOTHROW(state.save(os, ScaledFeatures{}));  // a user map's C is not known
 }
 
-TEMPLATE_TEST_CASE("format 2: the layout, and records save could not have written",
+TEMPLATE_TEST_CASE("format 3: the layout, and records save could not have written",
                    "[recurrent_state][persistence][errors]", float, double) {
   using T = TestType;
   const Eigen::Index dk = 3, c = 6, dv = 2;
   const linattn::PositiveRandomFeatures map(dk, c, 11);
   const RecurrentState<T> state = stepped<T>(map, dk, dv, 5, linattn::Options{}, 340);
   const std::string bytes = saved_bytes(state, map);
-  REQUIRE(bytes.size() == 117 + (c * dv + c) * sizeof(T) + 4);
+  REQUIRE(bytes.size() == 118 + (c * dv + c) * sizeof(T) + 4);
   const auto u64_at = [&](std::size_t at) {
     std::uint64_t value = 0;
     for (int i = 0; i < 8; ++i) {
@@ -837,7 +837,7 @@ TEMPLATE_TEST_CASE("format 2: the layout, and records save could not have writte
     return value;
   };
   CHECK(bytes.substr(0, 8) == std::string("LNATTNS\0", 8));
-  CHECK(bytes[8] == 2);
+  CHECK(bytes[8] == 3);
   CHECK(bytes[12] == static_cast<char>(sizeof(T)));
   CHECK(u64_at(16) == static_cast<std::uint64_t>(c));
   CHECK(u64_at(24) == static_cast<std::uint64_t>(dv));
@@ -847,7 +847,8 @@ TEMPLATE_TEST_CASE("format 2: the layout, and records save could not have writte
   CHECK(u64_at(69) == static_cast<std::uint64_t>(c));
   CHECK(u64_at(85) == 11);  // seed
   CHECK(u64_at(93) == linattn::detail::projection_hash(map.projection()));
-  CHECK(u64_at(101) == 5);  // tokens
+  CHECK(bytes[101] == 1);   // TransitionKind::decay
+  CHECK(u64_at(102) == 5);  // tokens
 
   // The hash: FNV-1a 64 of rows, cols and the entries' bits, all little-endian (known answers
   // computed independently).
@@ -879,7 +880,10 @@ TEMPLATE_TEST_CASE("format 2: the layout, and records save could not have writte
   CHECK_THAT(edited(69, 7), Contains("PositiveRandomFeatures giving 7 features on a state of 6"));
   CHECK_THAT(edited(84, 0xFF), Contains("temperature that is not positive and finite"));
   CHECK_THAT(edited(48, 2), Contains("invalid normalize byte 2"));
-  CHECK(edited(60, 0).empty());  // hyperbolic off as saved: the untouched record loads
+  CHECK_THAT(edited(101, 4), Contains("invalid transition record: unknown kind 4"));
+  CHECK(edited(101, 0).empty());  // none: not known (a format-2 state saved again), loads
+  CHECK(edited(101, 2).empty());  // scalar gates: a state of that kind loads
+  CHECK(edited(60, 0).empty());   // hyperbolic off as saved: the untouched record loads
   // Fields that Identity and user maps do not have.
   const RecurrentState<T> plain = stepped<T>(linattn::Identity{}, 2, dv, 2, {}, 341);
   for (const bool user : {false, true}) {
@@ -890,6 +894,111 @@ TEMPLATE_TEST_CASE("format 2: the layout, and records save could not have writte
     CHECK_THROWS_WITH(
         RecurrentState<T>::load_unchecked(in),
         Contains(user ? "an input_dim on a user map without fingerprint()" : "a hash on Identity"));
+  }
+}
+
+TEMPLATE_TEST_CASE("a state keeps the transition it is moved by, through save and load",
+                   "[recurrent_state][persistence][errors]", float, double) {
+  using T = TestType;
+  using linattn::TransitionKind;
+  const Eigen::Index c = 4, dv = 3, n = 6;
+  const Matrix<T> q = gaussian<T>(n, c, 361, 0.5).cwiseAbs(),
+                  k = gaussian<T>(n, c, 362, 0.5).cwiseAbs();
+  const Matrix<T> v = gaussian<T>(n, dv, 363);
+  const Matrix<T> scalar = Matrix<T>::Constant(n, 1, T(0.9));
+  const Matrix<T> feature = Matrix<T>::Constant(n, c, T(0.8));
+  const linattn::Identity id;
+  // Every call of each kind on `state`: the one that continues it works, the others throw
+  // naming both kinds and leave the saved bytes as they were.
+  const auto only_kind = [&](RecurrentState<T>& state, TransitionKind kind) {
+    const std::string before = saved_bytes(state, id);
+    const auto refused = [&](const auto& call, const char* gives) {
+      INFO("the state is moved by " << linattn::detail::transition_name(kind) << ", the call gives "
+                                    << gives);
+      CHECK_THROWS_WITH(call(), Contains(linattn::detail::transition_name(kind)) &&
+                                    Contains(std::string("this call gives ") + gives));
+      CHECK(saved_bytes(state, id) == before);
+    };
+    const auto step_decay = [&] { (void)state.step(q.row(0), k.row(0), v.row(0), id); };
+    const auto prefill_decay = [&] { (void)state.prefill(q, k, v, id); };
+    const auto step_scalar = [&] { (void)state.step(q.row(0), k.row(0), v.row(0), T(0.9), id); };
+    const auto prefill_scalar = [&] { (void)state.prefill(q, k, v, scalar, id); };
+    const auto step_feature = [&] {
+      (void)state.step(q.row(0), k.row(0), v.row(0), feature.row(0), id);
+    };
+    const auto prefill_feature = [&] { (void)state.prefill(q, k, v, feature, id); };
+    if (kind != TransitionKind::decay) {
+      refused(step_decay, "Options::decay");
+      refused(prefill_decay, "Options::decay");
+    }
+    if (kind != TransitionKind::scalar_gates) {
+      refused(step_scalar, "scalar gates");
+      refused(prefill_scalar, "scalar gates");
+    }
+    if (kind != TransitionKind::feature_gates) {
+      refused(step_feature, "per-feature gates");
+      refused(prefill_feature, "per-feature gates");
+    }
+    CHECK(state.transition() == kind);
+  };
+  for (const TransitionKind kind :
+       {TransitionKind::decay, TransitionKind::scalar_gates, TransitionKind::feature_gates}) {
+    INFO("kind " << static_cast<int>(kind));
+    RecurrentState<T> state(c, dv);
+    CHECK(state.transition() == TransitionKind::none);
+    if (kind == TransitionKind::decay) (void)state.prefill(q, k, v, id);
+    if (kind == TransitionKind::scalar_gates)
+      (void)state.step(q.row(0), k.row(0), v.row(0), T(0.5), id);
+    if (kind == TransitionKind::feature_gates) (void)state.prefill(q, k, v, feature, id);
+    only_kind(state, kind);
+    // Saved and loaded (checked and unchecked), it keeps its kind and still refuses the others.
+    std::stringstream stream;
+    state.save(stream, id);
+    RecurrentState<T> loaded = RecurrentState<T>::load(stream, id, {});
+    only_kind(loaded, kind);
+    std::istringstream again(saved_bytes(state, id));
+    RecurrentState<T> unchecked = RecurrentState<T>::load_unchecked(again);
+    only_kind(unchecked, kind);
+    // reset() forgets it.
+    state.reset();
+    CHECK(state.transition() == TransitionKind::none);
+  }
+  // from_sums starts with no kind (FLA's initial_state carries none): the first call sets it.
+  RecurrentState<T> given =
+      RecurrentState<T>::from_sums(Matrix<T>::Ones(c, dv), Vector<T>::Ones(c));
+  CHECK(given.transition() == TransitionKind::none);
+  (void)given.prefill(q, k, v, scalar, id);
+  only_kind(given, TransitionKind::scalar_gates);
+  // A decayed state is of kind decay: gates throw there for the decay itself.
+  linattn::Options decayed;
+  decayed.decay = 0.9;
+  RecurrentState<T> retention(c, dv, decayed);
+  (void)retention.step(q.row(0), k.row(0), v.row(0), id);
+  CHECK(retention.transition() == TransitionKind::decay);
+}
+
+TEMPLATE_TEST_CASE("format 2 (0.2.0 before the transition byte) still loads",
+                   "[recurrent_state][persistence]", float, double) {
+  using T = TestType;
+  using linattn::TransitionKind;
+  const linattn::EluPlusOne map;
+  for (const double decay : {1.0, 0.9}) {
+    linattn::Options options;
+    options.decay = decay;
+    const RecurrentState<T> state = stepped<T>(map, 3, 2, 7, options, 370);
+    // Format 2 is format 3 without the byte at offset 101, version 2.
+    std::string v2 = saved_bytes(state, map);
+    v2.erase(101, 1);
+    v2[8] = 2;
+    v2 = with_checksum(v2);
+    std::istringstream in(v2);
+    const RecurrentState<T> loaded = RecurrentState<T>::load(in, map, options);
+    CHECK(loaded.s() == state.s());
+    CHECK(loaded.z() == state.z());
+    CHECK(loaded.tokens() == 7);
+    // Format 2 did not record gates: without a decay the kind is left to the next call.
+    CHECK(loaded.transition() == (decay == 1.0 ? TransitionKind::none : TransitionKind::decay));
+    CHECK(static_cast<std::size_t>(in.tellg()) == v2.size());
   }
 }
 
@@ -931,6 +1040,7 @@ TEST_CASE("format-1 golden files of linattn 0.1.0 load with their exact sums",
     CHECK(state.s() == s);
     CHECK(state.z() == z);
     CHECK(state.tokens() == 3);
+    CHECK(state.transition() == linattn::TransitionKind::decay);  // 0.1.0 had no gated state
     CHECK(state.log_scale() == 0.0);
     CHECK(state.options().eps == 1e-5);
     CHECK(state.options().decay == 0.5);
@@ -959,7 +1069,7 @@ TEST_CASE("format-1 golden files of linattn 0.1.0 load with their exact sums",
     std::istringstream fourth(bytes);
     const std::string upgraded =
         saved_bytes(RecurrentState<double>::load_unchecked(fourth), linattn::Identity{});
-    CHECK(upgraded[8] == 2);
+    CHECK(upgraded[8] == 3);
     CHECK(load_error<double>(upgraded, linattn::Identity{}, state.options()).empty());
   }
   {

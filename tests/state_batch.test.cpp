@@ -684,3 +684,46 @@ TEMPLATE_TEST_CASE("a gated batch step or prefill that throws moves no state",
                                        linattn::Identity{}, out),
                     Contains("Options::decay must be 1"));
 }
+
+TEMPLATE_TEST_CASE("a batch step or prefill with another transition than a state's moves no state",
+                   "[state_batch][gated][errors]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  using linattn::TransitionKind;
+  const Eigen::Index count = 4, c = kDk, n = 6;
+  RecurrentStateBatch<T> batch(count, c, kDv);
+  const Matrix<T> q = inputs<T>(Kind::featurized, count, 11),
+                  k = inputs<T>(Kind::featurized, count, 12);
+  const Matrix<T> v = gaussian<T>(count, kDv, 13);
+  Matrix<T> out(count, kDv);
+  // State 2 alone has seen per-feature gates (a session loaded from a GLA server, say).
+  (void)batch[2].step(q.row(2), k.row(2), v.row(2), Vector<T>::Constant(c, T(0.7)),
+                      linattn::Identity{});
+  REQUIRE(batch[2].transition() == TransitionKind::feature_gates);
+  const std::vector<RecurrentState<T>> before = snapshot(batch);
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::Identity{}, out),
+                    Contains("state 2 is moved by per-feature gates but this call gives "
+                             "Options::decay"));
+  CHECK_THROWS_WITH(
+      batch.step_into(q, k, v, Matrix<T>::Constant(count, 1, T(0.5)), linattn::Identity{}, out),
+      Contains("state 2 is moved by per-feature gates but this call gives scalar"));
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::EluPlusOne{}, out), Contains("state 2"));
+  std::vector<T> qd(static_cast<std::size_t>(count * n * c), T(0.5)), kd(qd);
+  std::vector<T> vd(static_cast<std::size_t>(count * n * kDv), T(1)), od(vd);
+  const linattn::HeadShape shape{1, count, n, c};
+  CHECK_THROWS_WITH(
+      batch.prefill_into(HeadsView<const T>::bhnd(qd.data(), shape),
+                         HeadsView<const T>::bhnd(kd.data(), shape),
+                         HeadsView<const T>::bhnd(vd.data(), {1, count, n, kDv}),
+                         linattn::Identity{}, HeadsView<T>::bhnd(od.data(), {1, count, n, kDv})),
+      Contains("state 2 is moved by per-feature gates"));
+  CHECK(states_moved(batch, before) == 0);
+  // Per-feature gates continue it, and set the kind of the other states.
+  batch.step_into(q, k, v, Matrix<T>::Constant(count, c, T(0.9)), linattn::Identity{}, out);
+  for (Eigen::Index i = 0; i < count; ++i) {
+    CHECK(batch[i].transition() == TransitionKind::feature_gates);
+  }
+  batch.reset();
+  batch.step_into(q, k, v, linattn::Identity{}, out);
+  CHECK(batch[0].transition() == TransitionKind::decay);
+}

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <linattn/config.hpp>
 #include <linattn/detail/validate.hpp>
@@ -35,6 +36,17 @@ LogGates<Derived> log_gates(const Eigen::MatrixBase<Derived>& g) {
   return LogGates<Derived>(g.derived());
 }
 
+/// What moves a RecurrentState from token to token. A state keeps the first kind it is moved
+/// with (and saves it): a step or prefill with another kind throws, since mixing them is a
+/// model's bug (a GLA state stepped without its gates) that would compute silently wrong
+/// numbers. reset() forgets it.
+enum class TransitionKind : std::uint8_t {
+  none = 0,           ///< not known yet (new, reset, from_sums, format 2): the next call sets it
+  decay = 1,          ///< Options::decay, 1 for plain linear attention
+  scalar_gates = 2,   ///< one gate per token (Mamba-2, simple GLA)
+  feature_gates = 3,  ///< one gate per token and feature (GLA, RWKV-6)
+};
+
 namespace detail {
 
 /// How a gate argument is read: a plain Eigen expression holds a_t, LogGates holds log a_t.
@@ -60,6 +72,40 @@ struct gate_traits<LogGates<Derived>,
   using Values = Derived;
   static const Derived& values(const LogGates<Derived>& gates) { return gates.values(); }
 };
+
+/// The kind of a sequence's transition from its gates' width (0: no gates, Options::decay).
+inline TransitionKind transition_of_gate_dim(Eigen::Index gate_dim) {
+  if (gate_dim == 0) return TransitionKind::decay;
+  return gate_dim == 1 ? TransitionKind::scalar_gates : TransitionKind::feature_gates;
+}
+
+/// How messages name a transition kind.
+inline const char* transition_name(TransitionKind kind) {
+  switch (kind) {
+    case TransitionKind::decay:
+      return "Options::decay (no gates)";
+    case TransitionKind::scalar_gates:
+      return "scalar gates";
+    case TransitionKind::feature_gates:
+      return "per-feature gates";
+    default:
+      return "no transition yet";
+  }
+}
+
+/// True when a state moved by `had` can continue with `kind`: had is none or kind.
+inline bool continues_transition(TransitionKind had, TransitionKind kind) {
+  return had == TransitionKind::none || had == kind;
+}
+
+/// The error for a call whose transition `kind` does not continue `had`; `state` names the
+/// state in the message ("the state", "state 3").
+inline Error transition_mismatch(TransitionKind had, TransitionKind kind, const char* where,
+                                 const std::string& state) {
+  return Error(std::string(where) + ": " + state + " is moved by " + transition_name(had) +
+               " but this call gives " + transition_name(kind) +
+               "; a state keeps one transition (reset() it to start another)");
+}
 
 /// The scalar type of a gate argument's entries.
 template <class G>

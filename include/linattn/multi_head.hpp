@@ -256,6 +256,14 @@ inline constexpr bool is_head_gates = false;
 template <class S, bool LogSpace>
 inline constexpr bool is_head_gates<HeadGates<S, LogSpace>> = true;
 
+/// The TransitionKind a multi-head transition gives each head's state.
+inline TransitionKind transition_kind(const UniformDecay&) { return TransitionKind::decay; }
+inline TransitionKind transition_kind(const HeadDecays&) { return TransitionKind::decay; }
+template <class S, bool LogSpace>
+TransitionKind transition_kind(const HeadGates<S, LogSpace>& gates) {
+  return transition_of_gate_dim(gates.view.dim());
+}
+
 /// How a multi-head transition argument is read: HeadDecays, a gate view, or log_gates(view).
 template <class G, class Scalar>
 struct head_transition {

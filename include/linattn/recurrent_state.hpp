@@ -137,6 +137,7 @@ class RecurrentState {
     if constexpr (detail::check_feature_map<Map, Acc>()) {
       load_gate(gate, where);
       const GateScope scope(*this);
+      require_transition(token_transition(), where);
       if constexpr (detail::is_identity_map<Map>) {
         load_token(q, k, v, out, where, "phi_q", "phi_k");
         advance(0.0, 0.0, true, out);
@@ -165,6 +166,7 @@ class RecurrentState {
     constexpr const char* where = "RecurrentState::step";
     check_scalars<DQ, DK, DV>();
     if constexpr (detail::check_feature_map<Map, Acc>()) {
+      require_transition(TransitionKind::decay, where);
       if constexpr (detail::is_identity_map<Map>) {
         load_token(q, k, v, out, where, "phi_q", "phi_k");
         advance(0.0, 0.0, !state_.unscaled(), out);
@@ -305,6 +307,10 @@ class RecurrentState {
   const Eigen::Array<double, Eigen::Dynamic, 1>& row_log_scale() const { return state_.row_log; }
   /// Tokens added since construction or reset.
   std::int64_t tokens() const { return tokens_; }
+  /// What has moved the state since construction or reset: none before its first token (or
+  /// when a format-2 file did not say); save and load keep it. A step or prefill with another
+  /// kind throws.
+  TransitionKind transition() const { return transition_; }
   /// C, rows of S.
   Eigen::Index feature_dim() const { return state_.s.rows(); }
   /// Dv, columns of S.
@@ -320,6 +326,7 @@ class RecurrentState {
     state_.row_log.setZero();
     state_.rows_pending = false;
     tokens_ = 0;
+    transition_ = TransitionKind::none;
   }
 
   /// A state holding the caller's sums, as if the tokens that made them had been added (FLA's
@@ -373,11 +380,11 @@ class RecurrentState {
   /// save(os, map).
   void save(std::ostream& os) const { write(os, detail::MapFingerprint{}); }
 
-  /// Writes the state (format 2: dims, eps, decay, normalize, scale, a fingerprint of `map`,
-  /// the token count, log scale, S and z) little-endian with a CRC-32; load(is, map, options)
-  /// reads it back bit for bit and checks both. The fingerprint names the map's kind
-  /// (Identity, EluPlusOne, Relu, PositiveRandomFeatures, RandomFourierFeatures, or a user
-  /// map), its input and feature counts, and for the random maps their settings and an FNV-1a
+  /// Writes the state (format 3: dims, eps, decay, normalize, scale, a fingerprint of `map`,
+  /// the transition kind, the token count, log scale, S and z) little-endian with a CRC-32;
+  /// load(is, map, options) reads it back bit for bit and checks both. The fingerprint names the
+  /// map's kind (Identity, EluPlusOne, Relu, PositiveRandomFeatures, RandomFourierFeatures, or a
+  /// user map), its input and feature counts, and for the random maps their settings and an FNV-1a
   /// hash of W; a user map can add `std::uint64_t fingerprint() const`, a hash of its own
   /// settings, which is then recorded and compared. Throws Error, writing nothing, if the map
   /// gives another number of features than the state holds, and if the stream fails.
@@ -435,13 +442,13 @@ class RecurrentState {
     }
   }
 
-  /// Reads a state written by save (format 2, or format 1 of linattn 0.1.0) checking nothing
+  /// Reads a state written by save (format 3, 2, or 1 of linattn 0.1.0) checking nothing
   /// against the caller: the state gets the options it was saved with (eps, decay, normalize,
   /// scale; format 1 also chunk and check_finite; the rest default), and nothing about the map
   /// is checked. For tools that inspect or convert files; a server loads with
   /// load(is, map, options). Throws Error, and returns nothing, for an empty, failed,
   /// truncated or corrupt stream, a wrong magic, format version or scalar type, dims over
-  /// 2^26 entries, invalid options or map record, or non-finite sums.
+  /// 2^26 entries, invalid options, map or transition record, or non-finite sums.
   /// @param is  binary stream positioned at a saved state; read up to its last byte
   static RecurrentState load_unchecked(std::istream& is) {
     const Stored stored = read_stored(is, "RecurrentState::load_unchecked");
@@ -470,7 +477,7 @@ class RecurrentState {
 
  private:
   static constexpr char kMagic[8] = {'L', 'N', 'A', 'T', 'T', 'N', 'S', '\0'};
-  static constexpr std::uint32_t kFormatVersion = 2;
+  static constexpr std::uint32_t kFormatVersion = 3;
   /// Dims past this many entries are refused by load.
   static constexpr std::uint64_t kMaxEntries = std::uint64_t{1} << 26;
 
@@ -480,6 +487,7 @@ class RecurrentState {
     /// eps, decay, normalize, scale; format 1 also chunk and check_finite; the rest default.
     Options options;
     detail::MapFingerprint map;  ///< kind unknown for format 1
+    TransitionKind transition = TransitionKind::none;
     std::int64_t tokens = 0;
     double log_scale = 0.0;
     std::uint64_t feature_dim = 0, value_dim = 0;
@@ -490,13 +498,16 @@ class RecurrentState {
     return static_cast<Eigen::Index>(stored.feature_dim);
   }
 
-  /// Format 2, in this order (little-endian; offsets in bytes):
-  ///   0 magic "LNATTNS\0" (8) | 8 version u32 = 2 | 12 sizeof(Acc) u32 | 16 C u64 | 24 Dv u64
+  /// Format 3, in this order (little-endian; offsets in bytes):
+  ///   0 magic "LNATTNS\0" (8) | 8 version u32 = 3 | 12 sizeof(Acc) u32 | 16 C u64 | 24 Dv u64
   ///   32 eps f64 | 40 decay f64 | 48 normalize u8 | 49 scale f64
   ///   57 map record (44, detail::MapFingerprint): kind u8, projection u8, row_norm u8,
   ///      hyperbolic u8, input_dim u64, num_features u64, temperature f64, seed u64, hash u64
-  ///   101 tokens i64 | 109 log scale f64 | 117 S (C x Dv, row-major, Acc) | z (C, Acc)
-  ///   CRC-32 u32 of every byte before it.
+  ///   101 transition u8 (TransitionKind) | 102 tokens i64 | 110 log scale f64
+  ///   118 S (C x Dv, row-major, Acc) | z (C, Acc) | CRC-32 u32 of every byte before it.
+  /// Format 2 (linattn 0.2.0 before gates were recorded) is format 3 without the transition
+  /// byte; it loads with the kind Options::decay when decay != 1, else none (set by the next
+  /// call).
   /// Format 1 (0.1.0) had, after Dv: eps f64, decay f64, normalize u8, check_finite u8,
   /// chunk u64, tokens i64, log scale f64, S, z, CRC-32 (no scale, no map record).
   void write(std::ostream& os, const detail::MapFingerprint& print) const {
@@ -511,9 +522,10 @@ class RecurrentState {
     out.put<std::uint8_t>(options_.normalize ? 1 : 0);
     out.put<double>(detail::options_scale(options_));
     detail::write_fingerprint(out, print);
+    out.put<std::uint8_t>(static_cast<std::uint8_t>(transition_));
     out.put<std::int64_t>(tokens_);
     out.put<double>(state_.log_scale);
-    // Pending per-feature gate factors are applied to the written sums (format 2 has no field).
+    // Pending per-feature gate factors are applied to the written sums (the format has no field).
     detail::CarriedState<Acc> folded(0, 0);
     if (state_.rows_pending) {
       folded = state_;
@@ -529,7 +541,7 @@ class RecurrentState {
     if (!os) throw Error("RecurrentState::save: the stream failed while writing");
   }
 
-  /// Reads and verifies a stream of format 1 or 2; allocates no more than about twice the
+  /// Reads and verifies a stream of format 1, 2 or 3; allocates no more than about twice the
   /// bytes the stream really holds (a hostile header cannot force a huge allocation).
   static Stored read_stored(std::istream& is, const char* where) {
     detail::LittleEndianReader in(is, where);
@@ -540,7 +552,7 @@ class RecurrentState {
     }
     Stored stored;
     stored.version = in.get<std::uint32_t>("the format version");
-    if (stored.version != 1 && stored.version != kFormatVersion) {
+    if (stored.version < 1 || stored.version > kFormatVersion) {
       throw Error(std::string(where) + ": format version " + std::to_string(stored.version) +
                   ", this build reads versions 1 to " + std::to_string(kFormatVersion));
     }
@@ -574,6 +586,8 @@ class RecurrentState {
       scale = in.get<double>("scale");
       stored.map = detail::read_fingerprint(in);
     }
+    std::uint8_t transition = 0;
+    if (stored.version >= 3) transition = in.get<std::uint8_t>("the transition kind");
     stored.tokens = in.get<std::int64_t>("the token count");
     stored.log_scale = in.get<double>("the log scale");
     const std::uint64_t s_entries = feature_dim * value_dim;
@@ -588,7 +602,7 @@ class RecurrentState {
     }
     detail::validate_options(options, where);
     if (normalize > 1) {
-      // Format 2 is canonical (one byte value per setting): equal states save equal bytes.
+      // The format is canonical (one byte value per setting): equal states save equal bytes.
       throw Error(std::string(where) + ": invalid normalize byte " + std::to_string(normalize));
     }
     if (!(std::isfinite(scale) && scale > 0.0) || !detail::set_options_scale(options, scale)) {
@@ -602,10 +616,31 @@ class RecurrentState {
         stored.log_scale == std::numeric_limits<double>::infinity()) {
       throw Error(std::string(where) + ": invalid token count or log scale");
     }
+    stored.transition = read_transition(stored, transition, where);
     for (const Acc x : stored.payload) {
       if (!std::isfinite(x)) throw Error(std::string(where) + ": S or z holds a non-finite value");
     }
     return stored;
+  }
+
+  /// The transition kind a verified stream records: format 3's byte, or for older formats what
+  /// they imply (format 1 had no gates; format 2 did not record them).
+  static TransitionKind read_transition(const Stored& stored, std::uint8_t byte,
+                                        const char* where) {
+    const bool decays = stored.options.decay != 1.0;
+    if (stored.version == 1)
+      return stored.tokens > 0 ? TransitionKind::decay : TransitionKind::none;
+    if (stored.version == 2) return decays ? TransitionKind::decay : TransitionKind::none;
+    const std::string head = std::string(where) + ": invalid transition record: ";
+    if (byte > static_cast<std::uint8_t>(TransitionKind::feature_gates)) {
+      throw Error(head + "unknown kind " + std::to_string(byte));
+    }
+    const auto kind = static_cast<TransitionKind>(byte);
+    if (decays && kind != TransitionKind::decay && kind != TransitionKind::none) {
+      throw Error(head + detail::transition_name(kind) + " on a state with decay " +
+                  detail::format_double(stored.options.decay));
+    }
+    return kind;
   }
 
   /// Throws Error naming the first result-changing option that differs from the saved one.
@@ -641,6 +676,7 @@ class RecurrentState {
     state.state_.s = Eigen::Map<const Matrix<Acc>>(stored.payload.data(), c, dv);
     state.state_.z = Eigen::Map<const Vector<Acc>>(stored.payload.data() + c * dv, c);
     state.tokens_ = stored.tokens;
+    state.transition_ = stored.transition;
     state.state_.log_scale = stored.log_scale;
     return state;
   }
@@ -841,6 +877,7 @@ class RecurrentState {
     Acc den(0);
     detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, state_.z.data(), &den);
     ++tokens_;
+    transition_ = token_transition();
     // out holds the numerator; normalising it in place is coefficient-wise.
     detail::write_output_row(out, den, log_factor + detail::output_log_scale(options_), options_,
                              out);
@@ -889,6 +926,25 @@ class RecurrentState {
     token_gate_ = TokenGate::feature;
   }
 
+  /// The kind of the token being stepped.
+  TransitionKind token_transition() const {
+    switch (token_gate_) {
+      case TokenGate::scalar:
+        return TransitionKind::scalar_gates;
+      case TokenGate::feature:
+        return TransitionKind::feature_gates;
+      default:
+        return TransitionKind::decay;
+    }
+  }
+
+  /// Throws unless `kind` continues the state: the state has no kind yet, or the same one.
+  void require_transition(TransitionKind kind, const char* where) const {
+    if (!detail::continues_transition(transition_, kind)) {
+      throw detail::transition_mismatch(transition_, kind, where, "the state");
+    }
+  }
+
   /// Puts the transition back to Options::decay when a gated step ends, thrown or not.
   class GateScope {
    public:
@@ -920,6 +976,8 @@ class RecurrentState {
 
   template <class OutRef>
   void run_chunked(const detail::ChunkSource<Acc>& source, OutRef&& out, int threads = 0) {
+    const TransitionKind kind = detail::transition_of_gate_dim(source.gate_dim());
+    require_transition(kind, "RecurrentState::prefill");
     require_token_room(source.rows(), "RecurrentState::prefill");
     // Work on a copy so a throw from a feature map leaves the state as it was.
     detail::CarriedState<Acc> next = state_;
@@ -928,11 +986,13 @@ class RecurrentState {
     detail::run_causal(source, next, out, options_, usable);
     state_ = std::move(next);
     tokens_ += source.rows();
+    if (source.rows() > 0) transition_ = kind;
   }
 
   detail::CarriedState<Acc> state_;
   Options options_;
   std::int64_t tokens_ = 0;
+  TransitionKind transition_ = TransitionKind::none;  ///< what has moved the state
   Vector<Acc> query_, key_, value_;
   Vector<Acc> raw_q_, raw_k_;  ///< Dk: a mapped step's token in Acc, sized by the first one
   double token_log_q_ = 0.0, token_log_k_ = 0.0;              ///< its features' log scales

@@ -101,6 +101,7 @@ class RecurrentStateBatch {
       constexpr bool features = detail::is_identity_map<Map>;
       check_rows(q, k, v, out, features ? feature_dim() : q.cols(), where, features ? "phi_q" : "q",
                  features ? "phi_k" : "k");
+      require_transitions(TransitionKind::decay, where);
       if constexpr (detail::is_identity_map<Map>) {
         for_each_state([&](Eigen::Index i) {
           states_[i].step_into(q.row(i), k.row(i), v.row(i), map, out.row(i).transpose());
@@ -142,6 +143,8 @@ class RecurrentStateBatch {
       detail::validate_gates(gates, size(), feature_dim(), options(), where);
       require_unit_decays(where);
       const bool per_feature = detail::gate_traits<Gates>::values(gates).cols() > 1;
+      require_transitions(
+          per_feature ? TransitionKind::feature_gates : TransitionKind::scalar_gates, where);
       if constexpr (!features) {
         // Every state featurizes its token (which can throw) before any state advances.
         for_each_state([&](Eigen::Index i) {
@@ -264,6 +267,17 @@ class RecurrentStateBatch {
     }
   }
 
+  /// Throws unless every state continues with `kind` (see RecurrentState::transition()),
+  /// before any state moves.
+  void require_transitions(TransitionKind kind, const char* where) const {
+    for (std::size_t i = 0; i < states_.size(); ++i) {
+      const TransitionKind had = states_[i].transition();
+      if (!detail::continues_transition(had, kind)) {
+        throw detail::transition_mismatch(had, kind, where, "state " + std::to_string(i));
+      }
+    }
+  }
+
   /// body(i) for every state, the states split in equal blocks across the threads.
   template <class Body>
   void for_each_state(const Body& body) {
@@ -314,6 +328,7 @@ class RecurrentStateBatch {
                                 options(), where);
     require_uniform_states(where);
     if constexpr (!std::is_same_v<Transition, detail::UniformDecay>) require_unit_decays(where);
+    require_transitions(detail::transition_kind(transition), where);
     for (const State& state : states_) state.require_token_room(q.tokens(), where);
     detail::scan_transition(transition, detail::resolve_threads(options()), where);
     detail::scan_heads(q, k, v, options(), where, q_name, k_name);

@@ -96,7 +96,7 @@ inline const char* map_kind_name(MapKind kind) {
   return "?";
 }
 
-/// The map record of format 2 (44 bytes, in this order): kind, projection, row_norm,
+/// The map record of formats 2 and 3 (44 bytes, in this order): kind, projection, row_norm,
 /// hyperbolic (one byte each), input_dim, num_features (uint64), temperature (double), seed,
 /// hash (uint64). Fields a kind does not have are 0.
 struct MapFingerprint {

@@ -131,7 +131,7 @@ class LittleEndianReader {
 };
 
 /// Options::scale where Options has one (DESIGN.md lists it), 1 (its meaning: no scaling)
-/// where it does not yet: format 2 always records a scale, so adding the member later changes
+/// where it does not yet: formats 2 and 3 always record a scale, so adding the member later changes
 /// no stream.
 template <class O, class = void>
 struct has_scale_member : std::false_type {};
