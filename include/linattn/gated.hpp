@@ -7,6 +7,7 @@
 
 #include <linattn/backward.hpp>
 #include <linattn/config.hpp>
+#include <linattn/detail/bonus.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
@@ -66,7 +67,80 @@ void gated_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   }
 }
 
+/// The bonus form over the gated kernel: out_t reads the state after token t - 1, which is
+/// the gated kernel's row t - 1 given q_t (queries one row ahead of the keys, values and
+/// gates); row 0 reads the empty state; then every row adds its bonus term.
+template <class Acc, class DQ, class DK, class DV, class Gates, class DU, class Map>
+void bonus_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                     const Eigen::MatrixBase<DV>& v, const BonusGates<Gates, DU>& gates,
+                     const Map& map, Eigen::Ref<Matrix<typename DQ::Scalar>> out,
+                     const Options& options, const char* where) {
+  using Scalar = typename DQ::Scalar;
+  using T = accumulator_t<Acc, Scalar>;
+  static_assert(std::is_same_v<gate_scalar_t<Gates>, Scalar>,
+                "the gates must have the inputs' scalar type");
+  if constexpr (check_feature_map<Map, T>()) {
+    require_plain_features<Map>();
+    constexpr bool features = is_identity_map<Map>;
+    validate_sequence_shapes(q, k, v, options, where, features ? "phi_q" : "q",
+                             features ? "phi_k" : "k");
+    require_output_shape(out, q.rows(), v.cols(), where);
+    const Eigen::Index c = features ? q.cols() : map.feature_dim(q.cols());
+    validate_gates(gates.gates(), q.rows(), c, options, where);
+    validate_bonus(gates.bonus(), c, options, where);
+    scan_inputs(q, k, v, options, where, features ? "phi_q" : "q", features ? "phi_k" : "k");
+    const Eigen::Index n = q.rows();
+    if (n == 0) return;
+    out.row(0).setZero();
+    if (n > 1) {
+      with_gate_block(gates.gates(), 0, n - 1, [&](const auto& ahead) {
+        gated_attention<Acc>(q.bottomRows(n - 1), k.topRows(n - 1), v.topRows(n - 1), ahead, map,
+                             out.bottomRows(n - 1), options, where);
+      });
+    }
+    add_bonus<T>(q, k, v, gates.bonus(), map, options, out, where);
+  }
+}
+
 }  // namespace detail
+
+/// Gated causal linear attention with RWKV-6's bonus u (made by with_bonus(gates, u)), into
+/// `out`: out_t = s phi(q_t)^T (S_{t-1} + diag(u) phi(k_t) v_t^T), S_t = diag(a_t) S_{t-1} +
+/// phi(k_t) v_t^T: FLA's chunk_rwkv6 with r = q and w = log a_t (pass log_gates(w)). The state
+/// before the token is the gated kernel's, so this runs at its speed.
+/// @param q        N x Dk receptances (queries; features, with Identity)
+/// @param k        N x Dk keys
+/// @param v        N x Dv values
+/// @param gates    with_bonus(gates, u): gates N x 1 or N x C (a_t, or log_gates(w)), u C
+/// @param map      a plain feature map (Identity{} for precomputed features)
+/// @param out      N x Dv result, row-major (may not alias the inputs)
+/// @param options  normalize must be false; scale, chunk, check_finite, threads; decay 1
+template <class Acc = void, class DQ, class DK, class DV, class Gates, class DU, class Map>
+void causal_gated_linear_attention_into(const Eigen::MatrixBase<DQ>& q,
+                                        const Eigen::MatrixBase<DK>& k,
+                                        const Eigen::MatrixBase<DV>& v,
+                                        const BonusGates<Gates, DU>& gates, const Map& map,
+                                        Eigen::Ref<Matrix<typename DQ::Scalar>> out,
+                                        const Options& options = {}) {
+  detail::bonus_attention<Acc>(q, k, v, gates, map, out, options, "causal_gated_linear_attention");
+}
+
+/// Gated causal linear attention with RWKV-6's bonus u; returns N x Dv. See the _into form.
+/// @param q        N x Dk receptances (queries)
+/// @param k        N x Dk keys
+/// @param v        N x Dv values
+/// @param gates    with_bonus(gates, u)
+/// @param map      a plain feature map (Identity{} for precomputed features)
+/// @param options  normalize must be false
+template <class Acc = void, class DQ, class DK, class DV, class Gates, class DU,
+          class Map = detail::MissingFeatureMap>
+Matrix<typename DQ::Scalar> causal_gated_linear_attention(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const BonusGates<Gates, DU>& gates, const Map& map = {}, const Options& options = {}) {
+  Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  detail::bonus_attention<Acc>(q, k, v, gates, map, out, options, "causal_gated_linear_attention");
+  return out;
+}
 
 /// Gated causal linear attention, chunked (parallel) form, into `out`:
 ///     S_t = diag(a_t) S_{t-1} + phi(k_t) v_t^T,   z_t = a_t o z_{t-1} + phi(k_t)

@@ -47,6 +47,32 @@ enum class TransitionKind : std::uint8_t {
   feature_gates = 3,  ///< one gate per token and feature (GLA, RWKV-6)
 };
 
+/// Gates with RWKV-6's bonus u (C weights): each output reads the state before its token, and
+/// the token itself through u,
+///     out_t = s phi(q_t)^T (S_{t-1} + diag(u) phi(k_t) v_t^T),   S_t = diag(a_t) S_{t-1} +
+///     phi(k_t) v_t^T
+/// as FLA's chunk_rwkv6 / fused_recurrent_rwkv6 compute it (with w = log a_t as log_gates(w)).
+/// Made by with_bonus(gates, u). No normaliser (Options::normalize = false) and plain features
+/// (Identity, EluPlusOne, Relu, a user map without scaled features). A call-argument wrapper
+/// that refers to u (and to gates given as a matrix), so pass it straight to the call.
+template <class Gates, class DU>
+class BonusGates {
+  static constexpr bool is_matrix = std::is_base_of_v<Eigen::MatrixBase<Gates>, Gates>;
+
+ public:
+  /// @param gates  N x 1 or N x C gates: a_t in (0, 1], or log_gates(g)
+  /// @param u      C bonus weights (a row or column vector)
+  BonusGates(const Gates& gates, const DU& u) : gates_(gates), u_(u) {}
+  /// The gates.
+  const Gates& gates() const { return gates_; }
+  /// The bonus weights u.
+  const DU& bonus() const { return u_; }
+
+ private:
+  std::conditional_t<is_matrix, const Gates&, Gates> gates_;  ///< log_gates(g) is held by value
+  const DU& u_;
+};
+
 namespace detail {
 
 /// How a gate argument is read: a plain Eigen expression holds a_t, LogGates holds log a_t.
@@ -207,6 +233,30 @@ void with_gate_row(const G& gates, Eigen::Index i, const Body& body) {
   }
 }
 
+/// body(block) with rows [begin, begin + len) of a gate argument, in its own form.
+template <class G, class Body>
+void with_gate_block(const G& gates, Eigen::Index begin, Eigen::Index len, const Body& body) {
+  using Traits = gate_traits<G>;
+  const auto block = Traits::values(gates).middleRows(begin, len);
+  if constexpr (Traits::log_space) {
+    body(LogGates<std::decay_t<decltype(block)>>(block));
+  } else {
+    body(block);
+  }
+}
+
+/// Throws unless RWKV-6's bonus u fits: C finite weights, and no normaliser (the bonus form
+/// reads the state before the token; FLA's has no z).
+template <class DU>
+void validate_bonus(const Eigen::MatrixBase<DU>& u, Eigen::Index features, const Options& options,
+                    const char* where) {
+  if (options.normalize) {
+    throw Error(std::string(where) +
+                ": the bonus u (RWKV-6) has no normaliser: set Options::normalize = false");
+  }
+  require_finite_vector(u, features, where, "u");
+}
+
 /// Log gates of a chunk in double, rows x (1 or C).
 using LogRows = Eigen::Array<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
@@ -266,4 +316,18 @@ class GateMatrix final : public GateRows {
 };
 
 }  // namespace detail
+/// Gates (a_t, or log_gates(g)) with RWKV-6's bonus u, for causal_gated_linear_attention and
+/// RecurrentState's step and prefill: causal_gated_linear_attention(r, k, v,
+/// linattn::with_bonus(linattn::log_gates(w), u), linattn::Identity{}, options).
+/// @param gates  N x 1 or N x C gates: a_t in (0, 1], or log_gates(g)
+/// @param u      C bonus weights, a row or column vector of the inputs' scalar
+template <class Gates, class DU>
+BonusGates<Gates, DU> with_bonus(const Gates& gates, const Eigen::MatrixBase<DU>& u) {
+  static_assert(detail::gate_traits<Gates>::is_gate,
+                "with_bonus takes gates: a_t as an Eigen expression, or log_gates(g)");
+  static_assert(std::is_same_v<typename DU::Scalar, detail::gate_scalar_t<Gates>>,
+                "the bonus u must have the gates' scalar type");
+  return BonusGates<Gates, DU>(gates, u.derived());
+}
+
 }  // namespace linattn

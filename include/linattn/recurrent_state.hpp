@@ -9,6 +9,7 @@
 #include <istream>
 #include <limits>
 #include <linattn/config.hpp>
+#include <linattn/detail/bonus.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/convert.hpp>
 #include <linattn/detail/fingerprint.hpp>
@@ -176,6 +177,51 @@ class RecurrentState {
     }
   }
 
+  /// Adds one token with RWKV-6's bonus u (with_bonus(gate, u)) and returns its output, read
+  /// before the token moves the state: out = s phi(q)^T (S + diag(u) phi(k) v^T), then
+  /// S <- diag(a) S + phi(k) v^T. Options::normalize must be false, the map plain. Two passes
+  /// over S; allocates only the returned vector once the first such step sized the workspace.
+  /// @param q     Dk query (receptance; features, with Identity)
+  /// @param k     Dk key
+  /// @param v     Dv value
+  /// @param gate  with_bonus(gate, u): 1 or C gates (a, or log_gates(w)) and C weights u
+  /// @param map   a plain feature map (Identity{} for precomputed features)
+  /// @return      Dv output
+  template <class DQ, class DK, class DV, class Gate, class DU,
+            class Map = detail::MissingFeatureMap>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const BonusGates<Gate, DU>& gate,
+                 const Map& map = {}) {
+    Vector<T> out(value_dim());
+    step_into(q, k, v, gate, map, out);
+    return out;
+  }
+
+  /// As the bonus step, writing into `out` (Dv). On a throw the state is unchanged.
+  template <class DQ, class DK, class DV, class Gate, class DU, class Map>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const BonusGates<Gate, DU>& gate, const Map& map,
+                 Eigen::Ref<Vector<T>> out) {
+    constexpr const char* where = "RecurrentState::step";
+    check_scalars<DQ, DK, DV>();
+    static_assert(std::is_same_v<detail::gate_scalar_t<Gate>, T>,
+                  "the gate must have the state's input scalar type");
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      detail::require_plain_features<Map>();
+      detail::validate_bonus(gate.bonus(), feature_dim(), options_, where);
+      load_gate(gate.gates(), where);
+      const GateScope scope(*this);
+      require_transition(token_transition(), where);
+      load_any_token(q, k, v, map, out, where);
+      const Acc weight = bonus_weight(gate.bonus());
+      read_before();
+      if (discarded_.size() != value_dim()) discarded_.resize(value_dim());
+      advance_in_accumulator(0.0, 0.0, true, discarded_);
+      prior_ = static_cast<Acc>(options_.scale) * (prior_ + weight * value_);
+      write_token_output(prior_, out);
+    }
+  }
+
   /// Catches the map-less call of 0.1.0, step_into(phi_q, phi_k, v, out).
   template <class DQ, class DK, class DV, class DO>
   void step_into(const Eigen::MatrixBase<DQ>&, const Eigen::MatrixBase<DK>&,
@@ -256,6 +302,73 @@ class RecurrentState {
         source.attach_gates(gate_rows);
         run_chunked(source, out);
       }
+    }
+  }
+
+  /// Adds many tokens with RWKV-6's bonus u (with_bonus(gates, u)) through the chunked form;
+  /// returns their outputs, as the bonus step gives them. On a throw the state is unchanged.
+  /// @param q      N x Dk receptances (queries; features, with Identity)
+  /// @param k      N x Dk keys
+  /// @param v      N x Dv values
+  /// @param gates  with_bonus(gates, u): N x 1 or N x C gates (a_t, or log_gates(w)), C weights
+  /// @param map    a plain feature map (Identity{} for precomputed features)
+  /// @return       N x Dv outputs
+  template <class DQ, class DK, class DV, class Gates, class DU,
+            class Map = detail::MissingFeatureMap>
+  Matrix<T> prefill(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const BonusGates<Gates, DU>& gates,
+                    const Map& map = {}) {
+    Matrix<T> out(q.rows(), value_dim());
+    prefill_into(q, k, v, gates, map, out);
+    return out;
+  }
+
+  /// As the bonus prefill, writing into `out` (N x Dv, row-major). Row 0 reads the state as
+  /// it stands; rows 1.. are the gated prefill's with queries one row ahead (each reads the
+  /// state after the token before); the last token then only moves the state.
+  template <class DQ, class DK, class DV, class Gates, class DU, class Map>
+  void prefill_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const BonusGates<Gates, DU>& gates,
+                    const Map& map, Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "RecurrentState::prefill";
+    check_scalars<DQ, DK, DV>();
+    static_assert(std::is_same_v<detail::gate_scalar_t<Gates>, T>,
+                  "the gates must have the state's input scalar type");
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      detail::require_plain_features<Map>();
+      constexpr bool features = detail::is_identity_map<Map>;
+      const char* q_name = features ? "phi_q" : "q";
+      const char* k_name = features ? "phi_k" : "k";
+      detail::validate_sequence_shapes(q, k, v, options_, where, q_name, k_name);
+      check_dims(features ? q.cols() : map.feature_dim(q.cols()), v.cols(), where,
+                 features ? "phi_q" : "phi(q)");
+      detail::validate_gates(gates.gates(), q.rows(), feature_dim(), options_, where);
+      detail::validate_bonus(gates.bonus(), feature_dim(), options_, where);
+      detail::require_output_shape(out, q.rows(), value_dim(), where);
+      detail::scan_inputs(q, k, v, options_, where, q_name, k_name);
+      const Eigen::Index n = q.rows();
+      if (n == 0) return;
+      using GateTraits = detail::gate_traits<Gates>;
+      require_transition(detail::transition_of_gate_dim(GateTraits::values(gates.gates()).cols()),
+                         where);
+      require_token_room(n, where);
+      RecurrentState next = *this;
+      next.load_any_token(q.row(0), k.row(0), v.row(0), map, out.row(0).transpose(), where);
+      next.read_before();
+      next.prior_ *= static_cast<Acc>(options_.scale);
+      write_token_output(next.prior_, out.row(0).transpose());
+      if (n > 1) {
+        detail::with_gate_block(gates.gates(), 0, n - 1, [&](const auto& ahead) {
+          next.prefill_into(q.bottomRows(n - 1), k.topRows(n - 1), v.topRows(n - 1), ahead, map,
+                            out.bottomRows(n - 1));
+        });
+      }
+      Vector<T> discarded(value_dim());
+      detail::with_gate_row(gates.gates(), n - 1, [&](const auto& gate) {
+        next.step_into(q.row(n - 1), k.row(n - 1), v.row(n - 1), gate, map, discarded);
+      });
+      detail::add_bonus<Acc>(q, k, v, gates.bonus(), map, options_, out, where);
+      *this = std::move(next);
     }
   }
 
@@ -926,6 +1039,51 @@ class RecurrentState {
     token_gate_ = TokenGate::feature;
   }
 
+  /// One token into the step workspace: features as given (Identity) or through `map`, and v.
+  template <class DQ, class DK, class DV, class Map>
+  void load_any_token(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                      const Eigen::MatrixBase<DV>& v, const Map& map, Eigen::Ref<Vector<T>> out,
+                      const char* where) {
+    if constexpr (detail::is_identity_map<Map>) {
+      load_token(q, k, v, out, where, "phi_q", "phi_k");
+    } else {
+      featurize_token(q, k, v, map, out.size(), where);
+      detail::load_vector(v, value_);
+    }
+  }
+
+  /// prior_ = S^T phi(q) for the query in the workspace, the state as it stands (no scale).
+  void read_before() {
+    if (prior_.size() != value_dim()) prior_.resize(value_dim());
+    prior_.setZero();
+    if (state_.empty()) return;
+    for (Eigen::Index c = 0; c < feature_dim(); ++c) {
+      const Acc f = query_(c) * detail::exp_as<Acc>(state_.log_scale + state_.row_log(c));
+      if (f != Acc(0)) prior_.noalias() += f * state_.s.row(c).transpose();
+    }
+  }
+
+  /// (phi(q) o u) . phi(k) for the token in the workspace.
+  template <class DU>
+  Acc bonus_weight(const Eigen::MatrixBase<DU>& u) const {
+    Acc weight(0);
+    for (Eigen::Index c = 0; c < feature_dim(); ++c) {
+      weight += query_(c) * static_cast<Acc>(u.reshaped()(c)) * key_(c);
+    }
+    return weight;
+  }
+
+  /// out = src, rounded to T.
+  static void write_token_output(const Vector<Acc>& src, Eigen::Ref<Vector<T>> out) {
+    if constexpr (std::is_same_v<T, Acc>) {
+      out = src;
+    } else if constexpr (detail::is_half_scalar<T>) {
+      detail::convert(src.data(), out.data(), src.size());
+    } else {
+      out = src.template cast<T>();
+    }
+  }
+
   /// The kind of the token being stepped.
   TransitionKind token_transition() const {
     switch (token_gate_) {
@@ -995,8 +1153,9 @@ class RecurrentState {
   TransitionKind transition_ = TransitionKind::none;  ///< what has moved the state
   Vector<Acc> query_, key_, value_;
   Vector<Acc> raw_q_, raw_k_;  ///< Dk: a mapped step's token in Acc, sized by the first one
-  double token_log_q_ = 0.0, token_log_k_ = 0.0;              ///< its features' log scales
-  Vector<Acc> output_;                                        ///< Dv; used when Acc differs from T
+  double token_log_q_ = 0.0, token_log_k_ = 0.0;  ///< its features' log scales
+  Vector<Acc> output_;                            ///< Dv; used when Acc differs from T
+  Vector<Acc> prior_, discarded_;  ///< Dv: a bonus step's readout before the token, the other
   TokenGate token_gate_ = TokenGate::decay;                   ///< the stepped token's transition
   double token_log_gate_ = 0.0;                               ///< its scalar log gate
   Eigen::Array<double, Eigen::Dynamic, 1> feature_log_gate_;  ///< C: its per-feature log gates

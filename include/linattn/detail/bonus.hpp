@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: MIT
+// RWKV-6's bonus term, s (phi(q_t) o u) . phi(k_t) v_t, added to outputs chunk by chunk: the
+// part of the bonus form (gates.hpp, BonusGates) that the gated kernel does not compute.
+#pragma once
+
+#include <algorithm>
+#include <linattn/config.hpp>
+#include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
+#include <string>
+
+namespace linattn::detail {
+
+/// Compiles only for maps whose features come plain: the bonus form reads the state before
+/// the token, which a per-token log scale would have to carry through.
+template <class Map>
+constexpr void require_plain_features() {
+  static_assert(!is_log_scaled<Map>::value,
+                "RWKV-6's bonus u takes plain features: Identity, EluPlusOne, Relu or a user map "
+                "without scaled_features");
+}
+
+/// out += s (phi(q_t) o u) . phi(k_t) v_t for every row: the bonus term of RWKV-6, chunk by
+/// chunk in the accumulation type T (plain features only).
+template <class T, class DQ, class DK, class DV, class DU, class Map>
+void add_bonus(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+               const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DU>& u, const Map& map,
+               const Options& options, Eigen::Ref<Matrix<typename DQ::Scalar>> out,
+               const char* where) {
+  using Scalar = typename DQ::Scalar;
+  const Eigen::Index n = q.rows(), c = u.size(), block = 64;
+  const Eigen::Array<T, 1, Eigen::Dynamic> weights = u.reshaped().transpose().template cast<T>();
+  const T scale = static_cast<T>(options.scale);
+  Matrix<T> phi_q(block, c), phi_k(block, c), x;
+  Vector<T> coefficient(block);
+  for (Eigen::Index begin = 0; begin < n; begin += block) {
+    const Eigen::Index len = std::min(block, n - begin);
+    if constexpr (is_identity_map<Map>) {
+      phi_q.topRows(len) = q.middleRows(begin, len).template cast<T>();
+      phi_k.topRows(len) = k.middleRows(begin, len).template cast<T>();
+    } else {
+      x = q.middleRows(begin, len).template cast<T>();
+      map_queries_into(map, x, phi_q.topRows(len));
+      x = k.middleRows(begin, len).template cast<T>();
+      map_keys_into(map, x, phi_k.topRows(len));
+      if (options.check_finite &&
+          !(phi_q.topRows(len).allFinite() && phi_k.topRows(len).allFinite())) {
+        throw Error(std::string(where) + ": the feature map gave a non-finite feature");
+      }
+    }
+    coefficient.head(len) = scale *
+                            (phi_q.topRows(len).array() * phi_k.topRows(len).array()).matrix() *
+                            weights.matrix().transpose();
+    for (Eigen::Index r = 0; r < len; ++r) {
+      const Eigen::Index row = begin + r;
+      out.row(row) =
+          (out.row(row).template cast<T>() + coefficient(r) * v.row(row).template cast<T>())
+              .template cast<Scalar>();
+    }
+  }
+}
+
+}  // namespace linattn::detail
