@@ -487,3 +487,202 @@ TEMPLATE_TEST_CASE("gates: RetNet's multi-scale decays and MiniMax's lambda_h (c
     }
   }
 }
+
+namespace {
+
+/// FLA's naive_recurrent_rwkv6 in double, token by token in its own order: the output reads
+/// the state before the token plus the token through u, then the state decays and takes it:
+/// o_t = (s r_t)^T (h + diag(u) k_t v_t^T), h <- diag(exp(w_t)) h + k_t v_t^T. Returns the
+/// outputs; `h` enters as the initial state and leaves as the final one.
+Matrix<double> naive_rwkv6(const Matrix<double>& r, const Matrix<double>& k,
+                           const Matrix<double>& v, const Matrix<double>& w,
+                           const Eigen::VectorXd& u, double scale, Matrix<double>& h) {
+  Matrix<double> out(r.rows(), v.cols());
+  for (Eigen::Index t = 0; t < r.rows(); ++t) {
+    const Matrix<double> kv = k.row(t).transpose() * v.row(t);
+    out.row(t) = (scale * r.row(t)) * (h + u.asDiagonal() * kv);
+    for (Eigen::Index i = 0; i < h.rows(); ++i) h.row(i) *= std::exp(w(t, w.cols() == 1 ? 0 : i));
+    h += kv;
+  }
+  return out;
+}
+
+/// The true S of a state (s() carries pending factors).
+template <class T>
+Matrix<double> true_sums(const linattn::RecurrentState<T>& state) {
+  Matrix<double> s = state.s().template cast<double>();
+  for (Eigen::Index c = 0; c < s.rows(); ++c) {
+    s.row(c) *= std::exp(state.log_scale() + state.row_log_scale()(c));
+  }
+  return s;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("gates: RWKV-6's bonus u, as FLA's naive_recurrent_rwkv6 computes it",
+                   "[gates][ports][bonus]", float, double) {
+  using T = TestType;
+  const Eigen::Index n = 333, dk = 16, dv = 12;
+  const Matrix<T> r = gaussian<T>(n, dk, 501), k = gaussian<T>(n, dk, 502);
+  const Matrix<T> v = gaussian<T>(n, dv, 503);
+  // w = -exp(x) per key feature (RWKV-6's data-dependent decay), a reset at token 150.
+  Matrix<T> w = (-(gaussian<double>(n, dk, 504, 0.5).array() - 1.5).exp()).matrix().cast<T>();
+  w.row(150).setConstant(-std::numeric_limits<T>::infinity());
+  const Vector<T> u = gaussian<T>(dk, 1, 505);
+  const Matrix<double> rd = r.template cast<double>(), kd = k.template cast<double>(),
+                       vd = v.template cast<double>(), wd = w.template cast<double>();
+  const Eigen::VectorXd ud = u.template cast<double>();
+  linattn::Options options;
+  options.normalize = false;
+  options.scale = 1.0 / std::sqrt(double(dk));  // FLA's default scale
+  Matrix<double> h = Matrix<double>::Zero(dk, dv);
+  const Matrix<double> expected = naive_rwkv6(rd, kd, vd, wd, ud, options.scale, h);
+  const auto bonus = linattn::with_bonus(linattn::log_gates(w), u);
+  const linattn::Identity id;
+
+  const Matrix<T> chunked = linattn::causal_gated_linear_attention(r, k, v, bonus, id, options);
+  INFO("chunked: " << relative_error(chunked, expected));
+  CHECK(relative_error(chunked, expected) <= tolerance<T>());
+  // The same gates as a_t (Eigen's exp of -inf is 0, not a gate: keep the reset out).
+  const Matrix<T> gentle = w.topRows(150);
+  Matrix<double> h150 = Matrix<double>::Zero(dk, dv);
+  const Matrix<double> expected150 = naive_rwkv6(rd.topRows(150), kd.topRows(150), vd.topRows(150),
+                                                 wd.topRows(150), ud, options.scale, h150);
+  const Matrix<T> multiplicative = linattn::causal_gated_linear_attention(
+      r.topRows(150), k.topRows(150), v.topRows(150),
+      linattn::with_bonus(Matrix<T>(gentle.array().exp().matrix()), u), id, options);
+  CHECK(relative_error(multiplicative, expected150) <= tolerance<T>());
+
+  // Step by step, and prefill / steps / prefill, each with the naive final state.
+  linattn::RecurrentState<T> stepper(dk, dv, options), mixed(dk, dv, options);
+  Matrix<T> steps(n, dv), pieces(n, dv);
+  for (Eigen::Index t = 0; t < n; ++t) {
+    steps.row(t) = stepper
+                       .step(r.row(t), k.row(t), v.row(t),
+                             linattn::with_bonus(linattn::log_gates(w.row(t)), u), id)
+                       .transpose();
+  }
+  pieces.topRows(100) =
+      mixed.prefill(r.topRows(100), k.topRows(100), v.topRows(100),
+                    linattn::with_bonus(linattn::log_gates(w.topRows(100)), u), id);
+  for (Eigen::Index t = 100; t < 160; ++t) {
+    pieces.row(t) = mixed
+                        .step(r.row(t), k.row(t), v.row(t),
+                              linattn::with_bonus(linattn::log_gates(w.row(t)), u), id)
+                        .transpose();
+  }
+  pieces.bottomRows(n - 160) =
+      mixed.prefill(r.bottomRows(n - 160), k.bottomRows(n - 160), v.bottomRows(n - 160),
+                    linattn::with_bonus(linattn::log_gates(w.bottomRows(n - 160)), u), id);
+  CHECK(relative_error(steps, expected) <= tolerance<T>());
+  CHECK(relative_error(pieces, expected) <= tolerance<T>());
+  CHECK(relative_error(true_sums(stepper), h) <= tolerance<T>());
+  CHECK(relative_error(true_sums(mixed), h) <= tolerance<T>());
+  CHECK(stepper.tokens() == n);
+  CHECK(mixed.tokens() == n);
+  CHECK(mixed.transition() == linattn::TransitionKind::feature_gates);
+
+  // Threads split the shifted kernel: the one-thread result within rounding.
+  linattn::Options threaded = options;
+  threaded.threads = 2;
+  threaded.chunk = 32;
+  CHECK(relative_error(linattn::causal_gated_linear_attention(r, k, v, bonus, id, threaded),
+                       expected) <= tolerance<T>());
+}
+
+TEMPLATE_TEST_CASE("gates: the bonus with scalar gates, a feature map, a double accumulator",
+                   "[gates][bonus]", float, double) {
+  using T = TestType;
+  const Eigen::Index n = 200, dk = 6, dv = 5;
+  const linattn::EluPlusOne map;
+  const Matrix<T> q = gaussian<T>(n, dk, 511), k = gaussian<T>(n, dk, 512);
+  const Matrix<T> v = gaussian<T>(n, dv, 513);
+  const Matrix<T> g = uniform_logs(n, 1, 514, -0.2, 0.0).cast<T>();
+  const Vector<T> u = gaussian<T>(dk, 1, 515).cwiseAbs();
+  linattn::Options options;
+  options.normalize = false;
+  Matrix<double> h = Matrix<double>::Zero(dk, dv);
+  const Matrix<double> expected = naive_rwkv6(
+      map.queries(q).template cast<double>(), map.keys(k).template cast<double>(),
+      v.template cast<double>(), g.template cast<double>(), u.template cast<double>(), 1.0, h);
+  const auto bonus = linattn::with_bonus(linattn::log_gates(g), u);
+  CHECK(relative_error(linattn::causal_gated_linear_attention(q, k, v, bonus, map, options),
+                       expected) <= tolerance<T>());
+  CHECK(relative_error(linattn::causal_gated_linear_attention<double>(q, k, v, bonus, map, options),
+                       expected) <= tolerance<T>());
+  linattn::RecurrentState<T> state(dk, dv, options);
+  const Matrix<T> prefilled = state.prefill(q, k, v, bonus, map);
+  CHECK(relative_error(prefilled, expected) <= tolerance<T>());
+  CHECK(relative_error(true_sums(state), h) <= tolerance<T>());
+  CHECK(state.transition() == linattn::TransitionKind::scalar_gates);
+  // One token (the bonus alone), and none.
+  CHECK(relative_error(linattn::causal_gated_linear_attention(
+                           q.topRows(1), k.topRows(1), v.topRows(1),
+                           linattn::with_bonus(linattn::log_gates(g.topRows(1)), u), map, options),
+                       expected.topRows(1)) <= tolerance<T>());
+  // No tokens is an empty input, as everywhere.
+  CHECK_THROWS_WITH(linattn::causal_gated_linear_attention(
+                        q.topRows(0), k.topRows(0), v.topRows(0),
+                        linattn::with_bonus(linattn::log_gates(g.topRows(0)), u), map, options),
+                    Catch::Matchers::Contains("q is empty"));
+}
+
+TEMPLATE_TEST_CASE("gates: bad bonus input throws linattn::Error and changes nothing",
+                   "[gates][bonus][errors]", float, double) {
+  using T = TestType;
+  using Catch::Matchers::Contains;
+  const Eigen::Index n = 10, c = 4, dv = 3;
+  const Matrix<T> q = gaussian<T>(n, c, 521), k = gaussian<T>(n, c, 522),
+                  v = gaussian<T>(n, dv, 523);
+  const Matrix<T> g = uniform_logs(n, c, 524, -0.3, 0.0).cast<T>();
+  const Vector<T> u = Vector<T>::Constant(c, T(0.5));
+  const linattn::Identity id;
+  linattn::Options plain;
+  plain.normalize = false;
+  Matrix<T> out = Matrix<T>::Constant(n, dv, T(7));
+  const auto untouched = [&] { return (out.array() == T(7)).all(); };
+  const auto call = [&](const auto& gates, const linattn::Options& options) {
+    linattn::causal_gated_linear_attention_into(q, k, v, gates, id, out, options);
+  };
+  CHECK_THROWS_WITH(call(linattn::with_bonus(linattn::log_gates(g), u), linattn::Options{}),
+                    Contains("the bonus u (RWKV-6) has no normaliser"));
+  const Vector<T> short_u = Vector<T>::Ones(c - 1);
+  CHECK_THROWS_WITH(call(linattn::with_bonus(linattn::log_gates(g), short_u), plain),
+                    Contains("u is 3 x 1, expected a vector of 4 entries"));
+  Vector<T> nan_u = u;
+  nan_u(2) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_WITH(call(linattn::with_bonus(linattn::log_gates(g), nan_u), plain), Contains("u"));
+  Matrix<T> bad = g;
+  bad(n - 1, 1) = T(0.5);  // the last token's gate moves no output, and is still checked
+  CHECK_THROWS_WITH(call(linattn::with_bonus(linattn::log_gates(bad), u), plain),
+                    Contains("row 9, column 1"));
+  Matrix<T> late_nan = k;
+  late_nan(n - 1, 0) =
+      std::numeric_limits<T>::quiet_NaN();  // the last key: only its bonus reads it
+  CHECK_THROWS_WITH(
+      linattn::causal_gated_linear_attention_into(
+          q, late_nan, v, linattn::with_bonus(linattn::log_gates(g), u), id, out, plain),
+      Contains("phi_k"));
+  CHECK(untouched());
+  // The state: a throwing step or prefill leaves it as it was.
+  linattn::RecurrentState<T> state(c, dv, plain);
+  (void)state.prefill(q.topRows(4), k.topRows(4), v.topRows(4),
+                      linattn::with_bonus(linattn::log_gates(g.topRows(4)), u), id);
+  const Matrix<T> s_before = state.s();
+  CHECK_THROWS_WITH(
+      state.prefill(q, late_nan, v, linattn::with_bonus(linattn::log_gates(g), u), id),
+      Contains("phi_k"));
+  CHECK_THROWS_WITH(state.step(q.row(0), k.row(0), v.row(0),
+                               linattn::with_bonus(linattn::log_gates(g.row(0)), short_u), id),
+                    Contains("u is"));
+  CHECK_THROWS_WITH(state.step(q.row(0), k.row(0), v.row(0),
+                               linattn::with_bonus(linattn::log_gates(g.col(0).row(0)), u), id),
+                    Contains("per-feature gates but this call gives scalar gates"));
+  CHECK(state.s() == s_before);
+  CHECK(state.tokens() == 4);
+  linattn::RecurrentState<T> normalised(c, dv);
+  CHECK_THROWS_WITH(normalised.step(q.row(0), k.row(0), v.row(0),
+                                    linattn::with_bonus(linattn::log_gates(g.row(0)), u), id),
+                    Contains("no normaliser"));
+  CHECK(normalised.tokens() == 0);
+}
