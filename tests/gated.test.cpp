@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <linattn/feature_maps.hpp>
 #include <linattn/gated.hpp>
 #include <random>
 #include <type_traits>
@@ -853,4 +854,446 @@ TEST_CASE("gated: zero denominators give zero rows and zero gradients", "[gated]
   CHECK(relative_error(g.k, naive.k) <= 1e-12);
   CHECK(relative_error(g.v, naive.v) <= 1e-12);
   CHECK(relative_error(g.gates, naive.gates) <= 1e-12);
+}
+
+namespace {
+
+/// RWKV-6's bonus form in T and double: raw q, k (Gaussian, so features of either sign: there
+/// is no normaliser), v, gates a_t in [lo, hi) and u (a column, or a row with `u_row`).
+template <class T>
+struct BonusProblem {
+  Matrix<T> q, k, v, gates, u;
+  BonusProblem(Eigen::Index n, Eigen::Index gate_cols, std::uint64_t seed, Eigen::Index c,
+               Eigen::Index dv, double lo, double hi, bool u_row = false)
+      : q(gaussian<T>(n, c, seed)),
+        k(gaussian<T>(n, c, seed + 1)),
+        v(gaussian<T>(n, dv, seed + 2)),
+        gates(uniform_gates<T>(n, gate_cols, seed + 3, lo, hi, hi >= 1.0)),
+        u(u_row ? gaussian<T>(1, c, seed + 4) : gaussian<T>(c, 1, seed + 4)) {}
+};
+
+/// Central differences of loss() in every entry of x, which is moved and put back; h relative
+/// to the entry.
+template <class Loss>
+Matrix<double> central_differences(Matrix<double>& x, const Loss& loss) {
+  Matrix<double> grad(x.rows(), x.cols());
+  for (Eigen::Index i = 0; i < x.rows(); ++i) {
+    for (Eigen::Index j = 0; j < x.cols(); ++j) {
+      const double saved = x(i, j);
+      const double h = 1e-6 * std::max(1.0, std::abs(saved));
+      x(i, j) = saved + h;
+      const double up = loss();
+      x(i, j) = saved - h;
+      const double down = loss();
+      x(i, j) = saved;
+      grad(i, j) = (up - down) / (2 * h);
+    }
+  }
+  return grad;
+}
+
+/// elu(x) + 1 and its backward, written here (the reference must not use the library's map).
+Matrix<double> elu_plus_one(const Matrix<double>& x) {
+  return x.unaryExpr([](double e) { return e > 0 ? e + 1 : std::exp(e); });
+}
+
+Matrix<double> elu_plus_one_backward(const Matrix<double>& x, const Matrix<double>& grad_phi) {
+  return grad_phi.cwiseProduct(x.unaryExpr([](double e) { return e > 0 ? 1.0 : std::exp(e); }));
+}
+
+struct NaiveBonus {
+  Matrix<double> out, q, k, v, gates;  // gates: d L / d a_t
+  Eigen::VectorXd u;
+};
+
+/// RWKV-6's bonus form token by token in double, on features, and its reverse mode:
+///     out_t = s phi_q_t^T (P_t + diag(u) phi_k_t v_t^T),   P_{t+1} = diag(a_t) P_t + phi_k_t v_t^T
+/// from P_0 = 0. Keeps every P_t (O(N C Dv), fine for a test) and walks back with
+/// dP_t = diag(a_t) dP_{t+1} + s phi_q_t grad_out_t^T. a_t = 0 is a reset.
+NaiveBonus naive_bonus(const Matrix<double>& q, const Matrix<double>& k, const Matrix<double>& v,
+                       const Matrix<double>& a, const Eigen::VectorXd& u,
+                       const Matrix<double>& grad_out, double s) {
+  const Eigen::Index n = q.rows();
+  const Eigen::Index c = q.cols();
+  const Eigen::Index dv = v.cols();
+  const auto gate = [&](Eigen::Index t, Matrix<double>& m) {
+    for (Eigen::Index f = 0; f < c; ++f) m.row(f) *= a(t, a.cols() == 1 ? 0 : f);
+  };
+  NaiveBonus r{Matrix<double>(n, dv), Matrix<double>(n, c),        Matrix<double>(n, c),
+               Matrix<double>(n, dv), Matrix<double>(n, a.cols()), Eigen::VectorXd::Zero(c)};
+  std::vector<Matrix<double>> before(static_cast<std::size_t>(n));
+  Matrix<double> state = Matrix<double>::Zero(c, dv);
+  for (Eigen::Index t = 0; t < n; ++t) {
+    before[static_cast<std::size_t>(t)] = state;
+    const double bonus = q.row(t).dot(k.row(t).cwiseProduct(u.transpose()));
+    r.out.row(t) = s * (q.row(t) * state + bonus * v.row(t));
+    gate(t, state);
+    state += k.row(t).transpose() * v.row(t);
+  }
+  Matrix<double> ds = Matrix<double>::Zero(c, dv);  // d L / d P_{t+1}
+  for (Eigen::Index t = n - 1; t >= 0; --t) {
+    const Matrix<double>& p = before[static_cast<std::size_t>(t)];
+    const Eigen::RowVectorXd go = grad_out.row(t);
+    const double db = go.dot(v.row(t));
+    // Through P_{t+1} = diag(a_t) P_t + phi_k_t v_t^T.
+    Eigen::RowVectorXd dk = (ds * v.row(t).transpose()).transpose();
+    Eigen::RowVectorXd dvt = k.row(t) * ds;
+    const Eigen::VectorXd da = ds.cwiseProduct(p).rowwise().sum();
+    if (a.cols() == 1) {
+      r.gates(t, 0) = da.sum();
+    } else {
+      r.gates.row(t) = da.transpose();
+    }
+    // Through out_t.
+    r.q.row(t) = s * ((p * go.transpose()).transpose() + db * k.row(t).cwiseProduct(u.transpose()));
+    dk += s * db * q.row(t).cwiseProduct(u.transpose());
+    dvt += s * q.row(t).dot(k.row(t).cwiseProduct(u.transpose())) * go;
+    r.u += s * db * q.row(t).cwiseProduct(k.row(t)).transpose();
+    r.k.row(t) = dk;
+    r.v.row(t) = dvt;
+    gate(t, ds);
+    ds += s * q.row(t).transpose() * go;
+  }
+  return r;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("gated bonus backward: matches central finite differences",
+                   "[gated][backward][bonus]", float, double) {
+  // L = sum(R o out) differentiated in double on the inputs rounded to T, in every input (q, k,
+  // v, the gates as a_t or as log_gates(g), u). Double: the central differences' own error
+  // bounds it, 1e-6 as in the gated test. Float: the float backward's rounding over sums of
+  // ~1/(1 - a) terms, 1e-4; float accumulated in double rounds once at the end, 1e-6.
+  using T = TestType;
+  constexpr bool is_float = std::is_same_v<T, float>;
+  const double bound = is_float ? 1e-4 : 1e-6;
+  const Eigen::Index n = 70;  // 5 chunks of 16
+  const Eigen::Index c = 4;
+  const Eigen::Index dv = 3;
+  linattn::Options options;
+  options.normalize = false;
+  options.chunk = 16;
+  options.scale = 0.6;
+  double worst = 0.0;
+  const char* names[] = {"q", "k", "v", "gates", "u"};
+  const auto check = [&](const auto& map, const char* map_name) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{1}, c}) {
+      for (const bool log_space : {false, true}) {
+        INFO(map_name << ", " << gate_kind(gate_cols) << " gates, "
+                      << (log_space ? "log_gates(g)" : "a_t"));
+        // Gates in (0.3, 0.95): a +- h stays in (0, 1] and g +- h <= 0. A row u with log gates.
+        const BonusProblem<T> p(n, gate_cols, 1200 + 10 * gate_cols + (log_space ? 1 : 0), c, dv,
+                                0.3, 0.95, log_space);
+        const Matrix<T> r = gaussian<T>(n, dv, 1201 + gate_cols);
+        const Matrix<T> given = log_space ? Matrix<T>(p.gates.array().log().matrix()) : p.gates;
+        const auto grads_of = [&](auto accumulator) {
+          using Acc = decltype(accumulator);
+          if (log_space) {
+            return linattn::causal_gated_linear_attention_backward<Acc>(
+                p.q, p.k, p.v, linattn::with_bonus(linattn::log_gates(given), p.u), r, map,
+                options);
+          }
+          return linattn::causal_gated_linear_attention_backward<Acc>(
+              p.q, p.k, p.v, linattn::with_bonus(given, p.u), r, map, options);
+        };
+        std::vector<Matrix<double>> x = {p.q.template cast<double>(), p.k.template cast<double>(),
+                                         p.v.template cast<double>(), given.template cast<double>(),
+                                         p.u.template cast<double>()};
+        const Matrix<double> rd = r.template cast<double>();
+        const auto loss = [&] {
+          const Matrix<double> out =
+              log_space ? linattn::causal_gated_linear_attention(
+                              x[0], x[1], x[2], linattn::with_bonus(linattn::log_gates(x[3]), x[4]),
+                              map, options)
+                        : linattn::causal_gated_linear_attention(
+                              x[0], x[1], x[2], linattn::with_bonus(x[3], x[4]), map, options);
+          return out.cwiseProduct(rd).sum();
+        };
+        const linattn::BonusAttentionGradients<T> g = grads_of(T{});
+        const linattn::BonusAttentionGradients<T> wide = grads_of(double{});
+        const Matrix<T>* got[] = {&g.q, &g.k, &g.v, &g.gates, &g.u};
+        const Matrix<T>* got_wide[] = {&wide.q, &wide.k, &wide.v, &wide.gates, &wide.u};
+        for (std::size_t i = 0; i < 5; ++i) {
+          const Matrix<double> fd = central_differences(x[i], loss);
+          REQUIRE(got[i]->rows() == fd.rows());
+          REQUIRE(got[i]->cols() == fd.cols());
+          REQUIRE(got_wide[i]->rows() == fd.rows());
+          REQUIRE(got_wide[i]->cols() == fd.cols());
+          const double e = relative_error(*got[i], fd);
+          const double ew = relative_error(*got_wide[i], fd);
+          INFO("d " << names[i] << ": " << e << ", accumulated in double " << ew);
+          CHECK(e <= bound);
+          CHECK(ew <= 1e-6);
+          worst = std::max(worst, e);
+        }
+        // Nothing reads the state after the last token, so its gate has no gradient at all.
+        CHECK(g.gates.row(n - 1).isZero(0));
+      }
+    }
+  };
+  check(linattn::Identity{}, "Identity");
+  check(linattn::EluPlusOne{}, "EluPlusOne");
+  WARN("bonus backward vs finite differences, worst relative error " << worst);
+}
+
+TEMPLATE_TEST_CASE("gated bonus backward: matches a naive reverse mode, resets included",
+                   "[gated][backward][bonus]", float, double) {
+  // The reference walks the per-token recurrence back in double (naive_bonus); the map's
+  // backward is chained here by hand. Log gates carry hard resets (-infinity) at the first
+  // token, inside a chunk and at the last token. Bounds as the gated reverse-mode test: float
+  // 1e-4 (long decayed sums in float), double 1e-10.
+  using T = TestType;
+  constexpr bool is_float = std::is_same_v<T, float>;
+  const double bound = is_float ? 1e-4 : 1e-10;
+  const char* names[] = {"q", "k", "v", "gates", "u"};
+  double worst[5] = {0, 0, 0, 0, 0};
+  for (const Eigen::Index n : {1, 2, 33, 300, 2000}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+      for (const bool elu : {false, true}) {
+        const auto seed = 1300 + static_cast<std::uint64_t>(n) + 10 * gate_cols + (elu ? 1 : 0);
+        const BonusProblem<T> p(n, gate_cols, seed, kC, kDv, 0.75, 1.0);
+        const Matrix<T> grad_out = gaussian<T>(n, kDv, seed + 7);
+        Matrix<T> logs = p.gates.array().log().matrix();
+        // 2n/5 + 3 is inside a chunk of 16 and of 64 for N = 300 and 2000.
+        const Eigen::Index resets[] = {0, std::min<Eigen::Index>(2 * n / 5 + 3, n - 1), n - 1};
+        for (const Eigen::Index t : resets) {
+          logs.row(t).setConstant(-std::numeric_limits<T>::infinity());
+        }
+        const Matrix<double> qd = p.q.template cast<double>();
+        const Matrix<double> kd = p.k.template cast<double>();
+        const Matrix<double> phi_q = elu ? elu_plus_one(qd) : qd;
+        const Matrix<double> phi_k = elu ? elu_plus_one(kd) : kd;
+        const Eigen::VectorXd ud = p.u.template cast<double>();
+        const Matrix<double> god = grad_out.template cast<double>();
+        for (const bool log_space : {false, true}) {
+          const Matrix<double> a =
+              log_space ? Matrix<double>(logs.template cast<double>().array().exp().matrix())
+                        : Matrix<double>(p.gates.template cast<double>());
+          NaiveBonus naive =
+              naive_bonus(phi_q, phi_k, p.v.template cast<double>(), a, ud, god, 0.7);
+          if (elu) {
+            naive.q = elu_plus_one_backward(qd, naive.q);
+            naive.k = elu_plus_one_backward(kd, naive.k);
+          }
+          if (log_space) naive.gates = naive.gates.cwiseProduct(a);  // d L / d g = a d L / d a
+          for (const Eigen::Index chunk : {16, 64}) {
+            INFO("N = " << n << ", " << gate_kind(gate_cols) << " gates, "
+                        << (elu ? "EluPlusOne" : "Identity") << ", "
+                        << (log_space ? "log gates with resets" : "a_t") << ", chunk = " << chunk);
+            linattn::Options options;
+            options.normalize = false;
+            options.chunk = chunk;
+            options.scale = 0.7;
+            linattn::BonusAttentionGradients<T> g;
+            Matrix<T> out(n, kDv);
+            const auto run = [&](const auto& map) {
+              if (log_space) {
+                const auto bonus = linattn::with_bonus(linattn::log_gates(logs), p.u);
+                linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, bonus, map, out,
+                                                            options);
+                linattn::causal_gated_linear_attention_backward_into(p.q, p.k, p.v, bonus, grad_out,
+                                                                     map, g, options);
+              } else {
+                const auto bonus = linattn::with_bonus(p.gates, p.u);
+                linattn::causal_gated_linear_attention_into(p.q, p.k, p.v, bonus, map, out,
+                                                            options);
+                linattn::causal_gated_linear_attention_backward_into(p.q, p.k, p.v, bonus, grad_out,
+                                                                     map, g, options);
+              }
+            };
+            if (elu) {
+              run(linattn::EluPlusOne{});
+            } else {
+              run(linattn::Identity{});
+            }
+            // The reference's own forward is the library's.
+            CHECK(relative_error(out, naive.out) <= tolerance<T>());
+            const Matrix<T>* got[] = {&g.q, &g.k, &g.v, &g.gates, &g.u};
+            const Matrix<double> naive_u = naive.u;
+            const Matrix<double>* want[] = {&naive.q, &naive.k, &naive.v, &naive.gates, &naive_u};
+            for (int i = 0; i < 5; ++i) {
+              REQUIRE(got[i]->rows() == want[i]->rows());
+              REQUIRE(got[i]->cols() == want[i]->cols());
+              REQUIRE(got[i]->allFinite());
+              const double e = relative_error(*got[i], *want[i]);
+              INFO("d " << names[i] << " " << e);
+              CHECK(e <= bound);
+              worst[i] = std::max(worst[i], e);
+            }
+            CHECK(g.gates.row(n - 1).isZero(0));
+            if (log_space) {
+              for (const Eigen::Index t : resets) CHECK(g.gates.row(t).isZero(0));
+            }
+          }
+        }
+      }
+    }
+  }
+  WARN("bonus backward vs naive reverse mode, worst relative error: q "
+       << worst[0] << ", k " << worst[1] << ", v " << worst[2] << ", gates " << worst[3] << ", u "
+       << worst[4]);
+}
+
+TEMPLATE_TEST_CASE("gated bonus backward: threads give the one-thread gradients",
+                   "[gated][backward][bonus]", float, double) {
+  // 8192 tokens split across the sequence; only the order of the sums changes. Double: 1e-12
+  // (1e-10 for the gates' long reverse sums); float: the same orders in float, 1e-5 and 1e-4.
+  using T = TestType;
+  constexpr bool is_float = std::is_same_v<T, float>;
+  const double bound = is_float ? 1e-5 : 1e-12;
+  const double gate_bound = is_float ? 1e-4 : 1e-10;
+  const Eigen::Index n = 8192;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+    INFO(gate_kind(gate_cols) << " gates");
+    const BonusProblem<T> p(n, gate_cols, 1400 + gate_cols, kC, kDv, 0.97, 1.0);
+    const Matrix<T> grad_out = gaussian<T>(n, kDv, 1401);
+    const Matrix<T> logs = p.gates.array().log().matrix();
+    linattn::Options one;
+    one.normalize = false;
+    one.threads = 1;
+    linattn::Options two = one;
+    two.threads = 2;
+    const auto bonus = linattn::with_bonus(linattn::log_gates(logs), p.u);
+    const linattn::BonusAttentionGradients<T> a = linattn::causal_gated_linear_attention_backward(
+        p.q, p.k, p.v, bonus, grad_out, linattn::EluPlusOne{}, one);
+    const linattn::BonusAttentionGradients<T> b = linattn::causal_gated_linear_attention_backward(
+        p.q, p.k, p.v, bonus, grad_out, linattn::EluPlusOne{}, two);
+    CHECK(relative_error(b.q, a.q) <= bound);
+    CHECK(relative_error(b.k, a.k) <= bound);
+    CHECK(relative_error(b.v, a.v) <= bound);
+    CHECK(relative_error(b.u, a.u) <= bound);
+    CHECK(relative_error(b.gates, a.gates) <= gate_bound);
+    WARN("bonus backward, " << gate_kind(gate_cols) << " gates, 2 threads vs 1: q "
+                            << relative_error(b.q, a.q) << ", k " << relative_error(b.k, a.k)
+                            << ", v " << relative_error(b.v, a.v) << ", u "
+                            << relative_error(b.u, a.u) << ", gates "
+                            << relative_error(b.gates, a.gates));
+  }
+}
+
+TEMPLATE_TEST_CASE("gated bonus backward: bad input throws linattn::Error and writes nothing",
+                   "[gated][backward][bonus]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  const Eigen::Index n = 10;
+  const BonusProblem<T> p(n, kC, 1500, kC, kDv, 0.5, 1.0);
+  const Matrix<T> grad_out = gaussian<T>(n, kDv, 1501);
+  linattn::Options plain;
+  plain.normalize = false;
+  // Sentinels of shapes no call gives: any write would show.
+  linattn::BonusAttentionGradients<T> grads{
+      Matrix<T>::Constant(2, 3, T(7)), Matrix<T>::Constant(2, 3, T(7)),
+      Matrix<T>::Constant(2, 3, T(7)), Matrix<T>::Constant(2, 3, T(7)),
+      Matrix<T>::Constant(2, 3, T(7))};
+  const auto untouched = [&] {
+    for (const Matrix<T>* m : {&grads.q, &grads.k, &grads.v, &grads.gates, &grads.u}) {
+      if (m->rows() != 2 || m->cols() != 3 || !(m->array() == T(7)).all()) return false;
+    }
+    return true;
+  };
+  const auto message = [&](const auto& q, const auto& k, const auto& v, const auto& bonus,
+                           const auto& go, const auto& map, const linattn::Options& options) {
+    try {
+      linattn::causal_gated_linear_attention_backward_into(q, k, v, bonus, go, map, grads, options);
+    } catch (const linattn::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no throw");
+  };
+  const linattn::Identity id;
+  const auto with = [&](const Matrix<T>& gates, const Matrix<T>& u, const linattn::Options& o) {
+    return message(p.q, p.k, p.v, linattn::with_bonus(gates, u), grad_out, id, o);
+  };
+
+  // The good call works (on its own gradients).
+  CHECK_NOTHROW(linattn::causal_gated_linear_attention_backward(
+      p.q, p.k, p.v, linattn::with_bonus(p.gates, p.u), grad_out, id, plain));
+
+  CHECK_THAT(with(p.gates, p.u, linattn::Options{}), Contains("no normaliser"));
+  CHECK(untouched());
+  CHECK_THAT(with(p.gates, Matrix<T>::Ones(kC - 1, 1), plain),
+             Contains("u is 7 x 1, expected a vector of 8 entries"));
+  CHECK_THAT(with(p.gates, Matrix<T>::Ones(2, kC), plain), Contains("u is 2 x 8"));
+  Matrix<T> nan_u = p.u;
+  nan_u(3, 0) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THAT(with(p.gates, nan_u, plain), Contains("u has a non-finite value"));
+  CHECK(untouched());
+
+  Matrix<T> bad = p.gates;
+  bad(4, 2) = T(0);
+  CHECK_THAT(with(bad, p.u, plain),
+             Contains("gates must lie in (0, 1]") && Contains("row 4, column 2"));
+  bad(4, 2) = T(1.5);
+  CHECK_THAT(with(bad, p.u, plain), Contains("row 4, column 2"));
+  bad(4, 2) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THAT(with(bad, p.u, plain), Contains("row 4, column 2"));
+  bad = p.gates;
+  bad(n - 1, 0) = T(2);  // the last token's gate moves no output, and is still checked
+  CHECK_THAT(with(bad, p.u, plain), Contains("row 9, column 0"));
+  Matrix<T> logs = p.gates.array().log().matrix();
+  logs(6, 1) = T(0.25);
+  CHECK_THAT(message(p.q, p.k, p.v, linattn::with_bonus(linattn::log_gates(logs), p.u), grad_out,
+                     id, plain),
+             Contains("log gates") && Contains("row 6, column 1"));
+  CHECK_THAT(with(Matrix<T>::Constant(n, 3, T(0.5)), p.u, plain), Contains("gates is 10 x 3"));
+  CHECK(untouched());
+
+  const auto bonus = linattn::with_bonus(p.gates, p.u);
+  CHECK_THAT(message(p.q, p.k, p.v, bonus, grad_out.leftCols(kDv - 1), id, plain),
+             Contains("grad_out is 10 x 5"));
+  CHECK_THAT(message(p.q, p.k, p.v, bonus, grad_out.topRows(n - 1), id, plain),
+             Contains("grad_out is 9 x 6"));
+  Matrix<T> nan_grad = grad_out;
+  nan_grad(2, 3) = std::numeric_limits<T>::infinity();
+  CHECK_THAT(message(p.q, p.k, p.v, bonus, nan_grad, id, plain), Contains("grad_out"));
+  CHECK(untouched());
+
+  Matrix<T> nan_k = p.k;
+  nan_k(n - 1, 0) = std::numeric_limits<T>::quiet_NaN();  // only the last bonus reads it
+  CHECK_THAT(message(p.q, nan_k, p.v, bonus, grad_out, id, plain), Contains("phi_k"));
+  CHECK_THAT(message(p.q, nan_k, p.v, bonus, grad_out, linattn::EluPlusOne{}, plain),
+             Contains("k has a non-finite"));
+  linattn::Options decayed = plain;
+  decayed.decay = 0.9;
+  CHECK_THAT(with(p.gates, p.u, decayed), Contains("decay"));
+  linattn::Options no_chunk = plain;
+  no_chunk.chunk = 0;
+  CHECK_THAT(with(p.gates, p.u, no_chunk), Contains("chunk"));
+  // No tokens is an empty input, as everywhere.
+  CHECK_THAT(message(p.q.topRows(0), p.k.topRows(0), p.v.topRows(0),
+                     linattn::with_bonus(p.gates.topRows(0), p.u), grad_out.topRows(0), id, plain),
+             Contains("phi_q is empty"));
+  CHECK(untouched());
+}
+
+TEMPLATE_TEST_CASE("gated bonus backward: one token is the bonus term alone",
+                   "[gated][backward][bonus]", float, double) {
+  // N = 1: out = s (phi_q o u) . phi_k v, so every gradient is the bonus term's, in closed form,
+  // and the gate (never read) gets exactly 0.
+  using T = TestType;
+  const double bound = std::is_same_v<T, float> ? 1e-6 : 1e-14;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+    INFO(gate_kind(gate_cols) << " gates");
+    const BonusProblem<T> p(1, gate_cols, 1600 + gate_cols, kC, kDv, 0.5, 1.0);
+    const Matrix<T> grad_out = gaussian<T>(1, kDv, 1601);
+    linattn::Options options;
+    options.normalize = false;
+    options.scale = 0.5;
+    const linattn::BonusAttentionGradients<T> g = linattn::causal_gated_linear_attention_backward(
+        p.q, p.k, p.v, linattn::with_bonus(p.gates, p.u), grad_out, linattn::Identity{}, options);
+    const Eigen::RowVectorXd q = p.q.template cast<double>();
+    const Eigen::RowVectorXd k = p.k.template cast<double>();
+    const Eigen::RowVectorXd u = p.u.template cast<double>().transpose();
+    const Eigen::RowVectorXd v = p.v.template cast<double>();
+    const Eigen::RowVectorXd go = grad_out.template cast<double>();
+    const double db = go.dot(v);
+    CHECK(relative_error(g.q, (0.5 * db * u.cwiseProduct(k)).eval()) <= bound);
+    CHECK(relative_error(g.k, (0.5 * db * u.cwiseProduct(q)).eval()) <= bound);
+    CHECK(relative_error(g.v, (0.5 * q.dot(u.cwiseProduct(k)) * go).eval()) <= bound);
+    CHECK(relative_error(g.u, (0.5 * db * q.cwiseProduct(k)).transpose().eval()) <= bound);
+    CHECK(g.gates.rows() == 1);
+    CHECK(g.gates.cols() == gate_cols);
+    CHECK(g.gates.isZero(0));
+  }
 }

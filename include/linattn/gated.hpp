@@ -8,6 +8,7 @@
 #include <linattn/backward.hpp>
 #include <linattn/config.hpp>
 #include <linattn/detail/bonus.hpp>
+#include <linattn/detail/bonus_backward.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
@@ -67,9 +68,7 @@ void gated_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   }
 }
 
-/// The bonus form over the gated kernel: out_t reads the state after token t - 1, which is
-/// the gated kernel's row t - 1 given q_t (queries one row ahead of the keys, values and
-/// gates); row 0 reads the empty state; then every row adds its bonus term.
+/// Validates everything, then runs the bonus form (detail/bonus.hpp) from an empty state.
 template <class Acc, class DQ, class DK, class DV, class Gates, class DU, class Map>
 void bonus_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                      const Eigen::MatrixBase<DV>& v, const BonusGates<Gates, DU>& gates,
@@ -89,16 +88,8 @@ void bonus_attention(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
     validate_gates(gates.gates(), q.rows(), c, options, where);
     validate_bonus(gates.bonus(), c, options, where);
     scan_inputs(q, k, v, options, where, features ? "phi_q" : "q", features ? "phi_k" : "k");
-    const Eigen::Index n = q.rows();
-    if (n == 0) return;
-    out.row(0).setZero();
-    if (n > 1) {
-      with_gate_block(gates.gates(), 0, n - 1, [&](const auto& ahead) {
-        gated_attention<Acc>(q.bottomRows(n - 1), k.topRows(n - 1), v.topRows(n - 1), ahead, map,
-                             out.bottomRows(n - 1), options, where);
-      });
-    }
-    add_bonus<T>(q, k, v, gates.bonus(), map, options, out, where);
+    bonus_rows<T>(q, k, v, gates.gates(), gates.bonus(), map, out, options,
+                  resolve_threads(options), where);
   }
 }
 
@@ -230,6 +221,52 @@ GatedAttentionGradients<typename DQ::Scalar> causal_gated_linear_attention_backw
     const Options& options = {}) {
   GatedAttentionGradients<typename DQ::Scalar> grads;
   detail::gated_backward<Acc>(q, k, v, gates, grad_out, map, grads, options,
+                              "causal_gated_linear_attention_backward");
+  return grads;
+}
+
+/// Backward pass of causal_gated_linear_attention with RWKV-6's bonus (with_bonus(gates, u)):
+/// the gradients of a loss L with respect to q, k, v, the gates and u, given grad_out = dL/d out.
+/// The gated backward's chunked passes on the state part (the queries one row ahead), plus the
+/// bonus term's gradients, in the accumulation type; O(N C Dv) time, O(N (C + Dv)) memory. The
+/// last token's gate moves a state nothing reads, so its gradient is 0, as is a reset's.
+/// @param q         N x Dk receptances (queries; features, with Identity)
+/// @param k         N x Dk keys
+/// @param v         N x Dv values
+/// @param gates     with_bonus(gates, u): gates N x 1 or N x C (a_t, or log_gates(w)), u C
+/// @param grad_out  N x Dv gradient of the loss with respect to the output
+/// @param map       the forward's plain feature map; needs a backward member unless Identity
+/// @param grads     receives q, k (N x Dk), v (N x Dv), gates (the gates' shape: d L / d a_t,
+///                  or d L / d w_t for log gates) and u (u's shape); written only when the call
+///                  succeeds
+/// @param options   as given to the forward call: normalize false, scale; decay must be 1
+template <class Acc = void, class DQ, class DK, class DV, class Gates, class DU, class DO,
+          class Map>
+void causal_gated_linear_attention_backward_into(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const BonusGates<Gates, DU>& gates, const Eigen::MatrixBase<DO>& grad_out, const Map& map,
+    BonusAttentionGradients<typename DQ::Scalar>& grads, const Options& options = {}) {
+  detail::bonus_backward<Acc>(q, k, v, gates, grad_out, map, grads, options,
+                              "causal_gated_linear_attention_backward");
+}
+
+/// Backward pass of causal_gated_linear_attention with RWKV-6's bonus; returns the five
+/// gradients. See the _into form.
+/// @param q         N x Dk receptances (queries)
+/// @param k         N x Dk keys
+/// @param v         N x Dv values
+/// @param gates     with_bonus(gates, u)
+/// @param grad_out  N x Dv gradient of the loss with respect to the output
+/// @param map       the forward's plain feature map (Identity{} for precomputed features)
+/// @param options   as given to the forward call: normalize false; decay must be 1
+template <class Acc = void, class DQ, class DK, class DV, class Gates, class DU, class DO,
+          class Map = detail::MissingFeatureMap>
+BonusAttentionGradients<typename DQ::Scalar> causal_gated_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const BonusGates<Gates, DU>& gates, const Eigen::MatrixBase<DO>& grad_out, const Map& map = {},
+    const Options& options = {}) {
+  BonusAttentionGradients<typename DQ::Scalar> grads;
+  detail::bonus_backward<Acc>(q, k, v, gates, grad_out, map, grads, options,
                               "causal_gated_linear_attention_backward");
   return grads;
 }

@@ -33,4 +33,21 @@ struct GatedAttentionGradients {
   Matrix<T> gates;
 };
 
+/// Gradients of a scalar loss with respect to the inputs of causal_gated_linear_attention with
+/// RWKV-6's bonus (with_bonus(gates, u)).
+template <class T>
+struct BonusAttentionGradients {
+  /// N x Dk (or N x C): d loss / d q (or d phi_q)
+  Matrix<T> q;
+  /// N x Dk (or N x C): d loss / d k (or d phi_k)
+  Matrix<T> k;
+  /// N x Dv: d loss / d v
+  Matrix<T> v;
+  /// N x 1 or N x C, the shape of the gates: d loss / d a_t, or d loss / d g_t for
+  /// log_gates(g); 0 at a reset and in the last row (nothing reads the state after it)
+  Matrix<T> gates;
+  /// C x 1 or 1 x C, the shape of u: d loss / d u
+  Matrix<T> u;
+};
+
 }  // namespace linattn

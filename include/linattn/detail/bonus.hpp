@@ -1,12 +1,16 @@
 // SPDX-License-Identifier: MIT
-// RWKV-6's bonus term, s (phi(q_t) o u) . phi(k_t) v_t, added to outputs chunk by chunk: the
-// part of the bonus form (gates.hpp, BonusGates) that the gated kernel does not compute.
+// RWKV-6's bonus form (gates.hpp, BonusGates) on the gated kernel: each output reads the state
+// before its token (the gated kernel with the queries one row ahead), plus the bonus term
+// s (phi(q_t) o u) . phi(k_t) v_t, added chunk by chunk.
 #pragma once
 
 #include <algorithm>
 #include <linattn/config.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
+#include <linattn/gates.hpp>
 #include <string>
 
 namespace linattn::detail {
@@ -21,12 +25,12 @@ constexpr void require_plain_features() {
 }
 
 /// out += s (phi(q_t) o u) . phi(k_t) v_t for every row: the bonus term of RWKV-6, chunk by
-/// chunk in the accumulation type T (plain features only).
-template <class T, class DQ, class DK, class DV, class DU, class Map>
+/// chunk in the accumulation type T (plain features only). `out` is any N x Dv row expression
+/// (a matrix's Ref, a view head's strided rows).
+template <class T, class DQ, class DK, class DV, class DU, class Map, class Out>
 void add_bonus(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DU>& u, const Map& map,
-               const Options& options, Eigen::Ref<Matrix<typename DQ::Scalar>> out,
-               const char* where) {
+               const Options& options, Out&& out, const char* where) {
   using Scalar = typename DQ::Scalar;
   const Eigen::Index n = q.rows(), c = u.size(), block = 64;
   const Eigen::Array<T, 1, Eigen::Dynamic> weights = u.reshaped().transpose().template cast<T>();
@@ -58,6 +62,32 @@ void add_bonus(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
               .template cast<Scalar>();
     }
   }
+}
+
+/// The bonus form from an empty state into `out` (N x Dv rows, any strides), inputs validated:
+/// row 0 reads the empty state, row t > 0 is the gated kernel's row t - 1 given q_t (queries
+/// one row ahead of the keys, values and gates), then every row adds its bonus term.
+/// @param gates  N x 1 or N x C gate argument (a_t, or log_gates(g)); its last row is not read
+/// @param u      C bonus weights
+template <class T, class DQ, class DK, class DV, class Gates, class DU, class Map, class Out>
+void bonus_rows(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                const Eigen::MatrixBase<DV>& v, const Gates& gates, const Eigen::MatrixBase<DU>& u,
+                const Map& map, Out&& out, const Options& options, int threads, const char* where) {
+  const Eigen::Index n = q.rows();
+  if (n == 0) return;
+  out.row(0).setZero();
+  if (n > 1) {
+    with_gate_block(gates, 0, n - 1, [&](const auto& ahead) {
+      const GateMatrix<std::decay_t<decltype(ahead)>> rows(ahead);
+      with_source<T>(q.bottomRows(n - 1), k.topRows(n - 1), v.topRows(n - 1), map, &rows,
+                     options.check_finite, where, [&](ChunkSource<T>& source) {
+                       CarriedState<T> state(source.feature_dim(), source.value_dim());
+                       const SerialEigenScope serial_eigen;
+                       run_causal(source, state, out.bottomRows(n - 1), options, threads);
+                     });
+    });
+  }
+  add_bonus<T>(q, k, v, u, map, options, out, where);
 }
 
 }  // namespace linattn::detail

@@ -404,6 +404,24 @@ class MappedSource final : public ChunkSource<T> {
   const char* where_;
 };
 
+/// body(source) with the one source every entry point builds over q, k, v: the rows read as
+/// features (Identity) or featurized chunk by chunk by `map`, with `gates` attached when not
+/// null. Per-feature gates read plain features (an exponential map's checked finite).
+template <class T, class DQ, class DK, class DV, class Map, class Body>
+void with_source(const DQ& q, const DK& k, const DV& v, const Map& map, const GateRows* gates,
+                 bool check_finite, const char* where, const Body& body) {
+  if constexpr (is_identity_map<Map>) {
+    FeaturizedSource<T, DQ, DK, DV> source(q, k, v);
+    if (gates != nullptr) source.attach_gates(*gates);
+    body(static_cast<ChunkSource<T>&>(source));
+  } else {
+    MappedSource<T, DQ, DK, DV, Map> source(q, k, v, map, check_finite, where,
+                                            gates == nullptr || gates->cols() == 1);
+    if (gates != nullptr) source.attach_gates(*gates);
+    body(static_cast<ChunkSource<T>&>(source));
+  }
+}
+
 /// Rows [begin, begin + rows) of another source; the chunk buffers hold all scratch space, so
 /// threads may read one source through ranges of their own.
 template <class T>
