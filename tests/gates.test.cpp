@@ -17,6 +17,7 @@
 using linattn::Matrix;
 using linattn::Vector;
 using linattn_test::gaussian;
+using linattn_test::naive_rwkv6;
 using linattn_test::relative_error;
 
 namespace {
@@ -489,23 +490,6 @@ TEMPLATE_TEST_CASE("gates: RetNet's multi-scale decays and MiniMax's lambda_h (c
 }
 
 namespace {
-
-/// FLA's naive_recurrent_rwkv6 in double, token by token in its own order: the output reads
-/// the state before the token plus the token through u, then the state decays and takes it:
-/// o_t = (s r_t)^T (h + diag(u) k_t v_t^T), h <- diag(exp(w_t)) h + k_t v_t^T. Returns the
-/// outputs; `h` enters as the initial state and leaves as the final one.
-Matrix<double> naive_rwkv6(const Matrix<double>& r, const Matrix<double>& k,
-                           const Matrix<double>& v, const Matrix<double>& w,
-                           const Eigen::VectorXd& u, double scale, Matrix<double>& h) {
-  Matrix<double> out(r.rows(), v.cols());
-  for (Eigen::Index t = 0; t < r.rows(); ++t) {
-    const Matrix<double> kv = k.row(t).transpose() * v.row(t);
-    out.row(t) = (scale * r.row(t)) * (h + u.asDiagonal() * kv);
-    for (Eigen::Index i = 0; i < h.rows(); ++i) h.row(i) *= std::exp(w(t, w.cols() == 1 ? 0 : i));
-    h += kv;
-  }
-  return out;
-}
 
 /// The true S of a state (s() carries pending factors).
 template <class T>

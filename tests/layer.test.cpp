@@ -347,12 +347,23 @@ namespace {
 
 /// The layer's forward against prefill + steps with a transition per head: HeadDecays given
 /// to the layer (gate_dim 0), or per-token log gates, gate_dim 1 or C wide, in [B, N, H, G]
-/// memory. Prompts of 0, 1, 257 and N tokens; every output against forward's.
-template <class T, class Map>
+/// memory; with `bonus`, the gates carry RWKV-6's u (H x C, no normaliser). Prompts of 0, 1,
+/// 257 and N tokens; every output against forward's.
+template <class T, bool Bonus = false, class Map>
 double transition_forward_vs_recurrent(const Map& map, Eigen::Index gate_dim, Eigen::Index n,
                                        std::uint64_t seed) {
   linattn::Options options;
   options.threads = 2;
+  options.normalize = !Bonus;
+  const Matrix<T> u = gaussian<T>(kH, kDk, seed + 4);
+  // body(gates) with log_gates(view) (or a matrix's), with or without the bonus.
+  auto with_gates = [&](const auto& log_values, const auto& body) {
+    if constexpr (Bonus) {
+      body(linattn::with_bonus(linattn::log_gates(log_values), u));
+    } else {
+      body(linattn::log_gates(log_values));
+    }
+  };
   linattn::HeadDecays decays;
   for (Eigen::Index h = 0; h < kH; ++h) decays.values.push_back(1.0 - std::exp2(-5.0 - h));
   const LinearAttentionLayer<T, Map> layer =
@@ -373,7 +384,9 @@ double transition_forward_vs_recurrent(const Map& map, Eigen::Index gate_dim, Ei
     CHECK(layer.head_decays().values == decays.values);
     layer.forward_into(q.cview(), k.cview(), v.cview(), forward);
   } else {
-    layer.forward_into(q.cview(), k.cview(), v.cview(), linattn::log_gates(g.cview()), forward);
+    with_gates(g.cview(), [&](const auto& gates) {
+      layer.forward_into(q.cview(), k.cview(), v.cview(), gates, forward);
+    });
   }
   double worst = 0.0;
   for (const Eigen::Index prompt : {Eigen::Index(0), Eigen::Index(1), Eigen::Index(257), n}) {
@@ -387,9 +400,11 @@ double transition_forward_vs_recurrent(const Map& map, Eigen::Index gate_dim, Ei
                            token_range(k.cview(), 0, prompt), token_range(v.cview(), 0, prompt),
                            out_view);
       } else {
-        layer.prefill_into(states, token_range(q.cview(), 0, prompt),
-                           token_range(k.cview(), 0, prompt), token_range(v.cview(), 0, prompt),
-                           linattn::log_gates(token_range(g.cview(), 0, prompt)), out_view);
+        with_gates(token_range(g.cview(), 0, prompt), [&](const auto& gates) {
+          layer.prefill_into(states, token_range(q.cview(), 0, prompt),
+                             token_range(k.cview(), 0, prompt), token_range(v.cview(), 0, prompt),
+                             gates, out_view);
+        });
       }
       for (Eigen::Index i = 0; i < kB * kH; ++i) {
         recurrent[static_cast<std::size_t>(i)].topRows(prompt) = out_view.head(i / kH, i % kH);
@@ -408,7 +423,7 @@ double transition_forward_vs_recurrent(const Map& map, Eigen::Index gate_dim, Ei
       if (gate_dim == 0) {
         layer.step_into(states, qt, kt, vt, ot);
       } else {
-        layer.step_into(states, qt, kt, vt, linattn::log_gates(gt), ot);
+        with_gates(gt, [&](const auto& gates) { layer.step_into(states, qt, kt, vt, gates, ot); });
       }
       for (Eigen::Index i = 0; i < kB * kH; ++i) {
         recurrent[static_cast<std::size_t>(i)].row(t) = ot.row(i);
@@ -444,6 +459,11 @@ TEMPLATE_TEST_CASE("layer: HeadDecays and gates, forward equals prefill then ste
   }
   worst = std::max(worst, transition_forward_vs_recurrent<T>(
                               linattn::PositiveRandomFeatures(kDk, 16, 21), 1, n, 51));
+  // RWKV-6's bonus u on both forms: per-feature gates on features, scalar ones through a map.
+  worst =
+      std::max(worst, transition_forward_vs_recurrent<T, true>(linattn::Identity{}, kDk, n, 71));
+  worst =
+      std::max(worst, transition_forward_vs_recurrent<T, true>(linattn::EluPlusOne{}, 1, n, 81));
   WARN("layer with HeadDecays or gates, N = 600: worst relative error, recurrent vs parallel "
        << worst);
   // HeadDecays head h against a plain layer with Options::decay = values[h]: the same kernel.

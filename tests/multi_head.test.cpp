@@ -15,6 +15,7 @@
 #include <linattn/state_batch.hpp>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "support.hpp"
@@ -1631,4 +1632,271 @@ TEMPLATE_TEST_CASE("grouped heads: output head h reads head h / (H / H_in) of ea
                                             linattn::Identity{}, out4.view()),
       Catch::Contains("phi_q is [2, 3, 150, 6]") && Catch::Contains("H divide out's"));
   CHECK(same_data(out4.data(), untouched));
+}
+
+// ---------------------------------------------------------------------------------------------
+// RWKV-6's bonus u on views: with_bonus(gate view, u) with u H x C, one row per head.
+
+TEMPLATE_TEST_CASE("bonus views: every layout gives each head the matrix call and FLA's recurrence",
+                   "[multi_head][gated][bonus]", float, double) {
+  using T = TestType;
+  const Eigen::Index B = 2, H = 3, N = 150;
+  Tally tally;
+  double worst_naive = 0.0;
+  for (std::size_t set = 0; set < kLayoutSets.size(); ++set) {
+    const Layouts& layouts = kLayoutSets[set];
+    for (const Kind kind : {Kind::featurized, Kind::elu}) {
+      const Problem<T> p = make_problem<T>(kind, layouts, B, H, N, 700 + 10 * set);
+      const Matrix<T> u = gaussian<T>(H, kDk, 710 + set);
+      for (const Eigen::Index gate_dim : {Eigen::Index(1), kDk}) {
+        const Heads<T> g = random_log_gates<T>(layouts.k, B, H, N, gate_dim, 720 + set);
+        const Heads<T> a = exp_gates(g, layouts.k, B, H, N, gate_dim);
+        for (const bool log_space : {true, false}) {
+          linattn::Options options;
+          options.normalize = false;
+          options.chunk = 32;
+          options.scale = 1.0 / std::sqrt(double(kDk));
+          Heads<T> out(layouts.out, B, H, N, kDv, kSentinel<T>);
+          auto run = [&](const auto& map) {
+            if (log_space) {
+              linattn::causal_gated_linear_attention_into(
+                  p.q.cview(), p.k.cview(), p.v.cview(),
+                  linattn::with_bonus(linattn::log_gates(g.cview()), u), map, out.view(), options);
+            } else {
+              linattn::causal_gated_linear_attention_into(p.q.cview(), p.k.cview(), p.v.cview(),
+                                                          linattn::with_bonus(a.cview(), u), map,
+                                                          out.view(), options);
+            }
+          };
+          if (kind == Kind::featurized) run(linattn::Identity{});
+          if (kind == Kind::elu) run(linattn::EluPlusOne{});
+          INFO("layouts " << layout_name(layouts.q) << ", " << layout_name(layouts.k) << " -> "
+                          << layout_name(layouts.out) << "; " << kind_name(kind)
+                          << ", gate_dim = " << gate_dim << ", log_space = " << log_space);
+          CHECK(out.gaps_hold(kSentinel<T>));
+          for (Eigen::Index b = 0; b < B; ++b) {
+            for (Eigen::Index h = 0; h < H; ++h) {
+              const Matrix<T> q = p.q.head(b, h), k = p.k.head(b, h), v = p.v.head(b, h);
+              const Matrix<T> gh = g.head(b, h), ah = a.head(b, h);
+              const Matrix<T> uh = u.row(h);
+              Matrix<T> expected;
+              auto plain = [&](const auto& map) {
+                expected = log_space ? linattn::causal_gated_linear_attention(
+                                           q, k, v, linattn::with_bonus(linattn::log_gates(gh), uh),
+                                           map, options)
+                                     : linattn::causal_gated_linear_attention(
+                                           q, k, v, linattn::with_bonus(ah, uh), map, options);
+              };
+              if (kind == Kind::featurized) plain(linattn::Identity{});
+              if (kind == Kind::elu) plain(linattn::EluPlusOne{});
+              const Matrix<T> got = out.head(b, h);
+              REQUIRE(got.allFinite());
+              tally.add(got, expected);
+              if (kind == Kind::featurized) {
+                const Matrix<double> w =
+                    log_space ? Matrix<double>(gh.template cast<double>())
+                              : Matrix<double>(ah.template cast<double>().array().log().matrix());
+                Matrix<double> state = Matrix<double>::Zero(kDk, kDv);
+                const Matrix<double> reference = linattn_test::naive_rwkv6(
+                    q.template cast<double>(), k.template cast<double>(), v.template cast<double>(),
+                    w, uh.transpose().template cast<double>(), options.scale, state);
+                const double error = relative_error(got.template cast<double>(), reference);
+                CHECK(error <= (std::is_same_v<T, float> ? 2e-5 : 1e-12));
+                worst_naive = std::max(worst_naive, error);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  WARN("bonus views vs matrix calls: " << tally.differing << " of " << tally.compared
+                                       << " heads not bit-identical, worst " << tally.worst
+                                       << "; vs FLA's recurrence " << worst_naive);
+  // Every head runs the matrix call's kernel on the same rows and chunks.
+  CHECK(tally.differing == 0);
+  CHECK(tally.compared == static_cast<int>(kLayoutSets.size()) * 2 * 2 * 2 * B * H);
+}
+
+TEMPLATE_TEST_CASE("bonus views: varlen sequences, threads, and one long head on two threads",
+                   "[multi_head][gated][bonus][threads]", float, double) {
+  using T = TestType;
+  const Eigen::Index H = 2, total = 2400;
+  const std::vector<std::int64_t> offsets = {0, 37, 37, 1300, total};
+  const Problem<T> p = make_problem<T>(Kind::featurized, kLayoutSets[1], 1, H, total, 740);
+  const Heads<T> g = random_log_gates<T>(Layout::bnhd, 1, H, total, kDk, 741);
+  const Matrix<T> u = gaussian<T>(H, kDk, 742);
+  linattn::Options options;
+  options.normalize = false;
+  options.threads = 1;
+  Heads<T> one(Layout::bnhd, 1, H, total, kDv, kSentinel<T>);
+  const auto bonus = linattn::with_bonus(linattn::log_gates(g.cview()), u);
+  linattn::causal_gated_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(), bonus,
+                                                     linattn::Identity{}, offsets, one.view(),
+                                                     options);
+  CHECK(one.gaps_hold(kSentinel<T>));
+  for (Eigen::Index h = 0; h < H; ++h) {
+    for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
+      const Eigen::Index begin = offsets[s], len = offsets[s + 1] - offsets[s];
+      if (len == 0) continue;
+      const Matrix<T> q = p.q.head(0, h).middleRows(begin, len),
+                      k = p.k.head(0, h).middleRows(begin, len),
+                      v = p.v.head(0, h).middleRows(begin, len),
+                      w = g.head(0, h).middleRows(begin, len);
+      const Matrix<T> uh = u.row(h);
+      const Matrix<T> expected = linattn::causal_gated_linear_attention(
+          q, k, v, linattn::with_bonus(linattn::log_gates(w), uh), linattn::Identity{}, options);
+      INFO("head " << h << ", sequence " << s);
+      CHECK(Matrix<T>(one.head(0, h).middleRows(begin, len)) == expected);
+    }
+  }
+  // Two threads: over the 2 x 4 (sequence, head) pairs, and over one long head's tokens.
+  linattn::Options threaded = options;
+  threaded.threads = 2;
+  Heads<T> two(Layout::bnhd, 1, H, total, kDv, kSentinel<T>);
+  linattn::causal_gated_linear_attention_varlen_into(p.q.cview(), p.k.cview(), p.v.cview(), bonus,
+                                                     linattn::Identity{}, offsets, two.view(),
+                                                     threaded);
+  CHECK(same_data(two.data(), one.data()));
+  Heads<T> long_one(Layout::bhnd, 1, 1, total, kDv, kSentinel<T>),
+      long_two(Layout::bhnd, 1, 1, total, kDv, kSentinel<T>);
+  const HeadsView<const T> q1(p.q.cview().data(), 1, 1, total, kDk, p.q.strides()),
+      k1(p.k.cview().data(), 1, 1, total, kDk, p.k.strides()),
+      v1(p.v.cview().data(), 1, 1, total, kDv, p.v.strides()),
+      g1(g.cview().data(), 1, 1, total, kDk, g.strides());
+  const Matrix<T> u1 = u.topRows(1);
+  linattn::causal_gated_linear_attention_into(q1, k1, v1,
+                                              linattn::with_bonus(linattn::log_gates(g1), u1),
+                                              linattn::Identity{}, long_one.view(), options);
+  linattn::causal_gated_linear_attention_into(q1, k1, v1,
+                                              linattn::with_bonus(linattn::log_gates(g1), u1),
+                                              linattn::Identity{}, long_two.view(), threaded);
+  const double error = relative_error(long_two.head(0, 0), long_one.head(0, 0));
+  INFO("two threads on one head: " << error);
+  CHECK(error <= (std::is_same_v<T, float> ? 2e-5 : 1e-12));
+}
+
+TEMPLATE_TEST_CASE("bonus views: bad u and options throw before anything is written",
+                   "[multi_head][gated][bonus][errors]", float, double) {
+  using T = TestType;
+  const Eigen::Index B = 1, H = 2, N = 40;
+  const Problem<T> p = make_problem<T>(Kind::featurized, kLayoutSets[0], B, H, N, 750);
+  const Heads<T> g = random_log_gates<T>(Layout::bhnd, B, H, N, kDk, 751);
+  Heads<T> out(Layout::bhnd, B, H, N, kDv, kSentinel<T>);
+  linattn::Options options;
+  options.normalize = false;
+  auto call = [&](const Matrix<T>& u, const linattn::Options& o) {
+    linattn::causal_gated_linear_attention_into(
+        p.q.cview(), p.k.cview(), p.v.cview(),
+        linattn::with_bonus(linattn::log_gates(g.cview()), u), linattn::Identity{}, out.view(), o);
+  };
+  const Matrix<T> good = gaussian<T>(H, kDk, 752);
+  CHECK_THROWS_WITH(call(good.topRows(1), options),
+                    Catch::Contains("the bonus u is 1 x 6 but must be 2 x 6"));
+  CHECK_THROWS_WITH(call(good.leftCols(kDk - 1), options), Catch::Contains("the bonus u"));
+  Matrix<T> bad = good;
+  bad(1, 3) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_AS(call(bad, options), linattn::Error);
+  linattn::Options normalized = options;
+  normalized.normalize = true;
+  CHECK_THROWS_WITH(call(good, normalized), Catch::Contains("normalize = false"));
+  Heads<T> positive = g;
+  positive.set_head(0, 1, Matrix<T>::Constant(N, kDk, T(0.5)));
+  CHECK_THROWS_WITH(linattn::causal_gated_linear_attention_into(
+                        p.q.cview(), p.k.cview(), p.v.cview(),
+                        linattn::with_bonus(linattn::log_gates(positive.cview()), good),
+                        linattn::Identity{}, out.view(), options),
+                    Catch::Contains("gates[b=0, h=1]"));
+  CHECK(out.gaps_hold(kSentinel<T>));
+  CHECK(std::all_of(out.data().begin(), out.data().end(), [](T x) { return x == kSentinel<T>; }));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Non-causal cross-attention on views: N_q queries over N_k keys and values.
+
+TEMPLATE_TEST_CASE("cross views: N_q queries over N_k keys give each head the matrix call",
+                   "[multi_head][cross]", float, double) {
+  using T = TestType;
+  const Eigen::Index B = 2, H = 4;
+  Tally tally;
+  double worst_naive = 0.0;
+  for (const auto& [n_q, n_k] : {std::pair<Eigen::Index, Eigen::Index>{37, 300}, {500, 20}}) {
+    for (std::size_t set = 0; set < kLayoutSets.size(); ++set) {
+      const Layouts& layouts = kLayoutSets[set];
+      for (const Kind kind : {Kind::featurized, Kind::elu, Kind::prf}) {
+        // Grouped heads too: 2 key/value heads for 4 query and output heads (multi-query-like).
+        for (const Eigen::Index kv_heads : {H, Eigen::Index(2)}) {
+          const bool positive = kind == Kind::featurized;
+          const std::uint64_t seed = 800 + 10 * set + static_cast<std::uint64_t>(n_q);
+          const Heads<T> q = random_heads<T>(layouts.q, B, H, n_q, kDk, seed, positive);
+          const Heads<T> k = random_heads<T>(layouts.k, B, kv_heads, n_k, kDk, seed + 1, positive);
+          const Heads<T> v = random_heads<T>(layouts.v, B, kv_heads, n_k, kDv, seed + 2);
+          for (const int threads : {1, 2}) {
+            linattn::Options options;
+            options.threads = threads;
+            Heads<T> out(layouts.out, B, H, n_q, kDv, kSentinel<T>);
+            attend_views<T>(kind, false, q.cview(), k.cview(), v.cview(), out.view(), options);
+            INFO("N_q = " << n_q << ", N_k = " << n_k << ", layouts " << layout_name(layouts.q)
+                          << ", " << layout_name(layouts.k) << " -> " << layout_name(layouts.out)
+                          << "; " << kind_name(kind) << ", " << kv_heads
+                          << " key heads, threads = " << threads);
+            CHECK(out.gaps_hold(kSentinel<T>));
+            for (Eigen::Index b = 0; b < B; ++b) {
+              for (Eigen::Index h = 0; h < H; ++h) {
+                const Eigen::Index hk = h / (H / kv_heads);
+                const Matrix<T> qh = q.head(b, h), kh = k.head(b, hk), vh = v.head(b, hk);
+                linattn::Options one = options;
+                one.threads = 1;
+                const Matrix<T> expected = attend_plain<T>(kind, false, qh, kh, vh, one);
+                const Matrix<T> got = out.head(b, h);
+                REQUIRE(got.allFinite());
+                CHECK(relative_error(got, expected) <= tolerance<T>());
+                if (threads == 1) tally.add(got, expected);
+                if (kind == Kind::featurized) {
+                  const Matrix<double> reference = linattn_test::naive_linear_attention(
+                      qh.template cast<double>(), kh.template cast<double>(),
+                      vh.template cast<double>(), false, 1.0, options.eps, true);
+                  const double error = relative_error(got.template cast<double>(), reference);
+                  CHECK(error <= tolerance<T>());
+                  worst_naive = std::max(worst_naive, error);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  WARN("cross views vs matrix calls: " << tally.differing << " of " << tally.compared
+                                       << " heads not bit-identical, worst " << tally.worst
+                                       << "; vs the naive formula " << worst_naive);
+  CHECK(tally.differing == 0);
+}
+
+TEMPLATE_TEST_CASE("cross views: mismatched keys and values, causal and varlen calls throw",
+                   "[multi_head][cross][errors]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  const Eigen::Index B = 1, H = 2;
+  const Heads<T> q = random_heads<T>(Layout::bhnd, B, H, 30, kDk, 900, true);
+  const Heads<T> k = random_heads<T>(Layout::bhnd, B, H, 50, kDk, 901, true);
+  const Heads<T> v = random_heads<T>(Layout::bhnd, B, H, 50, kDv, 902);
+  const Heads<T> v_short = random_heads<T>(Layout::bhnd, B, H, 49, kDv, 903);
+  Heads<T> out(Layout::bhnd, B, H, 30, kDv, kSentinel<T>);
+  const linattn::Identity id;
+  CHECK_THROWS_WITH(
+      linattn::linear_attention_into(q.cview(), k.cview(), v_short.cview(), id, out.view()),
+      Contains("v's N be phi_k's"));
+  CHECK_THROWS_WITH(
+      linattn::causal_linear_attention_into(q.cview(), k.cview(), v.cview(), id, out.view()),
+      Contains("B, H and N must match"));
+  const std::vector<std::int64_t> offsets = {0, 10, 30};
+  CHECK_THROWS_AS(linattn::linear_attention_varlen_into(q.cview(), k.cview(), v.cview(), id,
+                                                        offsets, out.view()),
+                  linattn::Error);
+  Heads<T> wide(Layout::bhnd, B, H, 50, kDv, kSentinel<T>);
+  CHECK_THROWS_WITH(
+      linattn::linear_attention_into(q.cview(), k.cview(), v.cview(), id, wide.view()),
+      Contains("out is"));
+  CHECK(std::all_of(out.data().begin(), out.data().end(), [](T x) { return x == kSentinel<T>; }));
 }

@@ -727,3 +727,129 @@ TEMPLATE_TEST_CASE("a batch step or prefill with another transition than a state
   batch.step_into(q, k, v, linattn::Identity{}, out);
   CHECK(batch[0].transition() == TransitionKind::decay);
 }
+
+TEMPLATE_TEST_CASE("bonus batch: steps and a prefill from views equal per-state bonus calls",
+                   "[state_batch][gated][bonus]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  // H = 2 heads of B = 3 sequences: state b * H + h reads row h of u (R = H rows).
+  const Eigen::Index B = 3, H = 2, count = B * H, N = 90, steps = 12;
+  const Matrix<T> u = gaussian<T>(H, kDk, 6000);
+  for (const Kind kind : {Kind::featurized, Kind::elu}) {
+    for (const Eigen::Index gate_dim : {Eigen::Index(1), kDk}) {
+      for (const int threads : {1, 2}) {
+        linattn::Options options;
+        options.threads = threads;
+        options.normalize = false;
+        options.scale = 0.5;
+        INFO(kind_name(kind) << ", gate_dim = " << gate_dim << ", threads = " << threads);
+        std::vector<T> qd(static_cast<std::size_t>(count * N * kDk)), kd(qd.size());
+        std::vector<T> vd(static_cast<std::size_t>(count * N * kDv)), od(vd.size());
+        std::vector<T> gd(static_cast<std::size_t>(count * N * gate_dim));
+        auto view = [&](std::vector<T>& data, Eigen::Index dim) {
+          return HeadsView<T>::bnhd(data.data(), {B, H, N, dim});
+        };
+        std::vector<Matrix<T>> q, k, v, g;
+        for (Eigen::Index i = 0; i < count; ++i) {
+          const std::uint64_t seed = 6100 + 10 * static_cast<std::uint64_t>(i);
+          q.push_back(inputs<T>(kind, N, seed));
+          k.push_back(inputs<T>(kind, N, seed + 1));
+          v.push_back(gaussian<T>(N, kDv, seed + 2));
+          g.push_back(log_gate_rows<T>(N, gate_dim, seed + 3, i == 1 ? 40 : -1));
+          view(qd, kDk).head(i / H, i % H) = q.back();
+          view(kd, kDk).head(i / H, i % H) = k.back();
+          view(vd, kDv).head(i / H, i % H) = v.back();
+          view(gd, gate_dim).head(i / H, i % H) = g.back();
+        }
+        RecurrentStateBatch<T> batch(count, kDk, kDv, options);
+        std::vector<RecurrentState<T>> single;
+        int differing = 0;
+        auto run = [&](const auto& map) {
+          const HeadsView<const T> gv = view(gd, gate_dim);
+          batch.prefill_into(view(qd, kDk), view(kd, kDk), view(vd, kDv),
+                             linattn::with_bonus(linattn::log_gates(gv), u), map, view(od, kDv));
+          for (Eigen::Index i = 0; i < count; ++i) {
+            const std::size_t si = static_cast<std::size_t>(i);
+            const Matrix<T> uh = u.row(i % H);
+            RecurrentState<T> state(kDk, kDv, options);
+            const Matrix<T> expected = state.prefill(
+                q[si], k[si], v[si], linattn::with_bonus(linattn::log_gates(g[si]), uh), map);
+            differing += Matrix<T>(view(od, kDv).head(i / H, i % H)) == expected ? 0 : 1;
+            CHECK(same_gated_state(batch[i], state));
+            single.push_back(state);
+          }
+          // Then bonus steps, every state against its own bonus step, bit for bit.
+          for (Eigen::Index t = 0; t < steps; ++t) {
+            const std::uint64_t seed = 6500 + 5 * static_cast<std::uint64_t>(t);
+            const Matrix<T> qt = inputs<T>(kind, count, seed),
+                            kt = inputs<T>(kind, count, seed + 1);
+            const Matrix<T> vt = gaussian<T>(count, kDv, seed + 2);
+            const Matrix<T> gt = log_gate_rows<T>(count, gate_dim, seed + 3, t == 5 ? 4 : -1);
+            Matrix<T> out(count, kDv);
+            batch.step_into(qt, kt, vt, linattn::with_bonus(linattn::log_gates(gt), u), map, out);
+            for (Eigen::Index i = 0; i < count; ++i) {
+              const Matrix<T> uh = u.row(i % H);
+              const Vector<T> expected = single[static_cast<std::size_t>(i)].step(
+                  qt.row(i), kt.row(i), vt.row(i),
+                  linattn::with_bonus(linattn::log_gates(gt.row(i)), uh), map);
+              differing += out.row(i).transpose() == expected ? 0 : 1;
+            }
+          }
+          for (Eigen::Index i = 0; i < count; ++i) {
+            CHECK(same_gated_state(batch[i], single[static_cast<std::size_t>(i)]));
+          }
+        };
+        if (kind == Kind::featurized) run(linattn::Identity{});
+        if (kind == Kind::elu) run(linattn::EluPlusOne{});
+        CHECK(differing == 0);
+        CHECK(batch[0].tokens() == N + steps);
+        // The featurized prefill + steps of state 1 (reset at token 40) against FLA's recurrence.
+        if (kind == Kind::featurized) {
+          Matrix<double> h = Matrix<double>::Zero(kDk, kDv);
+          const Matrix<double> expected = linattn_test::naive_rwkv6(
+              q[1].template cast<double>(), k[1].template cast<double>(),
+              v[1].template cast<double>(), g[1].template cast<double>(),
+              u.row(1).transpose().template cast<double>(), options.scale, h);
+          const Matrix<T> got = view(od, kDv).head(0, 1);
+          CHECK(linattn_test::relative_error(got, expected) <=
+                (std::is_same_v<T, float> ? 2e-5 : 1e-12));
+        }
+      }
+    }
+  }
+  // Errors: nothing moves.
+  linattn::Options options;
+  options.normalize = false;
+  RecurrentStateBatch<T> batch(count, kDk, kDv, options);
+  const Matrix<T> q = inputs<T>(Kind::featurized, count, 1),
+                  k = inputs<T>(Kind::featurized, count, 2);
+  const Matrix<T> v = gaussian<T>(count, kDv, 3);
+  const Matrix<T> g = log_gate_rows<T>(count, kDk, 4);
+  Matrix<T> out(count, kDv);
+  batch.step_into(q, k, v, linattn::with_bonus(linattn::log_gates(g), u), linattn::Identity{}, out);
+  const std::vector<RecurrentState<T>> before = snapshot(batch);
+  const Matrix<T> u4 = gaussian<T>(4, kDk, 5);
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::with_bonus(linattn::log_gates(g), u4),
+                                    linattn::Identity{}, out),
+                    Contains("R dividing"));
+  Matrix<T> bad_u = u;
+  bad_u(1, 2) = std::numeric_limits<T>::infinity();
+  CHECK_THROWS_AS(batch.step_into(q, k, v, linattn::with_bonus(linattn::log_gates(g), bad_u),
+                                  linattn::Identity{}, out),
+                  linattn::Error);
+  Matrix<T> bad_g = g;
+  bad_g(5, 0) = T(0.1);
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::with_bonus(linattn::log_gates(bad_g), u),
+                                    linattn::Identity{}, out),
+                    Contains("row 5"));
+  CHECK_THROWS_WITH(
+      batch.step_into(q, k, v, linattn::log_gates(g.col(0)), linattn::Identity{}, out),
+      Contains("per-feature gates"));
+  CHECK(states_moved(batch, before) == 0);
+  linattn::Options normalized;
+  RecurrentStateBatch<T> plain(count, kDk, kDv, normalized);
+  CHECK_THROWS_WITH(plain.step_into(q, k, v, linattn::with_bonus(linattn::log_gates(g), u),
+                                    linattn::Identity{}, out),
+                    Contains("normalize = false"));
+  CHECK(plain[0].tokens() == 0);
+}

@@ -46,7 +46,7 @@ inline Matrix<double> naive_linear_attention(const Matrix<double>& phi_q,
   for (Eigen::Index i = 0; i < n; ++i) {
     Eigen::RowVectorXd num = Eigen::RowVectorXd::Zero(v.cols());
     double den = 0.0;
-    const Eigen::Index last = causal ? i : n - 1;
+    const Eigen::Index last = causal ? i : phi_k.rows() - 1;  // all N_k keys when not causal
     for (Eigen::Index j = 0; j <= last; ++j) {
       const double w =
           phi_q.row(i).dot(phi_k.row(j)) * (causal ? std::pow(decay, double(i - j)) : 1.0);
@@ -115,6 +115,23 @@ inline const char* kind_name(Kind kind) {
       return "PositiveRandomFeatures";
   }
   return "?";
+}
+
+/// FLA's naive_recurrent_rwkv6 in double, token by token in its own order: the output reads
+/// the state before the token plus the token through u, then the state decays and takes it:
+/// o_t = (s r_t)^T (h + diag(u) k_t v_t^T), h <- diag(exp(w_t)) h + k_t v_t^T. Returns the
+/// outputs; `h` enters as the initial state and leaves as the final one.
+inline Matrix<double> naive_rwkv6(const Matrix<double>& r, const Matrix<double>& k,
+                                  const Matrix<double>& v, const Matrix<double>& w,
+                                  const Eigen::VectorXd& u, double scale, Matrix<double>& h) {
+  Matrix<double> out(r.rows(), v.cols());
+  for (Eigen::Index t = 0; t < r.rows(); ++t) {
+    const Matrix<double> kv = k.row(t).transpose() * v.row(t);
+    out.row(t) = (scale * r.row(t)) * (h + u.asDiagonal() * kv);
+    for (Eigen::Index i = 0; i < h.rows(); ++i) h.row(i) *= std::exp(w(t, w.cols() == 1 ? 0 : i));
+    h += kv;
+  }
+  return out;
 }
 
 }  // namespace linattn_test

@@ -16,9 +16,12 @@ namespace linattn {
 /// Gates in log space, g_t = log a_t <= 0, as FLA (`g`, `gk`) and ggml pass them; made by
 /// log_gates(g). A gate of 1 - 1e-8 survives float this way (g = -1e-8 is a float, a = 1 - 1e-8
 /// is not), and g = -infinity is a hard reset: the state before that token is forgotten.
-/// A call-argument wrapper: it refers to `g`, so pass it straight to the call.
+/// A call-argument wrapper: it refers to a matrix `g`, so pass it straight to the call (a view,
+/// HeadsView, is small and held by value).
 template <class Derived>
 class LogGates {
+  static constexpr bool is_matrix = std::is_base_of_v<Eigen::MatrixBase<Derived>, Derived>;
+
  public:
   /// @param g  N x 1 or N x C log gates, each <= 0 (-infinity allowed)
   explicit LogGates(const Derived& g) : g_(g) {}
@@ -26,7 +29,7 @@ class LogGates {
   const Derived& values() const { return g_; }
 
  private:
-  const Derived& g_;
+  std::conditional_t<is_matrix, const Derived&, Derived> g_;
 };
 
 /// Marks `g` (N x 1 or N x C, each g_t = log a_t <= 0) as log gates for the gated entry

@@ -103,7 +103,8 @@ class LinearAttentionLayer {
   /// @param q      B x H x N x Dk queries
   /// @param k      B x H x N x Dk keys
   /// @param v      B x H x N x Dv values
-  /// @param gates  B x H x N x 1 or B x H x N x C gates a_t in (0, 1], or log_gates(view)
+  /// @param gates  B x H x N x 1 or B x H x N x C gates a_t in (0, 1], or log_gates(view); or
+  ///               with_bonus(either, u) with u H x C (RWKV-6)
   /// @param out    B x H x N x Dv outputs
   template <class Q, class K, class V, class Gates, class O,
             class = detail::enable_if_head_transition<Gates, O>>
@@ -138,7 +139,8 @@ class LinearAttentionLayer {
   /// A gated prompt through the parallel form, leaving the states ready for gated steps.
   /// @param states  from make_states(B)
   /// @param q       B x H x N x Dk queries; k likewise; v B x H x N x Dv
-  /// @param gates   B x H x N x 1 or B x H x N x C gates a_t in (0, 1], or log_gates(view)
+  /// @param gates   B x H x N x 1 or B x H x N x C gates a_t in (0, 1], or log_gates(view); or
+  ///                with_bonus(either, u) with u H x C (RWKV-6)
   /// @param out     B x H x N x Dv outputs
   template <class Q, class K, class V, class Gates, class O,
             class = std::enable_if_t<detail::head_transition<Gates, O>::valid &&
@@ -182,6 +184,30 @@ class LinearAttentionLayer {
     if (q.cols() != key_dim_) {
       throw Error(std::string(where) + ": q is " + detail::shape_string(q) +
                   " but the layer has key_dim " + std::to_string(key_dim_));
+    }
+    require_no_decays<Gates>(where);
+    states.step_into(q, k, v, gates, map_, out);
+  }
+
+  /// One token with RWKV-6's bonus for each of B sequences, rows as the ungated step; head h
+  /// reads row h of u (the layer's normalize must be false and its map plain).
+  /// @param states  from make_states(B)
+  /// @param q       (B * H) x Dk receptances (queries); k likewise; v (B * H) x Dv
+  /// @param gates   with_bonus(gates, u): gates (B * H) x 1 or (B * H) x C (a_t, or
+  ///                log_gates(w)), u H x C
+  /// @param out     (B * H) x Dv outputs
+  template <class DQ, class DK, class DV, class Gates, class DU>
+  void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const BonusGates<Gates, DU>& gates,
+                 Eigen::Ref<Matrix<T>> out) const {
+    constexpr const char* where = "LinearAttentionLayer::step";
+    if (q.cols() != key_dim_) {
+      throw Error(std::string(where) + ": q is " + detail::shape_string(q) +
+                  " but the layer has key_dim " + std::to_string(key_dim_));
+    }
+    if (gates.bonus().rows() != heads_) {
+      throw Error(std::string(where) + ": the bonus u is " + detail::shape_string(gates.bonus()) +
+                  " but the layer has H = " + std::to_string(heads_) + " heads (u is H x C)");
     }
     require_no_decays<Gates>(where);
     states.step_into(q, k, v, gates, map_, out);

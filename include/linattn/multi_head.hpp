@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <linattn/config.hpp>
+#include <linattn/detail/bonus.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
@@ -36,6 +37,31 @@ LogGates<HeadsView<T>> log_gates(const HeadsView<T>& g) {
   return LogGates<HeadsView<T>>(g);
 }
 
+/// Gate views with RWKV-6's bonus u, one row of C weights per head (FLA's u, [H, K]), for
+/// causal_gated_linear_attention_into on views, RecurrentStateBatch::prefill_into and the
+/// layer: head h reads out_t = s phi(q_t)^T (S_{t-1} + diag(u.row(h)) phi(k_t) v_t^T).
+/// Options::normalize must be false and the map plain, as for one sequence. Pass it straight
+/// to the call.
+/// @param gates  B x H x N x 1 or B x H x N x C gate view (a_t), or log_gates(view)
+/// @param u      H x C bonus weights, of the views' scalar
+template <class T, class DU>
+BonusGates<HeadsView<T>, DU> with_bonus(const HeadsView<T>& gates, const Eigen::MatrixBase<DU>& u) {
+  static_assert(std::is_same_v<typename DU::Scalar, std::remove_const_t<T>>,
+                "the bonus u must have the gate view's scalar type");
+  return BonusGates<HeadsView<T>, DU>(gates, u.derived());
+}
+
+/// Log gate views with RWKV-6's bonus u: with_bonus(log_gates(view), u). See above.
+/// @param gates  log_gates(view): B x H x N x 1 or B x H x N x C log gates
+/// @param u      H x C bonus weights, of the views' scalar
+template <class T, class DU>
+BonusGates<LogGates<HeadsView<T>>, DU> with_bonus(const LogGates<HeadsView<T>>& gates,
+                                                  const Eigen::MatrixBase<DU>& u) {
+  static_assert(std::is_same_v<typename DU::Scalar, std::remove_const_t<T>>,
+                "the bonus u must have the gate view's scalar type");
+  return BonusGates<LogGates<HeadsView<T>>, DU>(gates, u.derived());
+}
+
 namespace detail {
 
 /// Output rows with any strides.
@@ -54,17 +80,21 @@ inline std::string head_name(const char* name, Eigen::Index b, Eigen::Index h) {
 }
 
 /// Which rows of which batch entry each sequence covers: all N rows of entry s for a padded
-/// batch, rows [offsets[s], offsets[s+1]) of entry 0 for a packed one.
+/// batch, rows [offsets[s], offsets[s+1]) of entry 0 for a packed one. Cross-attention's keys
+/// and values (padded batches only) have N_k rows of their own.
 struct SequenceRows {
   Eigen::Index count = 0;
   Eigen::Index tokens = 0;                             ///< N, for a padded batch
   const std::vector<std::int64_t>* offsets = nullptr;  ///< S + 1 offsets, for a packed batch
+  Eigen::Index key_tokens = -1;                        ///< N_k when not N (cross-attention)
 
   Eigen::Index batch_of(Eigen::Index s) const { return offsets ? 0 : s; }
   Eigen::Index begin(Eigen::Index s) const { return offsets ? (*offsets)[s] : 0; }
   Eigen::Index rows(Eigen::Index s) const {
     return offsets ? (*offsets)[s + 1] - (*offsets)[s] : tokens;
   }
+  /// The rows of k and v: rows(s), or N_k for cross-attention.
+  Eigen::Index key_rows(Eigen::Index s) const { return key_tokens >= 0 ? key_tokens : rows(s); }
 };
 
 /// Throws unless the offsets split `tokens` rows into sequences: 0 = o_0 <= o_1 <= ... = N.
@@ -92,24 +122,27 @@ inline void validate_offsets(const std::vector<std::int64_t>& offsets, Eigen::In
 }
 
 /// Shape checks for q, k (B x H x N x Dq), v (B x H x N x Dv) and out (B x H x N x out_dim).
+/// With `cross`, k and v may hold N_k tokens of their own (non-causal cross-attention).
 template <class Q, class K, class V, class O>
 void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const HeadsView<O>& out, Eigen::Index out_dim, const Options& options,
-                    const char* where, const char* q_name, const char* k_name) {
+                    const char* where, const char* q_name, const char* k_name, bool cross = false) {
   validate_options(options, where);
   // Grouped heads: an input may have fewer heads than out, a divisor of its H (FLA's grouping).
-  auto same_bhn = [&](auto& view, const char* name) {
-    if (view.batch() != out.batch() || view.tokens() != out.tokens() ||
-        out.heads() % view.heads() != 0) {
+  auto same_bhn = [&](auto& view, const char* name, Eigen::Index tokens) {
+    if (view.batch() != out.batch() || view.tokens() != tokens || out.heads() % view.heads() != 0) {
       throw Error(std::string(where) + ": " + name + " is " + view.sizes_string() + " but out is " +
                   out.sizes_string() +
-                  "; B, H and N must match (or H divide out's: out head h reads head h / (" +
-                  std::to_string(out.heads()) + " / H) of " + name + ")");
+                  (cross
+                       ? std::string("; B and H must match (or H divide out's), and v's N be ") +
+                             k_name + "'s (cross-attention: N_k keys and values, N_q queries)"
+                       : "; B, H and N must match (or H divide out's: out head h reads head h / (" +
+                             std::to_string(out.heads()) + " / H) of " + name + ")"));
     }
   };
-  same_bhn(q, q_name);
-  same_bhn(k, k_name);
-  same_bhn(v, "v");
+  same_bhn(q, q_name, out.tokens());
+  same_bhn(k, k_name, cross ? k.tokens() : out.tokens());
+  same_bhn(v, "v", cross ? k.tokens() : out.tokens());
   if (k.dim() != q.dim()) {
     throw Error(std::string(where) + ": " + k_name + " is " + k.sizes_string() + " but " + q_name +
                 " is " + q.sizes_string() + "; D must match");
@@ -226,10 +259,11 @@ void for_each_sequence_head(const HeadsView<Q>& q, const HeadsView<K>& k, const 
     const Eigen::Index begin = sequences.begin(s);
     const Eigen::Index rows = sequences.rows(s);
     if (rows == 0) return;
+    const Eigen::Index key_rows = sequences.key_rows(s);
     with_heads(q, k, v, out, sequences.batch_of(s), h,
                [&](const auto& qh, const auto& kh, const auto& vh, auto oh) {
-                 run(s, h, qh.middleRows(begin, rows), kh.middleRows(begin, rows),
-                     vh.middleRows(begin, rows), decltype(oh)(oh.middleRows(begin, rows)),
+                 run(s, h, qh.middleRows(begin, rows), kh.middleRows(begin, key_rows),
+                     vh.middleRows(begin, key_rows), decltype(oh)(oh.middleRows(begin, rows)),
                      inner_threads);
                });
   };
@@ -256,12 +290,30 @@ inline constexpr bool is_head_gates = false;
 template <class S, bool LogSpace>
 inline constexpr bool is_head_gates<HeadGates<S, LogSpace>> = true;
 
+/// Gate views with RWKV-6's bonus: head h is moved by gates.view.head(b, h) and reads
+/// u.row(h) (H x C, copied: a few hundred weights).
+template <class S, bool LogSpace>
+struct HeadBonus {
+  static constexpr bool log_space = LogSpace;
+  HeadGates<S, LogSpace> gates;
+  Matrix<S> u;
+};
+
+template <class Transition>
+inline constexpr bool is_head_bonus = false;
+template <class S, bool LogSpace>
+inline constexpr bool is_head_bonus<HeadBonus<S, LogSpace>> = true;
+
 /// The TransitionKind a multi-head transition gives each head's state.
 inline TransitionKind transition_kind(const UniformDecay&) { return TransitionKind::decay; }
 inline TransitionKind transition_kind(const HeadDecays&) { return TransitionKind::decay; }
 template <class S, bool LogSpace>
 TransitionKind transition_kind(const HeadGates<S, LogSpace>& gates) {
   return transition_of_gate_dim(gates.view.dim());
+}
+template <class S, bool LogSpace>
+TransitionKind transition_kind(const HeadBonus<S, LogSpace>& bonus) {
+  return transition_kind(bonus.gates);
 }
 
 /// How a multi-head transition argument is read: HeadDecays, a gate view, or log_gates(view).
@@ -284,6 +336,17 @@ struct head_transition<LogGates<HeadsView<G>>, Scalar> {
   static constexpr bool valid = std::is_same_v<std::remove_const_t<G>, Scalar>;
   static HeadGates<Scalar, true> read(const LogGates<HeadsView<G>>& gates) {
     return {gates.values()};
+  }
+};
+
+template <class G, class DU, class Scalar>
+struct head_transition<BonusGates<G, DU>, Scalar> {
+  using GateTransition = head_transition<G, Scalar>;
+  static constexpr bool valid = !std::is_same_v<G, HeadDecays> && GateTransition::valid &&
+                                std::is_same_v<typename DU::Scalar, Scalar>;
+  static auto read(const BonusGates<G, DU>& bonus) {
+    const auto gates = GateTransition::read(bonus.gates());
+    return HeadBonus<Scalar, decltype(gates)::log_space>{gates, bonus.bonus()};
   }
 };
 
@@ -348,9 +411,25 @@ void validate_transition(const HeadGates<S, LogSpace>& gates, const HeadShape& s
   }
 }
 
+/// Throws unless the gate view fits (as above), u is H x C and finite, and normalize is off.
+template <class S, bool LogSpace>
+void validate_transition(const HeadBonus<S, LogSpace>& bonus, const HeadShape& shape,
+                         const Options& options, const char* where) {
+  validate_transition(bonus.gates, shape, options, where);
+  if (bonus.u.rows() != shape.heads || bonus.u.cols() != shape.dim) {
+    throw Error(std::string(where) + ": the bonus u is " + shape_string(bonus.u) + " but must be " +
+                shape_string(shape.heads, shape.dim) + " (H x C, one row per head)");
+  }
+  validate_bonus(bonus.u.reshaped(), shape.heads * shape.dim, options, where);
+}
+
 /// The range check of every head's gates (always, like the matrix form's), over the threads.
 inline void scan_transition(const UniformDecay&, int, const char*) {}
 inline void scan_transition(const HeadDecays&, int, const char*) {}
+template <class S, bool LogSpace>
+void scan_transition(const HeadBonus<S, LogSpace>& bonus, int threads, const char* where) {
+  scan_transition(bonus.gates, threads, where);
+}
 template <class S, bool LogSpace>
 void scan_transition(const HeadGates<S, LogSpace>& gates, int threads, const char* where) {
   scan_view(
@@ -445,19 +524,13 @@ void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const Heads
       const Rows ks(head.k.data(), len, dk, Eigen::OuterStride<>(dk));
       const Rows vs(head.v.data(), len, dv, Eigen::OuterStride<>(dv));
       auto run = [&](const GateRows* gates, const Options& run_options) {
-        auto attend = [&](ChunkSource<T>& source) {
-          if (gates != nullptr) source.attach_gates(*gates);
-          causal_rows<T, O>(source, head.state, OutRows<O>(head.out.topRows(len)), run_options, 1);
-        };
-        if constexpr (std::is_same_v<Map, void>) {
-          FeaturizedSource<T, Rows, Rows, Rows> source(qs, ks, vs);
-          attend(source);
-        } else {
-          MappedSource<T, Rows, Rows, Rows, Map> source(qs, ks, vs, *map, options.check_finite,
-                                                        where,
-                                                        gates == nullptr || gates->cols() == 1);
-          attend(source);
-        }
+        with_map(map, [&](const auto& head_map) {
+          with_source<T>(qs, ks, vs, head_map, gates, options.check_finite, where,
+                         [&](ChunkSource<T>& source) {
+                           causal_rows<T, O>(source, head.state, OutRows<O>(head.out.topRows(len)),
+                                             run_options, 1);
+                         });
+        });
       };
       Options head_options = options;
       head_options.threads = 1;
@@ -509,6 +582,16 @@ bool causal_token_major(const HeadsView<Q>& q, const HeadsView<K>& k, const Head
   return true;
 }
 
+/// body(map) with the map of a view call: Identity for featurized inputs (map null).
+template <class Map, class Body>
+void with_map(const Map* map, const Body& body) {
+  if constexpr (std::is_same_v<Map, void>) {
+    body(Identity{});
+  } else {
+    body(*map);
+  }
+}
+
 /// Linear attention (causal or not) over every sequence and head; `map` is null for
 /// featurized inputs.
 template <class Acc, class Q, class K, class V, class O, class Map, class Transition>
@@ -524,8 +607,10 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
   const bool featurized = map == nullptr;
   const char* q_name = featurized ? "phi_q" : "q";
   const char* k_name = featurized ? "phi_k" : "k";
-  validate_heads(q, k, v, out, v.dim(), options, where, q_name, k_name);
+  const bool cross_ok = !causal && offsets == nullptr;
+  validate_heads(q, k, v, out, v.dim(), options, where, q_name, k_name, cross_ok);
   SequenceRows sequences{q.batch(), q.tokens(), offsets};
+  if (cross_ok && k.tokens() != q.tokens()) sequences.key_tokens = k.tokens();
   if (offsets) {
     if (q.batch() != 1) {
       throw Error(std::string(where) +
@@ -544,46 +629,68 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
                   std::to_string(feature_dim) + " for input_dim " + std::to_string(q.dim()));
     }
   }
+  if constexpr (is_head_bonus<Transition> && !std::is_same_v<Map, void>) {
+    require_plain_features<Map>();
+  }
   validate_transition(transition, HeadShape{out.batch(), out.heads(), out.tokens(), feature_dim},
                       options, where);
   scan_transition(transition, resolve_threads(options), where);
   scan_heads(q, k, v, options, where, q_name, k_name);
-  if (causal && causal_token_major<Scalar>(q, k, v, out, map, transition, sequences, feature_dim,
-                                           options, where)) {
-    return;
+  // The bonus form reads each head one row ahead: it runs head by head.
+  if constexpr (!is_head_bonus<Transition>) {
+    if (causal && causal_token_major<Scalar>(q, k, v, out, map, transition, sequences, feature_dim,
+                                             options, where)) {
+      return;
+    }
   }
   for_each_sequence_head(
       q, k, v, out, sequences, options,
       [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
           int threads) {
-        using DQ = std::decay_t<decltype(qs)>;
-        using DK = std::decay_t<decltype(ks)>;
-        using DV = std::decay_t<decltype(vs)>;
-        CarriedState<Scalar> state(feature_dim, v.dim());
-        Options head_options = options;
-        head_options.threads = threads;
-        with_transition(transition, sequences.batch_of(s), h, sequences.begin(s), head_options,
-                        [&](const GateRows* gates, const Options& run_options) {
-                          auto attend = [&](ChunkSource<Scalar>& source) {
-                            if (gates != nullptr) source.attach_gates(*gates);
-                            if (causal) {
-                              run_causal(source, state, os, run_options, threads);
-                            } else {
-                              run_non_causal(source, state, os, run_options, threads);
-                            }
-                          };
-                          if constexpr (std::is_same_v<Map, void>) {
-                            FeaturizedSource<Scalar, DQ, DK, DV> source(qs, ks, vs);
-                            attend(source);
-                          } else {
-                            // Per-feature gates read plain features (an exponential map's checked
-                            // finite).
-                            MappedSource<Scalar, DQ, DK, DV, Map> source(
-                                qs, ks, vs, *map, options.check_finite, where,
-                                gates == nullptr || gates->cols() == 1);
-                            attend(source);
-                          }
-                        });
+        with_map(map, [&](const auto& head_map) {
+          if constexpr (is_head_bonus<Transition>) {
+            const auto gates = transition.gates.view.head(sequences.batch_of(s), h)
+                                   .middleRows(sequences.begin(s), qs.rows());
+            auto attend = [&](const auto& gate_rows) {
+              bonus_rows<Scalar>(qs, ks, vs, gate_rows, transition.u.row(h), head_map, os, options,
+                                 threads, where);
+            };
+            if constexpr (Transition::log_space) {
+              attend(LogGates<std::decay_t<decltype(gates)>>(gates));
+            } else {
+              attend(gates);
+            }
+          } else {
+            CarriedState<Scalar> state(feature_dim, v.dim());
+            Options head_options = options;
+            head_options.threads = threads;
+            with_transition(
+                transition, sequences.batch_of(s), h, sequences.begin(s), head_options,
+                [&](const GateRows* gates, const Options& run_options) {
+                  if (qs.rows() != ks.rows()) {
+                    // Cross-attention: the sums over N_k keys, read by N_q queries.
+                    with_source<Scalar>(ks, ks, vs, head_map, nullptr, options.check_finite, where,
+                                        [&](ChunkSource<Scalar>& keys) {
+                                          with_source<Scalar>(qs, qs, vs, head_map, nullptr,
+                                                              options.check_finite, where,
+                                                              [&](ChunkSource<Scalar>& queries) {
+                                                                run_cross(keys, queries, state, os,
+                                                                          run_options, threads);
+                                                              });
+                                        });
+                    return;
+                  }
+                  with_source<Scalar>(qs, ks, vs, head_map, gates, options.check_finite, where,
+                                      [&](ChunkSource<Scalar>& source) {
+                                        if (causal) {
+                                          run_causal(source, state, os, run_options, threads);
+                                        } else {
+                                          run_non_causal(source, state, os, run_options, threads);
+                                        }
+                                      });
+                });
+          }
+        });
       });
 }
 
@@ -628,12 +735,14 @@ void causal_linear_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k,
                                "causal_linear_attention");
 }
 
-/// Non-causal linear attention for every head of every sequence, with a feature map.
-/// @param q    B x Hq x N x Dk queries (Hq divides H)
-/// @param k    B x Hk x N x Dk keys (Hk divides H)
-/// @param v    B x Hv x N x Dv values (Hv divides H)
+/// Non-causal linear attention for every head of every sequence, with a feature map. The keys
+/// and values may hold N_k tokens and the queries N_q (cross-attention: a Perceiver's latents
+/// over its inputs, a decoder over an encoder), as linear_attention on matrices.
+/// @param q    B x Hq x N_q x Dk queries (Hq divides H)
+/// @param k    B x Hk x N_k x Dk keys (Hk divides H)
+/// @param v    B x Hv x N_k x Dv values (Hv divides H)
 /// @param map  feature map (Identity{} for precomputed features)
-/// @param out  B x H x N x Dv result
+/// @param out  B x H x N_q x Dv result
 template <class Acc = void, class Q, class K, class V, class Map, class O,
           class = detail::enable_if_heads_scalars<Q, K, V, O>>
 void linear_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,

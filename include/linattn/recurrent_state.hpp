@@ -213,12 +213,7 @@ class RecurrentState {
       const GateScope scope(*this);
       require_transition(token_transition(), where);
       load_any_token(q, k, v, map, out, where);
-      const Acc weight = bonus_weight(gate.bonus());
-      read_before();
-      if (discarded_.size() != value_dim()) discarded_.resize(value_dim());
-      advance_in_accumulator(0.0, 0.0, true, discarded_);
-      prior_ = static_cast<Acc>(options_.scale) * (prior_ + weight * value_);
-      write_token_output(prior_, out);
+      advance_bonus(gate.bonus(), out);
     }
   }
 
@@ -346,29 +341,11 @@ class RecurrentState {
       detail::validate_bonus(gates.bonus(), feature_dim(), options_, where);
       detail::require_output_shape(out, q.rows(), value_dim(), where);
       detail::scan_inputs(q, k, v, options_, where, q_name, k_name);
-      const Eigen::Index n = q.rows();
-      if (n == 0) return;
       using GateTraits = detail::gate_traits<Gates>;
       require_transition(detail::transition_of_gate_dim(GateTraits::values(gates.gates()).cols()),
                          where);
-      require_token_room(n, where);
-      RecurrentState next = *this;
-      next.load_any_token(q.row(0), k.row(0), v.row(0), map, out.row(0).transpose(), where);
-      next.read_before();
-      next.prior_ *= static_cast<Acc>(options_.scale);
-      write_token_output(next.prior_, out.row(0).transpose());
-      if (n > 1) {
-        detail::with_gate_block(gates.gates(), 0, n - 1, [&](const auto& ahead) {
-          next.prefill_into(q.bottomRows(n - 1), k.topRows(n - 1), v.topRows(n - 1), ahead, map,
-                            out.bottomRows(n - 1));
-        });
-      }
-      Vector<T> discarded(value_dim());
-      detail::with_gate_row(gates.gates(), n - 1, [&](const auto& gate) {
-        next.step_into(q.row(n - 1), k.row(n - 1), v.row(n - 1), gate, map, discarded);
-      });
-      detail::add_bonus<Acc>(q, k, v, gates.bonus(), map, options_, out, where);
-      *this = std::move(next);
+      require_token_room(q.rows(), where);
+      prefill_bonus(q, k, v, gates.gates(), gates.bonus(), map, out, 0, where);
     }
   }
 
@@ -1063,6 +1040,18 @@ class RecurrentState {
     }
   }
 
+  /// The bonus step of the token in the workspace (its gate loaded): out = s phi(q)^T (S +
+  /// diag(u) phi(k) v^T) read before the token moves the state.
+  template <class DU>
+  void advance_bonus(const Eigen::MatrixBase<DU>& u, Eigen::Ref<Vector<T>> out) {
+    const Acc weight = bonus_weight(u);
+    read_before();
+    if (discarded_.size() != value_dim()) discarded_.resize(value_dim());
+    advance_in_accumulator(0.0, 0.0, true, discarded_);
+    prior_ = static_cast<Acc>(options_.scale) * (prior_ + weight * value_);
+    write_token_output(prior_, out);
+  }
+
   /// (phi(q) o u) . phi(k) for the token in the workspace.
   template <class DU>
   Acc bonus_weight(const Eigen::MatrixBase<DU>& u) const {
@@ -1131,6 +1120,42 @@ class RecurrentState {
 
   template <class T2, class Acc2>
   friend class RecurrentStateBatch;
+
+  /// The bonus prefill on validated input (gates: a gate argument, u: C weights) into `out`
+  /// (N x Dv rows, any strides): row 0 reads the state as it stands; rows 1.. are the chunked
+  /// form with queries one row ahead (each reads the state after the token before); the last
+  /// token then only moves the state; every row adds its bonus term. On a throw the state is
+  /// unchanged.
+  template <class DQ, class DK, class DV, class Gates, class DU, class Map, class Out>
+  void prefill_bonus(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                     const Eigen::MatrixBase<DV>& v, const Gates& gates,
+                     const Eigen::MatrixBase<DU>& u, const Map& map, Out&& out, int threads,
+                     const char* where) {
+    const Eigen::Index n = q.rows();
+    if (n == 0) return;
+    RecurrentState next = *this;
+    Vector<T> row(value_dim());
+    next.load_any_token(q.row(0), k.row(0), v.row(0), map, row, where);
+    next.read_before();
+    next.prior_ *= static_cast<Acc>(options_.scale);
+    write_token_output(next.prior_, row);
+    out.row(0) = row.transpose();
+    if (n > 1) {
+      detail::with_gate_block(gates, 0, n - 1, [&](const auto& ahead) {
+        const detail::GateMatrix<std::decay_t<decltype(ahead)>> gate_rows(ahead);
+        detail::with_source<Acc>(q.bottomRows(n - 1), k.topRows(n - 1), v.topRows(n - 1), map,
+                                 &gate_rows, options_.check_finite, where,
+                                 [&](detail::ChunkSource<Acc>& source) {
+                                   next.run_chunked(source, out.bottomRows(n - 1), threads);
+                                 });
+      });
+    }
+    detail::with_gate_row(gates, n - 1, [&](const auto& gate) {
+      next.step_into(q.row(n - 1), k.row(n - 1), v.row(n - 1), gate, map, row);
+    });
+    detail::add_bonus<Acc>(q, k, v, u, map, options_, out, where);
+    *this = std::move(next);
+  }
 
   template <class OutRef>
   void run_chunked(const detail::ChunkSource<Acc>& source, OutRef&& out, int threads = 0) {

@@ -168,6 +168,64 @@ class RecurrentStateBatch {
     }
   }
 
+  /// One token with RWKV-6's bonus for every state (with_bonus(gates, u)): row i of `gates`
+  /// moves state i, which reads row i % R of u (R rows: one per head, state b * H + h reading
+  /// row h, or one per state), as its bonus step would. Options::normalize must be false, the
+  /// map plain. Everything is checked, and every token featurized, before any state moves.
+  /// @param q      size() x Dk receptances (queries), row i for state i (features, with Identity)
+  /// @param k      size() x Dk keys
+  /// @param v      size() x Dv values
+  /// @param gates  with_bonus(gates, u): gates size() x 1 or size() x C (a_t, or log_gates(w)),
+  ///               u R x C with R dividing size()
+  /// @param map    a plain feature map with map.feature_dim(Dk) == C
+  /// @param out    size() x Dv outputs, row-major
+  template <class DQ, class DK, class DV, class Gates, class DU, class Map>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const BonusGates<Gates, DU>& gates, const Map& map,
+                 Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "RecurrentStateBatch::step";
+    static_assert(std::is_same_v<detail::gate_scalar_t<Gates>, T>,
+                  "the gates must have the states' input scalar type");
+    if constexpr (detail::check_feature_map<Map, Acc>()) {
+      detail::require_plain_features<Map>();
+      constexpr bool features = detail::is_identity_map<Map>;
+      check_rows(q, k, v, out, features ? feature_dim() : q.cols(), where, features ? "phi_q" : "q",
+                 features ? "phi_k" : "k");
+      detail::validate_gates(gates.gates(), size(), feature_dim(), options(), where);
+      const DU& u = gates.bonus();
+      if (u.rows() < 1 || size() % u.rows() != 0 || u.cols() != feature_dim()) {
+        throw Error(std::string(where) + ": the bonus u is " + detail::shape_string(u) +
+                    " but must be R x " + std::to_string(feature_dim()) +
+                    " with R dividing the batch's " + std::to_string(size()) +
+                    " states (state i reads row i % R)");
+      }
+      detail::validate_bonus(u.reshaped(), u.size(), options(), where);
+      require_unit_decays(where);
+      const bool per_feature = detail::gate_traits<Gates>::values(gates.gates()).cols() > 1;
+      require_transitions(
+          per_feature ? TransitionKind::feature_gates : TransitionKind::scalar_gates, where);
+      // Every state featurizes its token (which can throw) before any state advances.
+      for_each_state([&](Eigen::Index i) {
+        State& state = states_[i];
+        if constexpr (features) {
+          state.load_token(q.row(i), k.row(i), v.row(i), out.row(i).transpose(), where, "phi_q",
+                           "phi_k");
+        } else {
+          state.featurize_token(q.row(i), k.row(i), v.row(i), map, value_dim(), where);
+          detail::load_vector(v.row(i), state.value_);
+        }
+      });
+      for_each_state([&](Eigen::Index i) {
+        detail::with_gate_row(gates.gates(), i, [&](const auto& gate) {
+          State& state = states_[i];
+          state.load_gate(gate, where);
+          const typename State::GateScope scope(state);
+          state.advance_bonus(u.row(i % u.rows()), out.row(i).transpose());
+        });
+      });
+    }
+  }
+
   /// As step_into, returning size() x Dv.
   template <class DQ, class DK, class DV, class Map = detail::MissingFeatureMap>
   Matrix<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -323,6 +381,9 @@ class RecurrentStateBatch {
       throw Error(std::string(where) + ": " + q_name + " gives " + std::to_string(features) +
                   " features per token but the states hold " + std::to_string(feature_dim()));
     }
+    if constexpr (detail::is_head_bonus<Transition> && !std::is_same_v<Map, void>) {
+      detail::require_plain_features<Map>();
+    }
     detail::validate_transition(transition,
                                 HeadShape{out.batch(), out.heads(), out.tokens(), feature_dim()},
                                 options(), where);
@@ -339,29 +400,29 @@ class RecurrentStateBatch {
         q, k, v, out, sequences, options(),
         [&](Eigen::Index b, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
             int threads) {
-          using DQ = std::decay_t<decltype(qs)>;
-          using DK = std::decay_t<decltype(ks)>;
-          using DV = std::decay_t<decltype(vs)>;
           State& state = next[static_cast<std::size_t>(b * out.heads() + h)];
-          Options head_options = options();
-          detail::with_transition(transition, b, h, 0, head_options,
-                                  [&](const detail::GateRows* gates, const Options&) {
-                                    auto run = [&](detail::ChunkSource<Acc>& source) {
-                                      if (gates != nullptr) source.attach_gates(*gates);
-                                      state.run_chunked(source, os, threads);
-                                    };
-                                    if constexpr (std::is_same_v<Map, void>) {
-                                      detail::FeaturizedSource<Acc, DQ, DK, DV> source(qs, ks, vs);
-                                      run(source);
-                                    } else {
-                                      // Per-feature gates read plain features (an exponential map's
-                                      // checked finite).
-                                      detail::MappedSource<Acc, DQ, DK, DV, Map> source(
-                                          qs, ks, vs, *map, options().check_finite, where,
-                                          gates == nullptr || gates->cols() == 1);
-                                      run(source);
-                                    }
-                                  });
+          detail::with_map(map, [&](const auto& head_map) {
+            if constexpr (detail::is_head_bonus<Transition>) {
+              const auto gates = transition.gates.view.head(b, h);
+              if constexpr (Transition::log_space) {
+                state.prefill_bonus(qs, ks, vs, LogGates<std::decay_t<decltype(gates)>>(gates),
+                                    transition.u.row(h), head_map, os, threads, where);
+              } else {
+                state.prefill_bonus(qs, ks, vs, gates, transition.u.row(h), head_map, os, threads,
+                                    where);
+              }
+            } else {
+              Options head_options = options();
+              detail::with_transition(transition, b, h, 0, head_options,
+                                      [&](const detail::GateRows* gates, const Options&) {
+                                        detail::with_source<Acc>(
+                                            qs, ks, vs, head_map, gates, options().check_finite,
+                                            where, [&](detail::ChunkSource<Acc>& source) {
+                                              state.run_chunked(source, os, threads);
+                                            });
+                                      });
+            }
+          });
         });
     states_ = std::move(next);
   }
