@@ -473,6 +473,77 @@ void run_gated(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
   require_close("gated parallel vs batch prefill", par, batched, tol);
 }
 
+/// RWKV-6's bonus on the same inputs (plain maps only, no normaliser): the chunked form against
+/// stepping every token, prefill-then-step, a 1 x 1 view (bit for bit) and a batch prefill.
+template <class T, class Map>
+void run_bonus(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+               const Map& map, bool positive, bool bounded) {
+  if constexpr (!linattn::detail::is_log_scaled<Map>::value) {
+    const Index c = map.feature_dim(in.dk);
+    const Matrix<T> g = draw_log_gates<T>(in, c);
+    Matrix<T> u(1, c);
+    for (Index j = 0; j < c; ++j) u(0, j) = static_cast<T>(std::cos(double(j + in.n)));
+    linattn::Options opt = in.options;
+    opt.decay = 1.0;
+    opt.normalize = false;
+    const bool must = bounded && in.options_valid;
+    Matrix<T> par, steps(in.n, in.dv), split(in.n, in.dv), viewed(in.n, in.dv),
+        batched(in.n, in.dv);
+    const bool par_ok = attempt("causal_gated_linear_attention(bonus)", must, [&] {
+      par = linattn::causal_gated_linear_attention(
+          q, k, v, linattn::with_bonus(linattn::log_gates(g), u), map, opt);
+    });
+    const bool steps_ok = attempt("RecurrentState::step(bonus)", must, [&] {
+      linattn::RecurrentState<T> state(c, in.dv, opt);
+      for (Index i = 0; i < in.n; ++i) {
+        steps.row(i) = state
+                           .step(q.row(i), k.row(i), v.row(i),
+                                 linattn::with_bonus(linattn::log_gates(g.row(i)), u), map)
+                           .transpose();
+      }
+    });
+    const bool split_ok = attempt("RecurrentState::prefill(bonus)", must, [&] {
+      linattn::RecurrentState<T> pieces(c, in.dv, opt);
+      const Index s = in.split;
+      if (s > 0) {
+        split.topRows(s) =
+            pieces.prefill(q.topRows(s), k.topRows(s), v.topRows(s),
+                           linattn::with_bonus(linattn::log_gates(g.topRows(s)), u), map);
+      }
+      for (Index i = s; i < in.n; ++i) {
+        split.row(i) = pieces
+                           .step(q.row(i), k.row(i), v.row(i),
+                                 linattn::with_bonus(linattn::log_gates(g.row(i)), u), map)
+                           .transpose();
+      }
+    });
+    const linattn::HeadShape qk_shape{1, 1, in.n, in.dk}, v_shape{1, 1, in.n, in.dv};
+    const auto qv = linattn::HeadsView<const T>::bhnd(q.data(), qk_shape);
+    const auto kv = linattn::HeadsView<const T>::bhnd(k.data(), qk_shape);
+    const auto vv = linattn::HeadsView<const T>::bhnd(v.data(), v_shape);
+    const auto gv = linattn::HeadsView<const T>::bhnd(g.data(), {1, 1, in.n, g.cols()});
+    const auto bonus = linattn::with_bonus(linattn::log_gates(gv), u);
+    const bool viewed_ok = attempt("causal_gated_linear_attention_into(views, bonus)", must, [&] {
+      linattn::causal_gated_linear_attention_into(
+          qv, kv, vv, bonus, map, linattn::HeadsView<T>::bhnd(viewed.data(), v_shape), opt);
+    });
+    const bool batched_ok = attempt("RecurrentStateBatch::prefill(bonus)", must, [&] {
+      linattn::RecurrentStateBatch<T> batch(1, c, in.dv, opt);
+      batch.prefill_into(qv, kv, vv, bonus, map,
+                         linattn::HeadsView<T>::bhnd(batched.data(), v_shape));
+    });
+    if (par_ok && viewed_ok && !bit_equal(par, viewed)) {
+      fail("bonus views differ from the bonus matrix call");
+    }
+    if (!(must && positive) || !par_ok || !steps_ok || !split_ok || !batched_ok) return;
+    require_finite("causal_gated_linear_attention(bonus)", par);
+    const double tol = kRelTol<T> * std::max(max_abs(par), max_abs(steps)) + 1e-6;
+    require_close("bonus parallel vs step", par, steps, tol);
+    require_close("bonus parallel vs prefill+step", par, split, tol);
+    require_close("bonus parallel vs batch prefill", par, batched, tol);
+  }
+}
+
 /// The linear kernels with one map: through the map, and on the features it computes.
 template <class T, class Map>
 void run_linear(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
@@ -533,6 +604,7 @@ void run_linear(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const M
   }
 
   run_gated(in, q, k, v, map, positive, bounded);
+  run_bonus(in, q, k, v, map, positive, bounded);
 
   if (!regime.check) return;
   require_finite("causal_linear_attention(map)", par);
