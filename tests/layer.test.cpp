@@ -9,6 +9,7 @@
 #include <linattn/heads_view.hpp>
 #include <linattn/layer.hpp>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -509,5 +510,97 @@ TEMPLATE_TEST_CASE("layer: HeadDecays and gates errors", "[layer][gated][errors]
   // A batch of HeadDecays states refuses gates itself, naming a state.
   CHECK_THROWS_WITH(states.step_into(q, q, v, linattn::log_gates(g), elu, out),
                     Contains("Options::decay"));
+  CHECK(states[0].tokens() == 0);
+}
+
+TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and prefill + steps",
+                   "[layer][grouped]", float, double) {
+  using T = TestType;
+  const Eigen::Index n = 300, prompt = 129;
+  const linattn::EluPlusOne elu;
+  linattn::Options options;
+  options.threads = 2;
+  const LinearAttentionLayer<T, linattn::EluPlusOne> layer(elu, kH, kDk, kDv, options);
+  // Qwen3-Next's grouping (fewer q/k heads than v and out), and grouped-query attention's
+  // (fewer k/v heads than q and out).
+  for (const auto& [hq, hk, hv] :
+       {std::tuple<Eigen::Index, Eigen::Index, Eigen::Index>{2, 2, kH}, {kH, 2, 2}, {1, 1, 1}}) {
+    INFO("H_q = " << hq << ", H_k = " << hk << ", H_v = " << hv);
+    auto heads = [&](Eigen::Index h, Eigen::Index d, std::uint64_t seed) {
+      std::vector<Matrix<T>> m;
+      for (Eigen::Index i = 0; i < kB * h; ++i) {
+        m.push_back(gaussian<T>(n, d, seed + 13 * static_cast<std::uint64_t>(i)));
+      }
+      return m;
+    };
+    const std::vector<Matrix<T>> q = heads(hq, kDk, 91), k = heads(hk, kDk, 92),
+                                 v = heads(hv, kDv, 93);
+    // [B, N, H, D] buffers, as a projection writes them.
+    auto pack = [&](const std::vector<Matrix<T>>& m, Eigen::Index h, Eigen::Index d) {
+      std::vector<T> data(static_cast<std::size_t>(kB * n * h * d));
+      const auto view = HeadsView<T>::bnhd(data.data(), {kB, h, n, d});
+      for (Eigen::Index i = 0; i < kB * h; ++i) view.head(i / h, i % h) = m[std::size_t(i)];
+      return data;
+    };
+    const std::vector<T> qd = pack(q, hq, kDk), kd = pack(k, hk, kDk), vd = pack(v, hv, kDv);
+    auto view = [&](const std::vector<T>& data, Eigen::Index h, Eigen::Index d, Eigen::Index from,
+                    Eigen::Index count) {
+      return token_range(HeadsView<const T>::bnhd(data.data(), {kB, h, n, d}), from, count);
+    };
+    std::vector<T> forward_data(static_cast<std::size_t>(kB * kH * n * kDv));
+    const auto forward = HeadsView<T>::bhnd(forward_data.data(), {kB, kH, n, kDv});
+    layer.forward_into(view(qd, hq, kDk, 0, n), view(kd, hk, kDk, 0, n), view(vd, hv, kDv, 0, n),
+                       forward);
+    for (Eigen::Index i = 0; i < kB * kH; ++i) {
+      const Eigen::Index b = i / kH, h = i % kH;
+      const auto pick = [&](const std::vector<Matrix<T>>& m, Eigen::Index hin) {
+        return m[static_cast<std::size_t>(b * hin + h / (kH / hin))];
+      };
+      const Matrix<T> expected =
+          linattn::causal_linear_attention(pick(q, hq), pick(k, hk), pick(v, hv), elu, options);
+      CHECK(relative_error(forward.head(b, h), expected) <= tolerance<T>());
+    }
+    // The prompt through prefill, the rest token by token with (B * H_in) x D rows.
+    auto states = layer.make_states(kB);
+    std::vector<T> prefill_data(static_cast<std::size_t>(kB * kH * prompt * kDv));
+    const auto prefilled = HeadsView<T>::bhnd(prefill_data.data(), {kB, kH, prompt, kDv});
+    layer.prefill_into(states, view(qd, hq, kDk, 0, prompt), view(kd, hk, kDk, 0, prompt),
+                       view(vd, hv, kDv, 0, prompt), prefilled);
+    // max |recurrent - forward| over every head and token, relative to max |forward|.
+    double diff = 0.0, scale = 0.0;
+    for (Eigen::Index i = 0; i < kB * kH; ++i) {
+      const Matrix<double> expected = forward.head(i / kH, i % kH).template cast<double>();
+      scale = std::max(scale, expected.cwiseAbs().maxCoeff());
+      diff = std::max(
+          diff, (prefilled.head(i / kH, i % kH).template cast<double>() - expected.topRows(prompt))
+                    .cwiseAbs()
+                    .maxCoeff());
+    }
+    Matrix<T> qt(kB * hq, kDk), kt(kB * hk, kDk), vt(kB * hv, kDv), ot(kB * kH, kDv);
+    for (Eigen::Index t = prompt; t < n; ++t) {
+      for (Eigen::Index i = 0; i < kB * hq; ++i) qt.row(i) = q[std::size_t(i)].row(t);
+      for (Eigen::Index i = 0; i < kB * hk; ++i) kt.row(i) = k[std::size_t(i)].row(t);
+      for (Eigen::Index i = 0; i < kB * hv; ++i) vt.row(i) = v[std::size_t(i)].row(t);
+      layer.step_into(states, qt, kt, vt, ot);
+      for (Eigen::Index i = 0; i < kB * kH; ++i) {
+        const Eigen::RowVectorXd expected =
+            forward.head(i / kH, i % kH).row(t).template cast<double>();
+        diff = std::max(diff, (ot.row(i).template cast<double>() - expected).cwiseAbs().maxCoeff());
+      }
+    }
+    CHECK(diff / scale <= tolerance<T>());
+    CHECK(states[0].tokens() == n);
+  }
+  // Head counts that do not divide H, and out with other than H heads, throw.
+  auto states = layer.make_states(kB);
+  const Matrix<T> q3 = gaussian<T>(kB * 3, kDk, 1), v = gaussian<T>(kB * kH, kDv, 2);
+  Matrix<T> out(kB * kH, kDv);
+  CHECK_THROWS_WITH(layer.step_into(states, q3, q3, v, out), Catch::Contains("R rows"));
+  std::vector<T> data(static_cast<std::size_t>(kB * 3 * 10 * kDk));
+  const auto three = HeadsView<const T>::bhnd(data.data(), {kB, 3, 10, kDk});
+  std::vector<T> out_data(static_cast<std::size_t>(kB * kH * 10 * kDv));
+  CHECK_THROWS_WITH(layer.forward_into(three, three, three,
+                                       HeadsView<T>::bhnd(out_data.data(), {kB, kH, 10, kDv})),
+                    Catch::Contains("grouped heads"));
   CHECK(states[0].tokens() == 0);
 }

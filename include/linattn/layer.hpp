@@ -19,6 +19,9 @@ namespace linattn {
 /// both forms): `forward` is the parallel form, for training and prompts; `prefill` and `step`
 /// are the recurrent form over a RecurrentStateBatch, for decoding. Both give the same outputs.
 /// The projections around attention (W_q, W_k, W_v, W_o) stay with the caller's model.
+/// Grouped heads: H is the output's head count; q, k and v may have fewer heads, a divisor of
+/// H, in every form (output head h reads head h / (H / H_in), FLA's grouping; a step's rows
+/// alike: (B * H_in) x D).
 /// @tparam T    float, double, Eigen::half or Eigen::bfloat16: the type of q, k, v and the
 ///              outputs
 /// @tparam Map  feature map type (EluPlusOne, Relu, PositiveRandomFeatures, ...)
@@ -91,7 +94,7 @@ class LinearAttentionLayer {
   template <class Q, class K, class V, class O>
   void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const HeadsView<O>& out) const {
-    check_heads(q, v, "LinearAttentionLayer::forward");
+    check_heads(q, k, v, out, "LinearAttentionLayer::forward");
     if (decays_.values.empty()) {
       causal_linear_attention_into<Acc>(q, k, v, map_, out, options_);
     } else {
@@ -111,7 +114,7 @@ class LinearAttentionLayer {
   void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const Gates& gates, const HeadsView<O>& out) const {
     constexpr const char* where = "LinearAttentionLayer::forward";
-    check_heads(q, v, where);
+    check_heads(q, k, v, out, where);
     require_no_decays<Gates>(where);
     causal_gated_linear_attention_into<Acc>(q, k, v, gates, map_, out, options_);
   }
@@ -132,7 +135,7 @@ class LinearAttentionLayer {
   template <class Q, class K, class V, class O>
   void prefill_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
                     const HeadsView<V>& v, const HeadsView<O>& out) const {
-    check_heads(q, v, "LinearAttentionLayer::prefill");
+    check_heads(q, k, v, out, "LinearAttentionLayer::prefill");
     states.prefill_into(q, k, v, map_, out);
   }
 
@@ -148,7 +151,7 @@ class LinearAttentionLayer {
   void prefill_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
                     const HeadsView<V>& v, const Gates& gates, const HeadsView<O>& out) const {
     constexpr const char* where = "LinearAttentionLayer::prefill";
-    check_heads(q, v, where);
+    check_heads(q, k, v, out, where);
     require_no_decays<Gates>(where);
     states.prefill_into(q, k, v, gates, map_, out);
   }
@@ -156,9 +159,9 @@ class LinearAttentionLayer {
   /// One token for each of B sequences; row b * H + h holds head h of sequence b (a [B, H, D]
   /// tensor viewed as a (B * H) x D row-major matrix).
   /// @param states  from make_states(B)
-  /// @param q       (B * H) x Dk queries
-  /// @param k       (B * H) x Dk keys
-  /// @param v       (B * H) x Dv values
+  /// @param q       (B * H) x Dk queries (or (B * H_q) x Dk, H_q dividing H: grouped heads)
+  /// @param k       (B * H) x Dk keys (or (B * H_k) x Dk)
+  /// @param v       (B * H) x Dv values (or (B * H_v) x Dv)
   /// @param out     (B * H) x Dv outputs
   template <class DQ, class DK, class DV>
   void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -214,12 +217,19 @@ class LinearAttentionLayer {
   }
 
  private:
-  template <class Q, class V>
-  void check_heads(const HeadsView<Q>& q, const HeadsView<V>& v, const char* where) const {
-    if (q.heads() != heads_ || q.dim() != key_dim_ || v.dim() != value_dim_) {
-      throw Error(std::string(where) + ": q is " + q.sizes_string() + " and v " + v.sizes_string() +
+  /// Throws unless q, k and v have the layer's widths and a head count dividing H (grouped
+  /// heads), and out has H heads of Dv.
+  template <class Q, class K, class V, class O>
+  void check_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                   const HeadsView<O>& out, const char* where) const {
+    auto groups = [&](Eigen::Index h) { return h >= 1 && heads_ % h == 0; };
+    if (!groups(q.heads()) || !groups(k.heads()) || !groups(v.heads()) || out.heads() != heads_ ||
+        q.dim() != key_dim_ || v.dim() != value_dim_) {
+      throw Error(std::string(where) + ": q is " + q.sizes_string() + ", k " + k.sizes_string() +
+                  ", v " + v.sizes_string() + " and out " + out.sizes_string() +
                   " but the layer has H = " + std::to_string(heads_) +
-                  ", Dk = " + std::to_string(key_dim_) + ", Dv = " + std::to_string(value_dim_));
+                  " (out's heads; q, k and v may have a divisor of it, grouped heads), Dk = " +
+                  std::to_string(key_dim_) + ", Dv = " + std::to_string(value_dim_));
     }
   }
 

@@ -17,7 +17,10 @@ namespace linattn {
 
 /// `size()` independent RecurrentStates of the same shape and options, advanced by one call:
 /// row i of every argument belongs to state i. For H heads of B sequences, state b * H + h
-/// holds head h of sequence b (the order prefill_into uses). Threads (Options::threads, with
+/// holds head h of sequence b (the order prefill_into uses). A step's q, k and v may be grouped
+/// like the views' heads: R rows with R dividing size(), state i reading row i / (size() / R),
+/// so state b * H + h reads row b * H_in + h / (H / H_in) of H_in heads per sequence (Qwen3-Next's
+/// 16 q/k heads over 32 v heads). Threads (Options::threads, with
 /// OpenMP) go over the states; the result is the same as stepping each state on its own.
 /// T and Acc as for RecurrentState (Acc defaults to T, or to float for Eigen::half and
 /// Eigen::bfloat16).
@@ -88,9 +91,9 @@ class RecurrentStateBatch {
   /// One token for every state through a feature map (Identity{} for precomputed features).
   /// Every state and every input is checked, and every token featurized, before any state
   /// moves: a throwing call changes nothing.
-  /// @param q    size() x Dk queries, row i for state i
-  /// @param k    size() x Dk keys
-  /// @param v    size() x Dv values
+  /// @param q    size() x Dk queries, row i for state i (or R x Dk, grouped)
+  /// @param k    size() x Dk keys (or R x Dk, grouped)
+  /// @param v    size() x Dv values (or R x Dv, grouped)
   /// @param map  feature map with map.feature_dim(Dk) == C
   /// @param out  size() x Dv outputs, row-major
   template <class DQ, class DK, class DV, class Map>
@@ -104,16 +107,18 @@ class RecurrentStateBatch {
       require_transitions(TransitionKind::decay, where);
       if constexpr (detail::is_identity_map<Map>) {
         for_each_state([&](Eigen::Index i) {
-          states_[i].step_into(q.row(i), k.row(i), v.row(i), map, out.row(i).transpose());
+          states_[i].step_into(q.row(input_row(q, i)), k.row(input_row(k, i)),
+                               v.row(input_row(v, i)), map, out.row(i).transpose());
         });
       } else {
         // Every state featurizes its token (which can throw) before any state advances.
         for_each_state([&](Eigen::Index i) {
-          states_[i].featurize_token(q.row(i), k.row(i), v.row(i), map, value_dim(), where);
+          states_[i].featurize_token(q.row(input_row(q, i)), k.row(input_row(k, i)),
+                                     v.row(input_row(v, i)), map, value_dim(), where);
         });
         constexpr bool log_scaled = detail::is_log_scaled<Map>::value;
         for_each_state([&](Eigen::Index i) {
-          states_[i].advance_featurized(v.row(i), log_scaled, out.row(i).transpose());
+          states_[i].advance_featurized(v.row(input_row(v, i)), log_scaled, out.row(i).transpose());
         });
       }
     }
@@ -122,9 +127,10 @@ class RecurrentStateBatch {
   /// One gated token for every state: row i of `gates` moves state i, as its gated step
   /// would (Options::decay must be 1). Every state, input and gate is checked, and every
   /// token featurized, before any state moves: a throwing call changes nothing.
-  /// @param q      size() x Dk queries, row i for state i (features, with Identity)
-  /// @param k      size() x Dk keys
-  /// @param v      size() x Dv values
+  /// @param q      size() x Dk queries, row i for state i (features, with Identity), or R x Dk
+  ///               grouped
+  /// @param k      size() x Dk keys (or R x Dk, grouped)
+  /// @param v      size() x Dv values (or R x Dv, grouped)
   /// @param gates  size() x 1 or size() x C gates a_t in (0, 1], or log_gates(g) with g <= 0
   /// @param map    feature map with map.feature_dim(Dk) == C
   /// @param out    size() x Dv outputs, row-major
@@ -149,19 +155,21 @@ class RecurrentStateBatch {
         // Every state featurizes its token (which can throw) before any state advances.
         for_each_state([&](Eigen::Index i) {
           State& state = states_[i];
-          state.featurize_token(q.row(i), k.row(i), v.row(i), map, value_dim(), where);
+          state.featurize_token(q.row(input_row(q, i)), k.row(input_row(k, i)),
+                                v.row(input_row(v, i)), map, value_dim(), where);
           if (per_feature) state.unscale_token(where);
         });
       }
       for_each_state([&](Eigen::Index i) {
         detail::with_gate_row(gates, i, [&](const auto& gate) {
           if constexpr (features) {
-            states_[i].step_into(q.row(i), k.row(i), v.row(i), gate, map, out.row(i).transpose());
+            states_[i].step_into(q.row(input_row(q, i)), k.row(input_row(k, i)),
+                                 v.row(input_row(v, i)), gate, map, out.row(i).transpose());
           } else {
             State& state = states_[i];
             state.load_gate(gate, where);
             const typename State::GateScope scope(state);
-            state.advance_featurized(v.row(i), true, out.row(i).transpose());
+            state.advance_featurized(v.row(input_row(v, i)), true, out.row(i).transpose());
           }
         });
       });
@@ -172,9 +180,10 @@ class RecurrentStateBatch {
   /// moves state i, which reads row i % R of u (R rows: one per head, state b * H + h reading
   /// row h, or one per state), as its bonus step would. Options::normalize must be false, the
   /// map plain. Everything is checked, and every token featurized, before any state moves.
-  /// @param q      size() x Dk receptances (queries), row i for state i (features, with Identity)
-  /// @param k      size() x Dk keys
-  /// @param v      size() x Dv values
+  /// @param q      size() x Dk receptances (queries), row i for state i (features, with
+  ///               Identity), or R x Dk grouped
+  /// @param k      size() x Dk keys (or R x Dk, grouped)
+  /// @param v      size() x Dv values (or R x Dv, grouped)
   /// @param gates  with_bonus(gates, u): gates size() x 1 or size() x C (a_t, or log_gates(w)),
   ///               u R x C with R dividing size()
   /// @param map    a plain feature map with map.feature_dim(Dk) == C
@@ -208,11 +217,12 @@ class RecurrentStateBatch {
       for_each_state([&](Eigen::Index i) {
         State& state = states_[i];
         if constexpr (features) {
-          state.load_token(q.row(i), k.row(i), v.row(i), out.row(i).transpose(), where, "phi_q",
-                           "phi_k");
+          state.load_token(q.row(input_row(q, i)), k.row(input_row(k, i)), v.row(input_row(v, i)),
+                           out.row(i).transpose(), where, "phi_q", "phi_k");
         } else {
-          state.featurize_token(q.row(i), k.row(i), v.row(i), map, value_dim(), where);
-          detail::load_vector(v.row(i), state.value_);
+          state.featurize_token(q.row(input_row(q, i)), k.row(input_row(k, i)),
+                                v.row(input_row(v, i)), map, value_dim(), where);
+          detail::load_vector(v.row(input_row(v, i)), state.value_);
         }
       });
       for_each_state([&](Eigen::Index i) {
@@ -279,17 +289,22 @@ class RecurrentStateBatch {
                       std::is_same_v<typename DK::Scalar, T> &&
                       std::is_same_v<typename DV::Scalar, T>,
                   "RecurrentStateBatch<T>: inputs must have scalar type T");
+    // Inputs may be grouped (rows dividing size()); out has a row per state.
     auto require = [&](Eigen::Index rows, Eigen::Index cols, Eigen::Index want_cols,
-                       const std::string& shape, const char* name) {
-      if (rows != size() || cols != want_cols) {
-        throw Error(std::string(where) + ": " + name + " is " + shape + " but the batch needs " +
-                    detail::shape_string(size(), want_cols) + " (one row per state)");
+                       const std::string& shape, const char* name, bool grouped) {
+      const bool rows_ok = grouped ? rows >= 1 && size() % rows == 0 : rows == size();
+      if (!rows_ok || cols != want_cols) {
+        throw Error(
+            std::string(where) + ": " + name + " is " + shape + " but the batch needs " +
+            detail::shape_string(size(), want_cols) + " (one row per state" +
+            (grouped ? ", or R rows with R dividing " + std::to_string(size()) + ": grouped heads)"
+                     : ")"));
       }
     };
-    require(q.rows(), q.cols(), q_cols, detail::shape_string(q), q_name);
-    require(k.rows(), k.cols(), q_cols, detail::shape_string(k), k_name);
-    require(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v");
-    require(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out");
+    require(q.rows(), q.cols(), q_cols, detail::shape_string(q), q_name, true);
+    require(k.rows(), k.cols(), q_cols, detail::shape_string(k), k_name, true);
+    require(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v", true);
+    require(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out", false);
     if (options().check_finite) {
       detail::require_finite(q, where, q_name);
       detail::require_finite(k, where, k_name);
@@ -297,6 +312,14 @@ class RecurrentStateBatch {
     }
     require_uniform_states(where);
     for (const State& state : states_) state.require_token_room(1, where);
+  }
+
+  /// The row of a grouped input that state i reads, i / (size() / rows): with H states per
+  /// sequence and H_in rows, state b * H + h reads row b * H_in + h / (H / H_in), FLA's
+  /// grouping (the views' too).
+  template <class D>
+  Eigen::Index input_row(const Eigen::MatrixBase<D>& x, Eigen::Index i) const {
+    return i / (size() / x.rows());
   }
 
   /// Throws unless every state has the batch's dimensions (a state assigned through
