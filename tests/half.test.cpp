@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <limits>
 #include <linattn/feature_maps.hpp>
+#include <linattn/gated.hpp>
 #include <linattn/layer.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/multi_head.hpp>
@@ -678,4 +679,73 @@ TEMPLATE_TEST_CASE("16-bit conversions and the NaN/Inf scan match the scalar def
   CHECK(round_trip == 0);
   CHECK(scan_errors == 0);
   CHECK(rounding_errors == 0);
+}
+
+TEMPLATE_TEST_CASE("gated views of 16-bit memory: every transition, as the float call rounded",
+                   "[half][multi_head][gated]", Eigen::half, Eigen::bfloat16) {
+  using T = TestType;
+  using linattn::ConstHeadsView;
+  using linattn::HeadsView;
+  const Eigen::Index batch = 2, heads = 3, tokens = 150;
+  const Matrix<T> q = rounded<T>(batch * heads * tokens, kDk, 101);
+  const Matrix<T> k = rounded<T>(batch * heads * tokens, kDk, 102);
+  const Matrix<T> v = rounded<T>(batch * heads * tokens, kDv, 103);
+  const linattn::EluPlusOne map;
+  const Matrix<float> u = gaussian<float>(heads, kDk, 104);
+  const Matrix<T> u_t = u.template cast<T>();
+  // [B, N, H, D] memory, as a projection writes it; the gates laid out alike.
+  const linattn::HeadShape qk{batch, heads, tokens, kDk}, vo{batch, heads, tokens, kDv};
+  const auto q_view = ConstHeadsView<T>::bnhd(q.data(), qk);
+  const auto k_view = ConstHeadsView<T>::bnhd(k.data(), qk);
+  const auto v_view = ConstHeadsView<T>::bnhd(v.data(), vo);
+  for (const int kind : {0, 1, 2, 3}) {  // HeadDecays, scalar, per-feature, per-feature + bonus
+    const Eigen::Index gate_dim = kind == 1 ? 1 : kDk;
+    const Matrix<T> g =
+        (-0.2f * gaussian<float>(batch * heads * tokens, gate_dim, 105).cwiseAbs()).cast<T>();
+    const auto g_view = ConstHeadsView<T>::bnhd(g.data(), {batch, heads, tokens, gate_dim});
+    const linattn::HeadDecays decays{{0.9, 0.97, 0.99}};
+    linattn::Options options;
+    options.normalize = kind < 2;
+    Matrix<T> out(batch * heads * tokens, kDv);
+    const auto out_view = HeadsView<T>::bnhd(out.data(), vo);
+    if (kind == 0) {
+      linattn::causal_gated_linear_attention_into(q_view, k_view, v_view, decays, map, out_view,
+                                                  options);
+    } else if (kind < 3) {
+      linattn::causal_gated_linear_attention_into(
+          q_view, k_view, v_view, linattn::log_gates(g_view), map, out_view, options);
+    } else {
+      linattn::causal_gated_linear_attention_into(
+          q_view, k_view, v_view, linattn::with_bonus(linattn::log_gates(g_view), u_t), map,
+          out_view, options);
+    }
+    double worst = 0.0;
+    for (Eigen::Index b = 0; b < batch; ++b) {
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        // The float call on the same (widened) values.
+        const Matrix<float> qf = q_view.head(b, h).template cast<float>(),
+                            kf = k_view.head(b, h).template cast<float>(),
+                            vf = v_view.head(b, h).template cast<float>(),
+                            gf = g_view.head(b, h).template cast<float>();
+        linattn::Options head = options;
+        Matrix<float> expected;
+        if (kind == 0) {
+          head.decay = decays.values[static_cast<std::size_t>(h)];
+          expected = linattn::causal_linear_attention(qf, kf, vf, map, head);
+        } else if (kind < 3) {
+          expected =
+              linattn::causal_gated_linear_attention(qf, kf, vf, linattn::log_gates(gf), map, head);
+        } else {
+          const Matrix<float> uh = u_t.row(h).template cast<float>();
+          expected = linattn::causal_gated_linear_attention(
+              qf, kf, vf, linattn::with_bonus(linattn::log_gates(gf), uh), map, head);
+        }
+        const Matrix<float> got = out_view.head(b, h).template cast<float>();
+        REQUIRE(got.allFinite());
+        worst = std::max(worst, relative_error(got, expected));
+      }
+    }
+    INFO("transition " << kind << ": worst " << worst);
+    CHECK(worst <= 2 * eps<T>());
+  }
 }
