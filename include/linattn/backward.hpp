@@ -400,6 +400,16 @@ void gate_gradients(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<
   }
 }
 
+/// The scalar checks of a gated backward (plain or with the bonus), in one place.
+template <class T, class A, class Gates, class DO>
+constexpr void require_gated_backward_scalars() {
+  static_assert(is_supported_scalar<T> && is_supported_scalar<A>,
+                "the gated backward takes float or double inputs and accumulators");
+  static_assert(std::is_same_v<gate_scalar_t<Gates>, T>,
+                "the gates must have the inputs' scalar type");
+  static_assert(std::is_same_v<typename DO::Scalar, T>, "grad_out must have the inputs' scalar");
+}
+
 /// The gated causal backward: validates everything, runs the passes of causal_backward with
 /// the gates (featurized in Acc for a map other than Identity, whose backward is chained) and
 /// the gate gradients, and writes `grads` only when all of it succeeded.
@@ -411,11 +421,7 @@ void gated_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>&
                     const char* where) {
   using T = typename DQ::Scalar;
   using A = accumulator_t<Acc, T>;
-  static_assert(is_supported_scalar<T> && is_supported_scalar<A>,
-                "the gated backward takes float or double inputs and accumulators");
-  static_assert(std::is_same_v<gate_scalar_t<Gates>, T>,
-                "the gates must have the inputs' scalar type");
-  static_assert(std::is_same_v<typename DO::Scalar, T>, "grad_out must have the inputs' scalar");
+  require_gated_backward_scalars<T, A, Gates, DO>();
   if constexpr (check_feature_map<Map, A>()) {
     constexpr bool features = is_identity_map<Map>;
     validate_backward(q, k, v, grad_out, options, where, features ? "phi_q" : "q",

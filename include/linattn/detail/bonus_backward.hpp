@@ -58,11 +58,7 @@ void bonus_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>&
                     const char* where) {
   using T = typename DQ::Scalar;
   using A = accumulator_t<Acc, T>;
-  static_assert(is_supported_scalar<T> && is_supported_scalar<A>,
-                "the gated backward takes float or double inputs and accumulators");
-  static_assert(std::is_same_v<gate_scalar_t<Gates>, T>,
-                "the gates must have the inputs' scalar type");
-  static_assert(std::is_same_v<typename DO::Scalar, T>, "grad_out must have the inputs' scalar");
+  require_gated_backward_scalars<T, A, Gates, DO>();
   if constexpr (check_feature_map<Map, A>()) {
     require_plain_features<Map>();
     constexpr bool features = is_identity_map<Map>;
