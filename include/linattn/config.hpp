@@ -56,6 +56,26 @@ struct Options {
   int threads = 0;
 };
 
+/// Settings of the delta-rule kernels (DeltaNet, Gated DeltaNet, KDA), FLA's conventions.
+struct DeltaOptions {
+  /// s, multiplying q: out_t = S_t^T (s q_t). Negative (the default) takes Dk^-1/2, FLA's
+  /// default; otherwise finite and > 0.
+  double scale = -1.0;
+  /// Normalises q and k per token inside the kernel, x / sqrt(|x|^2 + 1e-6), as FLA's
+  /// use_qk_l2norm_in_kernel and every released model do. Without it the keys' norms are the
+  /// caller's: |beta| |k|^2 > 2 makes the recurrence grow without bound.
+  bool l2_normalize = false;
+  /// Accepts beta in (0, 2] (I - beta k k^T may then have a negative eigenvalue, FLA's
+  /// allow_neg_eigval) instead of (0, 1].
+  bool allow_negative_eigenvalues = false;
+  /// Tokens per chunk of the chunked (WY) form; >= 1. Changes speed, not results.
+  Eigen::Index chunk = 64;
+  /// Scan q, k and v for NaN and Inf and throw on them (beta and gates are always checked).
+  bool check_finite = true;
+  /// Threads for one call when linattn is built with OpenMP; as Options::threads.
+  int threads = 0;
+};
+
 /// Thrown for bad input at the API boundary; the message names the argument and the shapes.
 class Error : public std::invalid_argument {
  public:

@@ -201,13 +201,14 @@ void require_gates_in_range(const Eigen::MatrixBase<Derived>& gates, const char*
   }
 }
 
-/// Throws unless gates is rows x 1 (one gate per token) or rows x features (one per feature).
+/// Throws unless gates is rows x 1 (one gate per token) or rows x features (one per feature);
+/// `q_name` names the queries whose shape the message quotes.
 template <class Derived>
 void require_gate_shape(const Eigen::MatrixBase<Derived>& gates, Eigen::Index rows,
-                        Eigen::Index features, const char* where) {
+                        Eigen::Index features, const char* where, const char* q_name = "phi_q") {
   if (gates.rows() != rows || (gates.cols() != 1 && gates.cols() != features)) {
-    throw Error(std::string(where) + ": gates is " + shape_string(gates) + " but phi_q is " +
-                shape_string(rows, features) + "; gates must be " + shape_string(rows, 1) +
+    throw Error(std::string(where) + ": gates is " + shape_string(gates) + " but " + q_name +
+                " is " + shape_string(rows, features) + "; gates must be " + shape_string(rows, 1) +
                 " (one gate per token) or " + shape_string(rows, features) + " (one per feature)");
   }
 }

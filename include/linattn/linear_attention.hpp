@@ -38,10 +38,6 @@ using enable_if_same_scalar4 =
                      std::is_same_v<typename DQ::Scalar, typename DV::Scalar> &&
                      std::is_same_v<typename DQ::Scalar, typename DG::Scalar>>;
 
-/// The accumulation type: Acc, or when Acc is void the input scalar (float for 16-bit inputs).
-template <class Acc, class Scalar>
-using accumulator_t = std::conditional_t<std::is_void_v<Acc>, default_accumulator_t<Scalar>, Acc>;
-
 /// Runs the causal or non-causal kernel over `source` from an empty state into `out`, with
 /// the state and every sum in T, on up to Options::threads threads.
 template <bool Causal, class T, class OutRef>

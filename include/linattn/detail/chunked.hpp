@@ -122,6 +122,21 @@ void load_rows(const Eigen::MatrixBase<Derived>& src, Matrix<Acc>& dst) {
   }
 }
 
+/// out rows [0, rows) = src rows [0, rows) converted to O: load_rows' inverse. 16-bit rows with
+/// adjacent entries go through convert(), many at a time (the values of Eigen's cast).
+template <class O, class T, class Out>
+void store_rows(const Matrix<T>& src, Eigen::Index rows, Out& out) {
+  if constexpr (is_half_scalar<O> && std::is_same_v<T, float>) {
+    if (out.innerStride() == 1) {
+      for (Eigen::Index r = 0; r < rows; ++r) {
+        convert(src.data() + r * src.cols(), &out.coeffRef(r, 0), src.cols());
+      }
+      return;
+    }
+  }
+  out.topRows(rows) = src.topRows(rows).template cast<O>();
+}
+
 /// dst = the vector expression x converted to Acc (dst already has x.size() entries); as
 /// load_rows, through convert() for 16-bit entries adjacent in memory.
 template <class Acc, class Derived>

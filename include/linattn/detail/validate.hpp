@@ -41,6 +41,10 @@ constexpr bool is_input_scalar = is_supported_scalar<Scalar> || is_half_scalar<S
 template <class Scalar>
 using default_accumulator_t = std::conditional_t<is_half_scalar<Scalar>, float, Scalar>;
 
+/// The accumulation type: Acc, or when Acc is void the input scalar (float for 16-bit inputs).
+template <class Acc, class Scalar>
+using accumulator_t = std::conditional_t<std::is_void_v<Acc>, default_accumulator_t<Scalar>, Acc>;
+
 /// True if any entry of `m` (a 16-bit float type) is NaN or +-Inf: a pass over the bits, since
 /// the arithmetic scan of require_finite would be emulated element by element.
 template <class Derived>

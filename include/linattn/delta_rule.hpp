@@ -1,0 +1,449 @@
+// SPDX-License-Identifier: MIT
+// The delta rule (FLA's conventions): DeltaNet, Gated DeltaNet (Qwen3-Next) and KDA (Kimi
+// Linear), in the chunked form for prefill and training and the recurrent form for decoding.
+#pragma once
+
+#include <cstdint>
+#include <linattn/config.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/delta_rule.hpp>
+#include <linattn/detail/openmp.hpp>
+#include <linattn/detail/parallel.hpp>
+#include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
+#include <linattn/gates.hpp>
+#include <string>
+#include <type_traits>
+
+/// The recurrence, with q, k: N x Dk, v: N x Dv, beta: N and (gated forms) log gates g:
+/// N x 1 (Gated DeltaNet) or N x Dk (KDA), a_t = exp(g_t):
+///     S'_t = diag(a_t) S_{t-1}                                  (the decay first)
+///     S_t  = S'_t + beta_t k_t (v_t - S'_t^T k_t)^T             (the delta on the decayed state)
+///     out_t = S_t^T (s q_t)                                      (no normaliser)
+/// that is S_t = (I - beta_t k_t k_t^T) diag(a_t) S_{t-1} + beta_t k_t v_t^T, as FLA's
+/// chunk_gated_delta_rule / chunk_kda compute it, with s = DeltaOptions::scale (Dk^-1/2 by
+/// default) and q, k optionally L2-normalised inside the kernel. Every entry point takes an
+/// optional first template argument, the accumulation type (default: the input scalar).
+namespace linattn {
+
+namespace detail {
+
+/// Throws unless the inputs share one scalar type.
+template <class DQ, class DK, class DV, class DB>
+constexpr void check_delta_scalars() {
+  static_assert(std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
+                    std::is_same_v<typename DQ::Scalar, typename DV::Scalar> &&
+                    std::is_same_v<typename DQ::Scalar, typename DB::Scalar>,
+                "the delta rule takes q, k, v and beta of one scalar type: cast them first");
+  static_assert(is_input_scalar<typename DQ::Scalar>,
+                "the delta rule takes float, double, Eigen::half or Eigen::bfloat16 inputs");
+}
+
+/// Every check of a delta-rule sequence before anything is written: options, shapes, beta,
+/// the gates (`gates` null for DeltaNet), the output, then (check_finite) q, k and v.
+template <class DQ, class DK, class DV, class DB, class Out>
+void validate_delta_sequence(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+                             const Out& out, const DeltaOptions& options, const char* where) {
+  validate_delta_options(options, where);
+  const Options engine = engine_options(options);
+  validate_sequence_shapes(q, k, v, engine, where, "q", "k");
+  validate_beta(beta, q.rows(), options, where);
+  require_output_shape(out, q.rows(), v.cols(), where);
+}
+
+/// The gates of a gated call: N x 1 or N x Dk, in range.
+template <class Gates>
+void validate_delta_gates(const Gates& gates, Eigen::Index rows, Eigen::Index key_dim,
+                          const char* where) {
+  using Traits = gate_traits<Gates>;
+  require_gate_shape(Traits::values(gates), rows, key_dim, where, "q");
+  require_gates_in_range<Traits::log_space>(Traits::values(gates), where, "gates");
+}
+
+/// Runs the chunked form over every token from `state` on (Dk x Dv, left after the last
+/// token), writing out rows when `out` is not null. Inputs validated by the caller.
+template <class T, class O, class DQ, class DK, class DV, class DB>
+void run_delta_rule(const DQ& q, const DK& k, const DV& v, const DB& beta, const GateRows* gates,
+                    const DeltaOptions& options, Matrix<T>& state, OutRows<O>* out,
+                    const char* where) {
+  const SerialEigenScope serial;
+  const BetaVector<T, DB> beta_rows(beta);
+  with_source<T>(q, k, v, Identity{}, gates, false, where, [&](ChunkSource<T>& source) {
+    DeltaKernel<T, O> kernel(q.rows(), q.cols(), v.cols(), options);
+    kernel.run(source, beta_rows, state, out);
+  });
+}
+
+/// The matrix entry points: validate, then the chunked form from a zero state.
+template <class Acc, class DQ, class DK, class DV, class DB, class Gates>
+void delta_rule_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                     const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+                     const Gates* gates, Eigen::Ref<Matrix<typename DQ::Scalar>> out,
+                     const DeltaOptions& options, const char* where) {
+  using Scalar = typename DQ::Scalar;
+  using T = accumulator_t<Acc, Scalar>;
+  static_assert(is_supported_scalar<T>,
+                "the delta rule accumulates in float or double (Acc = float or double)");
+  check_delta_scalars<DQ, DK, DV, DB>();
+  validate_delta_sequence(q, k, v, beta, out, options, where);
+  if constexpr (!std::is_void_v<Gates>) {
+    static_assert(std::is_same_v<gate_scalar_t<Gates>, Scalar>,
+                  "the gates must have the inputs' scalar type");
+    validate_delta_gates(*gates, q.rows(), q.cols(), where);
+  }
+  scan_inputs(q, k, v, engine_options(options), where, "q", "k");
+  Matrix<T> state = Matrix<T>::Zero(q.cols(), v.cols());
+  OutRows<Scalar> rows(out);
+  if constexpr (std::is_void_v<Gates>) {
+    run_delta_rule<T, Scalar>(q.derived(), k.derived(), v.derived(), beta.derived(), nullptr,
+                              options, state, &rows, where);
+  } else {
+    const GateMatrix<Gates> gate_rows(*gates);
+    run_delta_rule<T, Scalar>(q.derived(), k.derived(), v.derived(), beta.derived(), &gate_rows,
+                              options, state, &rows, where);
+  }
+}
+
+}  // namespace detail
+
+/// DeltaNet, chunked form, into `out`: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
+/// out_t = S_t^T (s q_t), from a zero state (DeltaRuleState carries one in and out).
+/// Allocates O(chunk * (Dk + Dv + chunk) + Dk * Dv), nothing proportional to N.
+/// @param q        N x Dk queries
+/// @param k        N x Dk keys (L2-normalised, or DeltaOptions::l2_normalize)
+/// @param v        N x Dv values
+/// @param beta     N learning rates in (0, 1] ((0, 2] with allow_negative_eigenvalues), a row
+///                 or column vector
+/// @param out      N x Dv result, row-major; may not alias the inputs
+/// @param options  scale, l2_normalize, allow_negative_eigenvalues, chunk, check_finite
+template <class Acc = void, class DQ, class DK, class DV, class DB>
+void causal_delta_rule_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                            const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+                            Eigen::Ref<Matrix<typename DQ::Scalar>> out,
+                            const DeltaOptions& options = {}) {
+  detail::delta_rule_into<Acc, DQ, DK, DV, DB, void>(q, k, v, beta, nullptr, out, options,
+                                                     "causal_delta_rule");
+}
+
+/// DeltaNet, chunked form; returns N x Dv. See causal_delta_rule_into.
+/// @param q     N x Dk queries
+/// @param k     N x Dk keys
+/// @param v     N x Dv values
+/// @param beta  N learning rates
+template <class Acc = void, class DQ, class DK, class DV, class DB>
+Matrix<typename DQ::Scalar> causal_delta_rule(const Eigen::MatrixBase<DQ>& q,
+                                              const Eigen::MatrixBase<DK>& k,
+                                              const Eigen::MatrixBase<DV>& v,
+                                              const Eigen::MatrixBase<DB>& beta,
+                                              const DeltaOptions& options = {}) {
+  Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  causal_delta_rule_into<Acc>(q, k, v, beta, out, options);
+  return out;
+}
+
+/// Gated DeltaNet (scalar gates, Qwen3-Next) and KDA (per-feature gates, Kimi Linear),
+/// chunked form, into `out`: S_t = (I - beta_t k_t k_t^T) diag(a_t) S_{t-1} + beta_t k_t v_t^T,
+/// out_t = S_t^T (s q_t), from a zero state. Gates are given as FLA's log gates,
+/// log_gates(g) with g_t = log a_t <= 0 (-infinity is a hard reset), or as a_t in (0, 1].
+/// @param q        N x Dk queries
+/// @param k        N x Dk keys (L2-normalised, or DeltaOptions::l2_normalize)
+/// @param v        N x Dv values
+/// @param gates    N x 1 (Gated DeltaNet's g) or N x Dk (KDA's g): log_gates(g) or a_t
+/// @param beta     N learning rates in (0, 1] ((0, 2] with allow_negative_eigenvalues)
+/// @param out      N x Dv result, row-major; may not alias the inputs
+/// @param options  scale, l2_normalize, allow_negative_eigenvalues, chunk, check_finite
+template <class Acc = void, class DQ, class DK, class DV, class Gates, class DB,
+          class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+void causal_gated_delta_rule_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                  const Eigen::MatrixBase<DV>& v, const Gates& gates,
+                                  const Eigen::MatrixBase<DB>& beta,
+                                  Eigen::Ref<Matrix<typename DQ::Scalar>> out,
+                                  const DeltaOptions& options = {}) {
+  detail::delta_rule_into<Acc>(q, k, v, beta, &gates, out, options, "causal_gated_delta_rule");
+}
+
+/// Gated DeltaNet and KDA, chunked form; returns N x Dv. See causal_gated_delta_rule_into.
+/// @param q      N x Dk queries
+/// @param k      N x Dk keys
+/// @param v      N x Dv values
+/// @param gates  N x 1 or N x Dk: log_gates(g) or a_t
+/// @param beta   N learning rates
+template <class Acc = void, class DQ, class DK, class DV, class Gates, class DB,
+          class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+Matrix<typename DQ::Scalar> causal_gated_delta_rule(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Gates& gates, const Eigen::MatrixBase<DB>& beta, const DeltaOptions& options = {}) {
+  Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
+  causal_gated_delta_rule_into<Acc>(q, k, v, gates, beta, out, options);
+  return out;
+}
+
+/// The delta rule's recurrent form: the state S (Dk x Dv) of one sequence and its tokens.
+/// `step` adds one token in two passes over S, allocating nothing; `prefill` adds many through
+/// the chunked form; both give the outputs of one causal_(gated_)delta_rule call over the
+/// whole sequence. A state keeps the transition it is first moved with (no gates, scalar or
+/// per-feature gates): moving a Gated DeltaNet state without its gates throws. T is the input
+/// type (float, double, Eigen::half, Eigen::bfloat16), Acc the state's (float or double).
+template <class T, class Acc = detail::default_accumulator_t<T>>
+class DeltaRuleState {
+  static_assert(detail::is_input_scalar<T>,
+                "DeltaRuleState<T, Acc> takes float, double, Eigen::half or Eigen::bfloat16 "
+                "inputs (T)");
+  static_assert(detail::is_supported_scalar<Acc>,
+                "DeltaRuleState<T, Acc> accumulates in float or double: for 16-bit inputs write "
+                "DeltaRuleState<Eigen::half, float>");
+
+ public:
+  /// @param key_dim    Dk, the width of q and k
+  /// @param value_dim  Dv, the width of v
+  /// @param options    scale, l2_normalize, allow_negative_eigenvalues, check_finite (and
+  ///                   chunk, for prefill)
+  DeltaRuleState(Eigen::Index key_dim, Eigen::Index value_dim, const DeltaOptions& options = {})
+      : s_(Matrix<Acc>::Zero(
+            detail::require_positive_dim(key_dim, "DeltaRuleState", "key_dim"),
+            detail::require_positive_dim(value_dim, "DeltaRuleState", "value_dim"))),
+        options_(options),
+        token_(key_dim, value_dim) {
+    detail::validate_delta_options(options, "DeltaRuleState");
+  }
+
+  /// A state that starts from S = s0 (an initial state, FLA's initial_state[b, h]).
+  /// @param s0       Dk x Dv, finite
+  /// @param options  as the constructor's
+  template <class DS>
+  static DeltaRuleState from_state(const Eigen::MatrixBase<DS>& s0,
+                                   const DeltaOptions& options = {}) {
+    constexpr const char* where = "DeltaRuleState::from_state";
+    if (s0.rows() < 1 || s0.cols() < 1) {
+      throw Error(std::string(where) + ": s0 is empty (" + detail::shape_string(s0) +
+                  "), expected Dk x Dv with Dk, Dv >= 1");
+    }
+    const Matrix<Acc> s = s0.template cast<Acc>();
+    detail::require_finite(s, where, "s0");
+    DeltaRuleState state(s.rows(), s.cols(), options);
+    state.s_ = s;
+    return state;
+  }
+
+  /// DeltaNet: adds one token and returns its output.
+  /// @param q     Dk query (any row or column vector expression)
+  /// @param k     Dk key
+  /// @param v     Dv value
+  /// @param beta  the token's learning rate
+  /// @return      Dv output S_t^T (s q)
+  template <class DQ, class DK, class DV>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, T beta) {
+    Vector<T> out(value_dim());
+    step_into(q, k, v, beta, out);
+    return out;
+  }
+
+  /// Gated DeltaNet and KDA: adds one token with its gate and returns its output.
+  /// @param gate  1 (scalar) or Dk (per feature) gates: log_gates(g) or a_t
+  template <class DQ, class DK, class DV, class Gate,
+            class = std::enable_if_t<detail::gate_traits<Gate>::is_gate>>
+  Vector<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Gate& gate, T beta) {
+    Vector<T> out(value_dim());
+    step_into(q, k, v, gate, beta, out);
+    return out;
+  }
+
+  /// As step(q, k, v, beta), writing into `out` (Dv); allocates nothing. On a throw the
+  /// state is unchanged.
+  template <class DQ, class DK, class DV>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, T beta, Eigen::Ref<Vector<T>> out) {
+    constexpr const char* where = "DeltaRuleState::step";
+    load_token(q, k, v, beta, out, where);
+    require_transition(TransitionKind::decay, where);
+    advance(beta, 0, out);
+  }
+
+  /// As the gated step, writing into `out` (Dv); allocates nothing. On a throw the state is
+  /// unchanged.
+  template <class DQ, class DK, class DV, class Gate,
+            class = std::enable_if_t<detail::gate_traits<Gate>::is_gate>>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Gate& gate, T beta,
+                 Eigen::Ref<Vector<T>> out) {
+    constexpr const char* where = "DeltaRuleState::step";
+    using Traits = detail::gate_traits<Gate>;
+    static_assert(std::is_same_v<detail::gate_scalar_t<Gate>, T>,
+                  "the gate must have the state's input scalar type");
+    load_token(q, k, v, beta, out, where);
+    const auto& values = Traits::values(gate);
+    if ((values.rows() != 1 && values.cols() != 1) ||
+        (values.size() != 1 && values.size() != key_dim())) {
+      throw Error(std::string(where) + ": gate is " + detail::shape_string(values) +
+                  ", expected 1 gate (scalar) or " + std::to_string(key_dim()) +
+                  " (one per key feature)");
+    }
+    detail::require_gates_in_range<Traits::log_space>(values, where, "gate");
+    require_transition(detail::transition_of_gate_dim(values.size()), where);
+    for (Eigen::Index i = 0; i < values.size(); ++i) {
+      const double g = static_cast<double>(values.reshaped()(i));
+      token_.gate(i) = static_cast<Acc>(Traits::log_space ? std::exp(g) : g);
+    }
+    advance(beta, values.size(), out);
+  }
+
+  /// DeltaNet: adds many tokens through the chunked form and returns their outputs (N x Dv),
+  /// the same as steps.
+  /// @param q     N x Dk queries
+  /// @param k     N x Dk keys
+  /// @param v     N x Dv values
+  /// @param beta  N learning rates
+  template <class DQ, class DK, class DV, class DB>
+  Matrix<T> prefill(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta) {
+    Matrix<T> out(q.rows(), v.cols());
+    prefill_into(q, k, v, beta, out);
+    return out;
+  }
+
+  /// Gated DeltaNet and KDA: adds many tokens with their gates (N x 1 or N x Dk, log_gates(g)
+  /// or a_t) through the chunked form and returns their outputs (N x Dv).
+  template <class DQ, class DK, class DV, class Gates, class DB,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  Matrix<T> prefill(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Gates& gates,
+                    const Eigen::MatrixBase<DB>& beta) {
+    Matrix<T> out(q.rows(), v.cols());
+    prefill_into(q, k, v, gates, beta, out);
+    return out;
+  }
+
+  /// As prefill(q, k, v, beta), writing into `out` (N x Dv). On a throw the state is unchanged.
+  template <class DQ, class DK, class DV, class DB>
+  void prefill_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+                    Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "DeltaRuleState::prefill";
+    validate_prefill(q, k, v, beta, out, where);
+    require_transition(TransitionKind::decay, where);
+    detail::scan_inputs(q, k, v, detail::engine_options(options_), where, "q", "k");
+    run(q, k, v, beta, static_cast<const detail::GateRows*>(nullptr), out, where);
+  }
+
+  /// As the gated prefill, writing into `out` (N x Dv). On a throw the state is unchanged.
+  template <class DQ, class DK, class DV, class Gates, class DB,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  void prefill_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                    const Eigen::MatrixBase<DV>& v, const Gates& gates,
+                    const Eigen::MatrixBase<DB>& beta, Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "DeltaRuleState::prefill";
+    static_assert(std::is_same_v<detail::gate_scalar_t<Gates>, T>,
+                  "the gates must have the state's input scalar type");
+    validate_prefill(q, k, v, beta, out, where);
+    detail::validate_delta_gates(gates, q.rows(), key_dim(), where);
+    const Eigen::Index gate_dim = detail::gate_traits<Gates>::values(gates).cols();
+    require_transition(detail::transition_of_gate_dim(gate_dim), where);
+    detail::scan_inputs(q, k, v, detail::engine_options(options_), where, "q", "k");
+    const detail::GateMatrix<Gates> gate_rows(gates);
+    run(q, k, v, beta, &gate_rows, out, where);
+  }
+
+  /// S, Dk x Dv: out_t = S_t^T (s q_t).
+  const Matrix<Acc>& s() const { return s_; }
+  /// Tokens added since construction or the last reset().
+  std::int64_t tokens() const { return tokens_; }
+  /// Dk.
+  Eigen::Index key_dim() const { return s_.rows(); }
+  /// Dv.
+  Eigen::Index value_dim() const { return s_.cols(); }
+  /// The transition the state is moved by (none until the first token).
+  TransitionKind transition() const { return kind_; }
+  /// The options given at construction.
+  const DeltaOptions& options() const { return options_; }
+  /// S = 0, no tokens, no transition yet.
+  void reset() {
+    s_.setZero();
+    tokens_ = 0;
+    kind_ = TransitionKind::none;
+  }
+
+ private:
+  template <class DQ, class DK, class DV>
+  void load_token(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                  const Eigen::MatrixBase<DV>& v, T beta, const Eigen::Ref<Vector<T>>& out,
+                  const char* where) {
+    detail::check_delta_scalars<DQ, DK, DV, DQ>();
+    static_assert(std::is_same_v<typename DQ::Scalar, T>,
+                  "the token must have the state's input scalar type");
+    detail::require_vector(q, key_dim(), where, "q");
+    detail::require_vector(k, key_dim(), where, "k");
+    detail::require_vector(v, value_dim(), where, "v");
+    detail::require_output_size(out, value_dim(), where);
+    detail::require_beta_in_range(Eigen::Matrix<T, 1, 1>::Constant(beta), options_, where);
+    if (options_.check_finite) {
+      detail::require_finite(q, where, "q");
+      detail::require_finite(k, where, "k");
+      detail::require_finite(v, where, "v");
+    }
+    detail::load_vector(q, token_.q);
+    detail::load_vector(k, token_.k);
+    detail::load_vector(v, token_.v);
+  }
+
+  /// The loaded token through the recurrence; out = its output.
+  void advance(T beta, Eigen::Index gates, Eigen::Ref<Vector<T>> out) {
+    if (options_.l2_normalize) {
+      token_.q *= static_cast<Acc>(
+          1.0 / std::sqrt(static_cast<double>(token_.q.squaredNorm()) + detail::kL2NormEps));
+      token_.k *= static_cast<Acc>(
+          1.0 / std::sqrt(static_cast<double>(token_.k.squaredNorm()) + detail::kL2NormEps));
+    }
+    token_.q *= static_cast<Acc>(detail::delta_scale(options_, key_dim()));
+    detail::delta_step(s_, token_, static_cast<Acc>(beta), gates);
+    out = token_.out.template cast<T>();
+    ++tokens_;
+    if (kind_ == TransitionKind::none) kind_ = detail::transition_of_gate_dim(gates);
+  }
+
+  template <class DQ, class DK, class DV, class DB>
+  void validate_prefill(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                        const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+                        const Eigen::Ref<Matrix<T>>& out, const char* where) const {
+    detail::check_delta_scalars<DQ, DK, DV, DB>();
+    static_assert(std::is_same_v<typename DQ::Scalar, T>,
+                  "the tokens must have the state's input scalar type");
+    detail::validate_delta_sequence(q, k, v, beta, out, options_, where);
+    if (q.cols() != key_dim() || v.cols() != value_dim()) {
+      throw Error(std::string(where) + ": q is " + detail::shape_string(q) + " and v " +
+                  detail::shape_string(v) +
+                  " but the state is Dk x Dv = " + detail::shape_string(key_dim(), value_dim()));
+    }
+  }
+
+  template <class DQ, class DK, class DV, class DB>
+  void run(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+           const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+           const detail::GateRows* gates, Eigen::Ref<Matrix<T>> out, const char* where) {
+    detail::OutRows<T> rows(out);
+    detail::run_delta_rule<Acc, T>(q.derived(), k.derived(), v.derived(), beta.derived(), gates,
+                                   options_, s_, &rows, where);
+    tokens_ += q.rows();
+    if (kind_ == TransitionKind::none) {
+      kind_ = detail::transition_of_gate_dim(gates == nullptr ? 0 : gates->cols());
+    }
+  }
+
+  void require_transition(TransitionKind kind, const char* where) const {
+    if (detail::continues_transition(kind_, kind)) return;
+    throw Error(std::string(where) + ": the state is moved by " +
+                detail::delta_transition_name(kind_) + " but this call gives " +
+                detail::delta_transition_name(kind) +
+                "; a state keeps one transition (reset() it to start another)");
+  }
+
+  Matrix<Acc> s_;
+  DeltaOptions options_;
+  std::int64_t tokens_ = 0;
+  TransitionKind kind_ = TransitionKind::none;
+  detail::DeltaStepBuffers<Acc> token_;
+};
+
+}  // namespace linattn

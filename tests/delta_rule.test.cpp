@@ -1,0 +1,408 @@
+// The delta rule (DeltaNet, Gated DeltaNet, KDA): the chunked form and DeltaRuleState against
+// an independent recurrence written here in double, FLA's naive_recurrent_* token by token.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <limits>
+#include <linattn/delta_rule.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "support.hpp"
+
+namespace {
+
+using linattn::DeltaOptions;
+using linattn::DeltaRuleState;
+using linattn::Matrix;
+using linattn::Vector;
+using linattn_test::gaussian;
+using linattn_test::relative_error;
+
+constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
+
+/// FLA's naive recurrence in double: q scaled by s (after the optional L2 normalisation,
+/// x / sqrt(|x|^2 + 1e-6)), then per token S <- diag(exp(g_t)) S, S <- S + k (beta (v - S^T k))^T,
+/// o = S^T q. `log_gates` has 0 columns (DeltaNet), 1 or Dk; `state` enters as the initial
+/// state and leaves as the final one.
+Matrix<double> naive_delta_rule(Matrix<double> q, Matrix<double> k, const Matrix<double>& v,
+                                const Vector<double>& beta, const Matrix<double>& log_gates,
+                                double scale, bool l2_normalize, Matrix<double>& state) {
+  const Eigen::Index n = q.rows();
+  Matrix<double> out(n, v.cols());
+  for (Eigen::Index t = 0; t < n; ++t) {
+    Eigen::RowVectorXd qt = q.row(t);
+    Eigen::RowVectorXd kt = k.row(t);
+    if (l2_normalize) {
+      qt /= std::sqrt(qt.squaredNorm() + 1e-6);
+      kt /= std::sqrt(kt.squaredNorm() + 1e-6);
+    }
+    qt *= scale;
+    for (Eigen::Index d = 0; d < state.rows(); ++d) {
+      if (log_gates.cols() == 0) break;
+      const double g = log_gates(t, log_gates.cols() == 1 ? 0 : d);
+      state.row(d) *= std::exp(g);
+    }
+    const Eigen::RowVectorXd pred = kt * state;
+    const Eigen::RowVectorXd u = beta(t) * (v.row(t) - pred);
+    state += kt.transpose() * u;
+    out.row(t) = qt * state;
+  }
+  return out;
+}
+
+Matrix<double> naive_delta_rule(const Matrix<double>& q, const Matrix<double>& k,
+                                const Matrix<double>& v, const Vector<double>& beta,
+                                const Matrix<double>& log_gates, double scale, bool l2_normalize) {
+  Matrix<double> state = Matrix<double>::Zero(q.cols(), v.cols());
+  return naive_delta_rule(q, k, v, beta, log_gates, scale, l2_normalize, state);
+}
+
+/// One sequence's inputs in double: q, k, v Gaussian (keys normalised unless raw_keys), beta
+/// in [0.05, 1], log gates of `gate_cols` columns in [-0.2, 0] (0: DeltaNet).
+struct Sequence {
+  Matrix<double> q, k, v, log_gates;
+  Vector<double> beta;
+  Sequence(Eigen::Index n, Eigen::Index dk, Eigen::Index dv, Eigen::Index gate_cols,
+           std::uint64_t seed)
+      : q(gaussian<double>(n, dk, seed)),
+        k(gaussian<double>(n, dk, seed + 1)),
+        v(gaussian<double>(n, dv, seed + 2)),
+        log_gates(-0.1 * (gaussian<double>(n, gate_cols, seed + 3).array().abs())),
+        beta(0.05 + 0.95 * (gaussian<double>(n, 1, seed + 4).array().abs().min(1.0))) {
+    for (Eigen::Index t = 0; t < n; ++t) k.row(t).normalize();
+  }
+};
+
+/// The chunked call in T on the sequence: DeltaNet without gates, else log_gates(g).
+template <class T>
+Matrix<T> chunked(const Sequence& s, const DeltaOptions& options) {
+  const Matrix<T> q = s.q.cast<T>();
+  const Matrix<T> k = s.k.cast<T>();
+  const Matrix<T> v = s.v.cast<T>();
+  const Vector<T> beta = s.beta.cast<T>();
+  if (s.log_gates.cols() == 0) return linattn::causal_delta_rule(q, k, v, beta, options);
+  const Matrix<T> g = s.log_gates.cast<T>();
+  return linattn::causal_gated_delta_rule(q, k, v, linattn::log_gates(g), beta, options);
+}
+
+/// The bound on the chunked form against the naive recurrence: DESIGN.md's for the delta rule.
+template <class T>
+double bound() {
+  return std::is_same_v<T, float> ? 1e-4 : 1e-10;
+}
+
+const char* variant_name(Eigen::Index gate_cols) {
+  return gate_cols == 0 ? "DeltaNet" : gate_cols == 1 ? "Gated DeltaNet" : "KDA";
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the chunked delta rule matches the naive recurrence", "[delta_rule]", float,
+                   double) {
+  const Eigen::Index dk = 32;
+  for (const Eigen::Index dv : {Eigen::Index{32}, Eigen::Index{48}}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+      for (const Eigen::Index chunk : {Eigen::Index{16}, Eigen::Index{32}, Eigen::Index{64}}) {
+        for (const Eigen::Index n : {Eigen::Index{1}, Eigen::Index{37}, Eigen::Index{200}}) {
+          CAPTURE(dv, gate_cols, chunk, n);
+          const Sequence s(n, dk, dv, gate_cols, 10 + static_cast<std::uint64_t>(n));
+          DeltaOptions options;
+          options.chunk = chunk;
+          const Matrix<double> expected =
+              naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 1.0 / std::sqrt(32.0), false);
+          const Matrix<TestType> out = chunked<TestType>(s, options);
+          INFO(variant_name(gate_cols));
+          CHECK(relative_error(out, expected) <= bound<TestType>());
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("the delta rule takes FLA's conventions: scale and in-kernel L2 norm",
+                   "[delta_rule]", float, double) {
+  // Raw (unnormalised) q and k: l2_normalize divides by sqrt(|x|^2 + 1e-6) as FLA's l2norm.
+  Sequence s(150, 24, 16, 1, 77);
+  s.k = gaussian<double>(150, 24, 78, 3.0);
+  DeltaOptions options;
+  options.l2_normalize = true;
+  options.chunk = 32;
+  const Matrix<double> expected =
+      naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 1.0 / std::sqrt(24.0), true);
+  CHECK(relative_error(chunked<TestType>(s, options), expected) <= bound<TestType>());
+  // An explicit scale replaces Dk^-1/2.
+  options.scale = 0.75;
+  const Matrix<double> scaled = naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 0.75, true);
+  CHECK(relative_error(chunked<TestType>(s, options), scaled) <= bound<TestType>());
+  // Scale multiplies the output and nothing else.
+  CHECK(relative_error(scaled, (expected * (0.75 * std::sqrt(24.0))).eval()) <= 1e-13);
+}
+
+TEMPLATE_TEST_CASE("the delta rule's gates: 1 exactly, down to 1e-30, hard resets mid-chunk",
+                   "[delta_rule]", float, double) {
+  const Eigen::Index dk = 16;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, dk}) {
+    CAPTURE(gate_cols);
+    Sequence s(300, dk, 24, gate_cols, 91);
+    // Stretches of gates of exactly 1, of 1e-30 (log -69), and two resets inside chunks.
+    s.log_gates.middleRows(10, 40).setZero();
+    s.log_gates.middleRows(60, 5).setConstant(std::log(1e-30));
+    s.log_gates.row(100).setConstant(kMinusInf);
+    if (gate_cols > 1) {
+      s.log_gates(170, 3) = kMinusInf;  // one feature forgotten
+      s.log_gates(171, 0) = std::log(1e-30);
+    } else {
+      s.log_gates(170, 0) = kMinusInf;
+    }
+    DeltaOptions options;
+    options.chunk = 64;
+    const Matrix<double> expected =
+        naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 0.25, false);
+    CHECK(relative_error(chunked<TestType>(s, options), expected) <= bound<TestType>());
+    // Gates as a_t give the same outputs as log gates, up to the rounding of a_t; a_t cannot
+    // reset, so the resets become gates of 1e-30.
+    const Matrix<double> tiny = s.log_gates.array().max(std::log(1e-30)).matrix();
+    const Matrix<TestType> a = tiny.array().exp().matrix().cast<TestType>();
+    const Matrix<TestType> by_gate =
+        linattn::causal_gated_delta_rule(s.q.cast<TestType>(), s.k.cast<TestType>(),
+                                         s.v.cast<TestType>(), a, s.beta.cast<TestType>(), options);
+    const Matrix<double> expected_tiny = naive_delta_rule(s.q, s.k, s.v, s.beta, tiny, 0.25, false);
+    CHECK(relative_error(by_gate, expected_tiny) <= bound<TestType>());
+  }
+}
+
+TEMPLATE_TEST_CASE("the delta rule's beta: near 0, 1, and 2 with negative eigenvalues",
+                   "[delta_rule]", float, double) {
+  for (const double beta : {1e-6, 1.0, 2.0}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, Eigen::Index{16}}) {
+      CAPTURE(beta, gate_cols);
+      Sequence s(130, 16, 16, gate_cols, 5);
+      s.beta.setConstant(beta);
+      DeltaOptions options;
+      options.allow_negative_eigenvalues = beta > 1.0;
+      options.chunk = 32;
+      const Matrix<double> expected =
+          naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 0.25, false);
+      CHECK(relative_error(chunked<TestType>(s, options), expected) <= bound<TestType>());
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("DeltaRuleState: steps, prefill, prefill then steps, initial state",
+                   "[delta_rule]", float, double) {
+  const Eigen::Index dk = 32;
+  const Eigen::Index dv = 24;
+  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+    CAPTURE(gate_cols);
+    const Sequence s(260, dk, dv, gate_cols, 31);
+    const Matrix<TestType> q = s.q.cast<TestType>();
+    const Matrix<TestType> k = s.k.cast<TestType>();
+    const Matrix<TestType> v = s.v.cast<TestType>();
+    const Vector<TestType> beta = s.beta.cast<TestType>();
+    const Matrix<TestType> g = s.log_gates.cast<TestType>();
+    const Matrix<TestType> s0 = gaussian<TestType>(dk, dv, 32, 0.5);
+    Matrix<double> state = s0.template cast<double>();
+    const Matrix<double> expected =
+        naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 1.0 / std::sqrt(32.0), false, state);
+    DeltaOptions options;
+    options.chunk = 16;
+
+    // Token by token, from the initial state.
+    auto stepped = DeltaRuleState<TestType>::from_state(s0, options);
+    Matrix<TestType> step_out(q.rows(), dv);
+    for (Eigen::Index t = 0; t < q.rows(); ++t) {
+      if (gate_cols == 0) {
+        step_out.row(t) = stepped.step(q.row(t), k.row(t), v.row(t), beta(t)).transpose();
+      } else {
+        step_out.row(t) =
+            stepped.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(g.row(t)), beta(t))
+                .transpose();
+      }
+    }
+    CHECK(relative_error(step_out, expected) <= bound<TestType>());
+    CHECK(relative_error(stepped.s(), state) <= bound<TestType>());
+    CHECK(stepped.tokens() == q.rows());
+
+    // A prefill of 100 tokens, then steps; and two prefills: the same outputs and state.
+    auto mixed = DeltaRuleState<TestType>::from_state(s0, options);
+    auto twice = DeltaRuleState<TestType>::from_state(s0, options);
+    Matrix<TestType> mixed_out(q.rows(), dv);
+    Matrix<TestType> twice_out(q.rows(), dv);
+    const Eigen::Index head = 100;
+    if (gate_cols == 0) {
+      mixed_out.topRows(head) =
+          mixed.prefill(q.topRows(head), k.topRows(head), v.topRows(head), beta.head(head));
+      twice_out.topRows(head) =
+          twice.prefill(q.topRows(head), k.topRows(head), v.topRows(head), beta.head(head));
+      twice_out.bottomRows(q.rows() - head) =
+          twice.prefill(q.bottomRows(q.rows() - head), k.bottomRows(q.rows() - head),
+                        v.bottomRows(q.rows() - head), beta.tail(q.rows() - head));
+    } else {
+      mixed_out.topRows(head) = mixed.prefill(q.topRows(head), k.topRows(head), v.topRows(head),
+                                              linattn::log_gates(g.topRows(head)), beta.head(head));
+      twice_out.topRows(head) = twice.prefill(q.topRows(head), k.topRows(head), v.topRows(head),
+                                              linattn::log_gates(g.topRows(head)), beta.head(head));
+      twice_out.bottomRows(q.rows() - head) = twice.prefill(
+          q.bottomRows(q.rows() - head), k.bottomRows(q.rows() - head),
+          v.bottomRows(q.rows() - head), linattn::log_gates(g.bottomRows(q.rows() - head)),
+          beta.tail(q.rows() - head));
+    }
+    for (Eigen::Index t = head; t < q.rows(); ++t) {
+      if (gate_cols == 0) {
+        mixed_out.row(t) = mixed.step(q.row(t), k.row(t), v.row(t), beta(t)).transpose();
+      } else {
+        mixed_out.row(t) =
+            mixed.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(g.row(t)), beta(t))
+                .transpose();
+      }
+    }
+    CHECK(relative_error(mixed_out, expected) <= bound<TestType>());
+    CHECK(relative_error(twice_out, expected) <= bound<TestType>());
+    CHECK(relative_error(twice.s(), state) <= bound<TestType>());
+    CHECK(twice.tokens() == q.rows());
+    CHECK(twice.transition() == linattn::detail::transition_of_gate_dim(gate_cols));
+  }
+}
+
+TEMPLATE_TEST_CASE("the delta rule at N = 65,536", "[delta_rule][long]", float, double) {
+  // One long sequence per type: Gated DeltaNet in float, KDA in double.
+  const Eigen::Index n = 65536;
+  const Eigen::Index gate_cols = std::is_same_v<TestType, float> ? 1 : 8;
+  const Sequence s(n, 8, 8, gate_cols, 123);
+  const Matrix<double> expected =
+      naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 1.0 / std::sqrt(8.0), false);
+  CHECK(relative_error(chunked<TestType>(s, {}), expected) <= bound<TestType>());
+}
+
+TEST_CASE("the delta rule takes 16-bit inputs and accumulates in float or double", "[delta_rule]") {
+  const Sequence s(90, 16, 16, 1, 55);
+  using Half = Eigen::half;
+  const Matrix<Half> q = s.q.cast<Half>();
+  const Matrix<Half> k = s.k.cast<Half>();
+  const Matrix<Half> v = s.v.cast<Half>();
+  const Vector<Half> beta = s.beta.cast<Half>();
+  const Matrix<Half> g = s.log_gates.cast<Half>();
+  // Against the float call on the same (rounded) inputs: the only difference is the output's
+  // rounding to half.
+  const Matrix<float> reference = linattn::causal_gated_delta_rule(
+      q.cast<float>(), k.cast<float>(), v.cast<float>(), linattn::log_gates(g.cast<float>().eval()),
+      beta.cast<float>(), {});
+  const Matrix<Half> out = linattn::causal_gated_delta_rule(q, k, v, linattn::log_gates(g), beta);
+  CHECK(relative_error(out, reference) <= 2e-3);
+  // Float inputs accumulated in double: within double's bound of the naive recurrence on the
+  // float inputs.
+  const Matrix<float> qf = s.q.cast<float>();
+  const Matrix<float> kf = s.k.cast<float>();
+  const Matrix<float> vf = s.v.cast<float>();
+  const Vector<float> bf = s.beta.cast<float>();
+  const Matrix<float> gf = s.log_gates.cast<float>();
+  const Matrix<float> in_double =
+      linattn::causal_gated_delta_rule<double>(qf, kf, vf, linattn::log_gates(gf), bf);
+  const Matrix<double> expected =
+      naive_delta_rule(qf.cast<double>(), kf.cast<double>(), vf.cast<double>(), bf.cast<double>(),
+                       gf.cast<double>(), 0.25, false);
+  CHECK(relative_error(in_double, expected) <= 1e-6);  // the float rounding of the output
+  DeltaRuleState<Half> state(16, 16);
+  const Vector<Half> first =
+      state.step(q.row(0), k.row(0), v.row(0), linattn::log_gates(g.row(0)), beta(0));
+  CHECK(relative_error(first.transpose(), reference.row(0)) <= 2e-3);
+}
+
+TEST_CASE("the delta rule rejects bad input and changes nothing", "[delta_rule]") {
+  const Sequence s(20, 8, 4, 1, 3);
+  const Matrix<double>& q = s.q;
+  const Matrix<double>& k = s.k;
+  const Matrix<double>& v = s.v;
+  const Vector<double>& beta = s.beta;
+  const Matrix<double>& g = s.log_gates;
+  Matrix<double> out = Matrix<double>::Constant(20, 4, 7.0);
+  const auto unchanged = [&] { return (out.array() == 7.0).all(); };
+  using Catch::Matchers::Contains;
+
+  // beta out of range, NaN, the wrong size.
+  Vector<double> bad_beta = beta;
+  bad_beta(5) = 1.5;
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, bad_beta, out),
+                    Contains("beta must lie in (0, 1]") && Contains("token 5"));
+  DeltaOptions negative;
+  negative.allow_negative_eigenvalues = true;
+  CHECK_NOTHROW(linattn::causal_delta_rule(q, k, v, bad_beta, negative));
+  bad_beta(5) = 0.0;
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, bad_beta, out), Contains("beta"));
+  bad_beta(5) = std::nan("");
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, bad_beta, out, negative),
+                    Contains("beta must lie in (0, 2]"));
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, beta.head(19), out),
+                    Contains("beta is 19 x 1"));
+  // Gates: > 0 in log space, > 1 as a_t, the wrong width.
+  Matrix<double> bad_g = g;
+  bad_g(3, 0) = 0.1;
+  CHECK_THROWS_WITH(
+      linattn::causal_gated_delta_rule_into(q, k, v, linattn::log_gates(bad_g), beta, out),
+      Contains("log gates") && Contains("row 3"));
+  CHECK_THROWS_WITH(
+      linattn::causal_gated_delta_rule_into(q, k, v, (g.array().exp() + 0.5).matrix(), beta, out),
+      Contains("(0, 1]"));
+  const Matrix<double> wide = Matrix<double>::Zero(20, 3);
+  CHECK_THROWS_WITH(
+      linattn::causal_gated_delta_rule_into(q, k, v, linattn::log_gates(wide), beta, out),
+      Contains("gates is 20 x 3 but q is 20 x 8"));
+  // NaN in an input, shapes, options.
+  Matrix<double> bad_q = q;
+  bad_q(7, 2) = std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(bad_q, k, v, beta, out),
+                    Contains("q has a non-finite value") && Contains("row 7"));
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k.topRows(19), v, beta, out),
+                    Contains("k is 19 x 8"));
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v.topRows(19), beta, out),
+                    Contains("v is 19 x 4"));
+  Matrix<double> small_out(20, 3);
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, beta, small_out),
+                    Contains("out is 20 x 3"));
+  DeltaOptions bad;
+  bad.scale = 0.0;
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, beta, out, bad),
+                    Contains("DeltaOptions::scale"));
+  bad = {};
+  bad.chunk = 0;
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, beta, out, bad), Contains("chunk"));
+  CHECK(unchanged());
+
+  // The state: nothing moves on a throw, and it keeps its transition.
+  DeltaRuleState<double> state(8, 4);
+  const Vector<double> first =
+      state.step(q.row(0), k.row(0), v.row(0), linattn::log_gates(g.row(0)), beta(0));
+  const Matrix<double> before = state.s();
+  Vector<double> token_out(4);
+  CHECK_THROWS_WITH(
+      state.step_into(q.row(1), k.row(1), v.row(1), beta(1), token_out),
+      Contains("moved by scalar gates (Gated DeltaNet) but this call gives no gates"));
+  CHECK_THROWS_WITH(
+      state.step_into(q.row(1), k.row(1), v.row(1), linattn::log_gates(g.row(1)), 1.5, token_out),
+      Contains("beta"));
+  CHECK_THROWS_WITH(state.step_into(bad_q.row(7), k.row(1), v.row(1), linattn::log_gates(g.row(1)),
+                                    beta(1), token_out),
+                    Contains("q has a non-finite value"));
+  const Matrix<double> three = Matrix<double>::Zero(1, 3);
+  CHECK_THROWS_WITH(
+      state.step_into(q.row(1), k.row(1), v.row(1), linattn::log_gates(three), beta(1), token_out),
+      Contains("gate is 1 x 3"));
+  Matrix<double> prefill_out(20, 4);
+  CHECK_THROWS_WITH(state.prefill_into(q, k, v, linattn::log_gates(bad_g), beta, prefill_out),
+                    Contains("row 3"));
+  CHECK_THROWS_WITH(state.prefill_into(q, k, v, beta, prefill_out), Contains("moved by"));
+  const Matrix<double> per_feature = Matrix<double>::Zero(20, 8);
+  CHECK_THROWS_WITH(state.prefill_into(q, k, v, linattn::log_gates(per_feature), beta, prefill_out),
+                    Contains("per-feature gates (KDA)"));
+  CHECK(state.s() == before);
+  CHECK(state.tokens() == 1);
+  state.reset();
+  CHECK(state.s().isZero(0));
+  CHECK(state.transition() == linattn::TransitionKind::none);
+  CHECK_NOTHROW(state.step(q.row(0), k.row(0), v.row(0), beta(0)));
+  CHECK_THROWS_WITH(DeltaRuleState<double>(0, 4), Contains("key_dim must be >= 1"));
+  CHECK_THROWS_WITH(DeltaRuleState<double>::from_state(Matrix<double>::Constant(2, 2, NAN)),
+                    Contains("s0 has a non-finite value"));
+  CHECK(first.allFinite());
+}
