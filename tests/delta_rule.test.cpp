@@ -209,17 +209,14 @@ TEMPLATE_TEST_CASE("DeltaRuleState: steps, prefill, prefill then steps, initial 
     options.chunk = 16;
 
     // Token by token, from the initial state.
+    // Token t through a state's step: with its gate unless DeltaNet.
+    const auto step = [&](DeltaRuleState<TestType>& state, Eigen::Index t) {
+      if (gate_cols == 0) return state.step(q.row(t), k.row(t), v.row(t), beta(t));
+      return state.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(g.row(t)), beta(t));
+    };
     auto stepped = DeltaRuleState<TestType>::from_state(s0, options);
     Matrix<TestType> step_out(q.rows(), dv);
-    for (Eigen::Index t = 0; t < q.rows(); ++t) {
-      if (gate_cols == 0) {
-        step_out.row(t) = stepped.step(q.row(t), k.row(t), v.row(t), beta(t)).transpose();
-      } else {
-        step_out.row(t) =
-            stepped.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(g.row(t)), beta(t))
-                .transpose();
-      }
-    }
+    for (Eigen::Index t = 0; t < q.rows(); ++t) step_out.row(t) = step(stepped, t).transpose();
     CHECK(relative_error(step_out, expected) <= bound<TestType>());
     CHECK(relative_error(stepped.s(), state) <= bound<TestType>());
     CHECK(stepped.tokens() == q.rows());
@@ -248,15 +245,7 @@ TEMPLATE_TEST_CASE("DeltaRuleState: steps, prefill, prefill then steps, initial 
           v.bottomRows(q.rows() - head), linattn::log_gates(g.bottomRows(q.rows() - head)),
           beta.tail(q.rows() - head));
     }
-    for (Eigen::Index t = head; t < q.rows(); ++t) {
-      if (gate_cols == 0) {
-        mixed_out.row(t) = mixed.step(q.row(t), k.row(t), v.row(t), beta(t)).transpose();
-      } else {
-        mixed_out.row(t) =
-            mixed.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(g.row(t)), beta(t))
-                .transpose();
-      }
-    }
+    for (Eigen::Index t = head; t < q.rows(); ++t) mixed_out.row(t) = step(mixed, t).transpose();
     CHECK(relative_error(mixed_out, expected) <= bound<TestType>());
     CHECK(relative_error(twice_out, expected) <= bound<TestType>());
     CHECK(relative_error(twice.s(), state) <= bound<TestType>());

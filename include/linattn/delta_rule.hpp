@@ -391,10 +391,8 @@ class DeltaRuleState {
   /// The loaded token through the recurrence; out = its output.
   void advance(T beta, Eigen::Index gates, Eigen::Ref<Vector<T>> out) {
     if (options_.l2_normalize) {
-      token_.q *= static_cast<Acc>(
-          1.0 / std::sqrt(static_cast<double>(token_.q.squaredNorm()) + detail::kL2NormEps));
-      token_.k *= static_cast<Acc>(
-          1.0 / std::sqrt(static_cast<double>(token_.k.squaredNorm()) + detail::kL2NormEps));
+      detail::l2_normalize(token_.q);
+      detail::l2_normalize(token_.k);
     }
     token_.q *= static_cast<Acc>(detail::delta_scale(options_, key_dim()));
     detail::delta_step(s_, token_, static_cast<Acc>(beta), gates);

@@ -2,8 +2,8 @@
 // The delta rule's two forms on one state S (Dk x Dv): the chunked WY form (every product a
 // GEMM) and the one-token step, for DeltaNet (no gates), Gated DeltaNet (a scalar log gate per
 // token) and KDA (a log gate per token and key feature).
-//     S_t = diag(a_t) (I - beta_t k_t k_t^T)... written as FLA runs it: the decay first,
-//     S'_t = diag(a_t) S_{t-1}, then the delta on the decayed state,
+// Written as FLA runs it: the decay first, S'_t = diag(a_t) S_{t-1}, then the delta on the
+// decayed state,
 //     S_t = S'_t + beta_t k_t (v_t - S'_t^T k_t)^T,   out_t = S_t^T (s q_t).
 #pragma once
 
@@ -121,12 +121,19 @@ class BetaVector final : public BetaRows<T> {
   const DB& beta_;
 };
 
-/// x.row(r) <- x.row(r) / sqrt(|x.row(r)|^2 + kL2NormEps) for rows [0, rows), in place.
+/// x <- x / sqrt(|x|^2 + kL2NormEps), in place: FLA's l2norm of one token's q or k.
+template <class Derived>
+void l2_normalize(Eigen::MatrixBase<Derived>& x) {
+  using T = typename Derived::Scalar;
+  x *= static_cast<T>(1.0 / std::sqrt(static_cast<double>(x.squaredNorm()) + kL2NormEps));
+}
+
+/// l2_normalize on rows [0, rows) of x.
 template <class T>
 void l2_normalize_rows(Matrix<T>& x, Eigen::Index rows) {
   for (Eigen::Index r = 0; r < rows; ++r) {
-    x.row(r) *=
-        static_cast<T>(1.0 / std::sqrt(static_cast<double>(x.row(r).squaredNorm()) + kL2NormEps));
+    auto row = x.row(r);
+    l2_normalize(row);
   }
 }
 
@@ -170,7 +177,7 @@ struct DeltaBuffers {
 template <class T, class O>
 class DeltaKernel {
  public:
-  /// @param scale  s, applied to the queries after their normalisation
+  /// s (DeltaOptions::scale) multiplies the queries after their normalisation.
   DeltaKernel(Eigen::Index rows, Eigen::Index key_dim, Eigen::Index value_dim,
               const DeltaOptions& options)
       : chunk_(std::max<Eigen::Index>(1, std::min(options.chunk, rows))),
@@ -251,8 +258,6 @@ class DeltaKernel {
     }
     if (gates == 0) {
       w = k;
-      buf_.qg.topRows(m) = q;
-      buf_.kd.topRows(m) = k;
     } else if (gates == 1) {
       scalar_decays(p, m);
     } else {
@@ -266,14 +271,17 @@ class DeltaKernel {
         buf_.wu.topRows(m));
     u.noalias() -= w * state;  // V~
     auto out = buf_.out.topRows(m);
-    out.noalias() = buf_.qg.topRows(m) * state;
+    // Without gates nothing decays: the queries and keys as loaded.
+    const auto decayed_q = gates == 0 ? q : buf_.qg.topRows(m);
+    const auto decayed_k = gates == 0 ? k : buf_.kd.topRows(m);
+    out.noalias() = decayed_q * state;
     out.noalias() += attn.template triangularView<Eigen::Lower>() * u;
     if (gates == 1) {
       state *= buf_.last(0);
     } else if (gates > 1) {
       state.array().colwise() *= buf_.last.array();
     }
-    state.noalias() += buf_.kd.topRows(m).transpose() * u;
+    state.noalias() += decayed_k.transpose() * u;
   }
 
   /// One gate per token: decays of pairs, of queries, of keys to the end (all <= 1).
