@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <linattn/delta_rule.hpp>
+#include <linattn/recurrent_state.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -251,6 +252,100 @@ TEMPLATE_TEST_CASE("DeltaRuleState: steps, prefill, prefill then steps, initial 
     CHECK(relative_error(twice.s(), state) <= bound<TestType>());
     CHECK(twice.tokens() == q.rows());
     CHECK(twice.transition() == linattn::detail::transition_of_gate_dim(gate_cols));
+  }
+}
+
+TEMPLATE_TEST_CASE("DeltaRuleState saves and loads bit for bit and refuses what does not fit",
+                   "[delta_rule][save]", float, double) {
+  const Eigen::Index dk = 16;
+  const Eigen::Index dv = 12;
+  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+    CAPTURE(gate_cols);
+    const Sequence s(90, dk, dv, gate_cols, 41);
+    const Matrix<TestType> q = s.q.cast<TestType>();
+    const Matrix<TestType> k = s.k.cast<TestType>();
+    const Matrix<TestType> v = s.v.cast<TestType>();
+    const Vector<TestType> beta = s.beta.cast<TestType>();
+    const Matrix<TestType> g = s.log_gates.cast<TestType>();
+    DeltaOptions options;
+    options.chunk = 16;
+    options.l2_normalize = true;
+    const auto step = [&](DeltaRuleState<TestType>& state, Eigen::Index t) {
+      if (gate_cols == 0) return state.step(q.row(t), k.row(t), v.row(t), beta(t));
+      return state.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(g.row(t)), beta(t));
+    };
+    DeltaRuleState<TestType> state(dk, dv, options);
+    for (Eigen::Index t = 0; t < 50; ++t) step(state, t);
+    std::stringstream saved;
+    state.save(saved);
+    const std::string bytes = saved.str();
+    const Matrix<TestType> s_saved = state.s();
+    // 51 header bytes, S, the checksum.
+    CHECK(bytes.size() == 51 + sizeof(TestType) * dk * dv + 4);
+
+    // Loaded, it is the same state, saves the same bytes and continues bit for bit.
+    DeltaOptions runtime = options;
+    runtime.chunk = 32;
+    runtime.check_finite = false;
+    std::istringstream in(bytes);
+    auto loaded = DeltaRuleState<TestType>::load(in, runtime);
+    CHECK(loaded.s() == state.s());
+    CHECK(loaded.tokens() == 50);
+    CHECK(loaded.transition() == state.transition());
+    CHECK(loaded.options().chunk == 32);
+    std::stringstream again;
+    loaded.save(again);
+    CHECK(again.str() == bytes);
+    for (Eigen::Index t = 50; t < q.rows(); ++t) {
+      const Vector<TestType> a = step(state, t);
+      const Vector<TestType> b = step(loaded, t);
+      REQUIRE(a == b);
+    }
+    CHECK(loaded.s() == state.s());
+    // The scale resolves for Dk: Dk^-1/2 given outright loads a state saved with -1.
+    DeltaOptions explicit_scale = options;
+    explicit_scale.scale = 0.25;
+    std::istringstream same_scale(bytes);
+    CHECK(DeltaRuleState<TestType>::load(same_scale, explicit_scale).s() == s_saved);
+
+    // Options that change results must match; nothing is returned on a throw.
+    const auto refuses = [&](const std::string& stream, const DeltaOptions& with,
+                             const char* says) {
+      std::istringstream is(stream);
+      CHECK_THROWS_WITH(DeltaRuleState<TestType>::load(is, with), Catch::Contains(says));
+    };
+    DeltaOptions other = options;
+    other.scale = 0.5;
+    refuses(bytes, other, "scale");
+    other = options;
+    other.l2_normalize = false;
+    refuses(bytes, other, "l2_normalize");
+    other = options;
+    other.allow_negative_eigenvalues = true;
+    refuses(bytes, other, "allow_negative_eigenvalues");
+    // Every truncation and every flipped bit of a byte is refused.
+    for (std::size_t n = 0; n < bytes.size(); ++n) {
+      refuses(bytes.substr(0, n), options, n == 0 ? "empty" : "truncated");
+    }
+    for (std::size_t i = 0; i < bytes.size(); ++i) {
+      std::string corrupt = bytes;
+      corrupt[i] = static_cast<char>(corrupt[i] ^ 0x10);
+      std::istringstream is(corrupt);
+      CHECK_THROWS_AS(DeltaRuleState<TestType>::load(is, options), linattn::Error);
+    }
+    // The other accumulation type, and the engine's RecurrentState streams, are refused.
+    using Other = std::conditional_t<std::is_same_v<TestType, float>, double, float>;
+    std::istringstream wrong_type(bytes);
+    CHECK_THROWS_WITH(DeltaRuleState<Other>::load(wrong_type, options),
+                      Catch::Contains("-byte scalars"));
+    std::stringstream engine;
+    linattn::RecurrentState<TestType>(dk, dv).save(engine);
+    refuses(engine.str(), options, "not a linattn delta-rule state");
+    std::istringstream unchecked(bytes);
+    const auto inspected = DeltaRuleState<TestType>::load_unchecked(unchecked);
+    CHECK(inspected.options().l2_normalize);
+    CHECK(inspected.options().scale == options.scale);
+    CHECK(inspected.s() == s_saved);
   }
 }
 

@@ -568,8 +568,6 @@ class RecurrentState {
  private:
   static constexpr char kMagic[8] = {'L', 'N', 'A', 'T', 'T', 'N', 'S', '\0'};
   static constexpr std::uint32_t kFormatVersion = 3;
-  /// Dims past this many entries are refused by load.
-  static constexpr std::uint64_t kMaxEntries = std::uint64_t{1} << 26;
 
   /// Everything a stream holds, read and verified (checksum, ranges) but not yet a state.
   struct Stored {
@@ -602,11 +600,9 @@ class RecurrentState {
   /// chunk u64, tokens i64, log scale f64, S, z, CRC-32 (no scale, no map record).
   void write(std::ostream& os, const detail::MapFingerprint& print) const {
     detail::LittleEndianWriter out(os);
-    out.put_bytes(magic(), sizeof(kMagic));
-    out.put<std::uint32_t>(kFormatVersion);
-    out.put<std::uint32_t>(static_cast<std::uint32_t>(sizeof(Acc)));
-    out.put<std::uint64_t>(static_cast<std::uint64_t>(feature_dim()));
-    out.put<std::uint64_t>(static_cast<std::uint64_t>(value_dim()));
+    detail::write_state_header<Acc>(out, kMagic, kFormatVersion,
+                                    static_cast<std::uint64_t>(feature_dim()),
+                                    static_cast<std::uint64_t>(value_dim()));
     out.put<double>(options_.eps);
     out.put<double>(options_.decay);
     out.put<std::uint8_t>(options_.normalize ? 1 : 0);
@@ -635,30 +631,11 @@ class RecurrentState {
   /// bytes the stream really holds (a hostile header cannot force a huge allocation).
   static Stored read_stored(std::istream& is, const char* where) {
     detail::LittleEndianReader in(is, where);
-    unsigned char magic_bytes[sizeof(kMagic)];
-    in.get_first_bytes(magic_bytes, sizeof(kMagic), "the magic bytes");
-    if (std::memcmp(magic_bytes, magic(), sizeof(kMagic)) != 0) {
-      throw Error(std::string(where) + ": wrong magic bytes, not a linattn state");
-    }
+    const detail::StateHeader header = detail::read_state_header<Acc>(
+        in, kMagic, kFormatVersion, where, "a linattn state", "feature_dim", "value_dim");
     Stored stored;
-    stored.version = in.get<std::uint32_t>("the format version");
-    if (stored.version < 1 || stored.version > kFormatVersion) {
-      throw Error(std::string(where) + ": format version " + std::to_string(stored.version) +
-                  ", this build reads versions 1 to " + std::to_string(kFormatVersion));
-    }
-    const auto scalar_size = in.get<std::uint32_t>("the scalar type");
-    if (scalar_size != sizeof(Acc)) {
-      throw Error(std::string(where) + ": the stream holds " + std::to_string(scalar_size) +
-                  "-byte scalars, a state accumulating in " + scalar_name() + " needs " +
-                  std::to_string(sizeof(Acc)));
-    }
-    const auto feature_dim = in.get<std::uint64_t>("feature_dim");
-    const auto value_dim = in.get<std::uint64_t>("value_dim");
-    if (feature_dim < 1 || value_dim < 1 || feature_dim > kMaxEntries || value_dim > kMaxEntries ||
-        feature_dim * value_dim > kMaxEntries) {
-      throw Error(std::string(where) + ": dims " + std::to_string(feature_dim) + " x " +
-                  std::to_string(value_dim) + " are empty or over the limit of 2^26 entries");
-    }
+    stored.version = header.version;
+    const std::uint64_t feature_dim = header.rows, value_dim = header.cols;
     stored.feature_dim = feature_dim;
     stored.value_dim = value_dim;
     Options& options = stored.options;
@@ -778,9 +755,6 @@ class RecurrentState {
       throw Error(std::string(where) + ": the token count would pass 2^62");
     }
   }
-
-  static const unsigned char* magic() { return reinterpret_cast<const unsigned char*>(kMagic); }
-  static std::string scalar_name() { return std::is_same_v<Acc, float> ? "float" : "double"; }
 
   template <class DQ, class DK, class DV>
   static void check_scalars() {
