@@ -1,5 +1,6 @@
 // The delta rule (DeltaNet, Gated DeltaNet, KDA): the chunked form and DeltaRuleState against
 // an independent recurrence written here in double, FLA's naive_recurrent_* token by token.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <limits>
@@ -347,6 +348,190 @@ TEMPLATE_TEST_CASE("DeltaRuleState saves and loads bit for bit and refuses what 
     CHECK(inspected.options().scale == options.scale);
     CHECK(inspected.s() == s_saved);
   }
+}
+
+namespace {
+
+/// [B, N, H, D] (token-major, FLA's layout) or [B, H, N, D] storage of one tensor, filled
+/// from per-(b, h) N x D matrices.
+template <class T>
+struct Heads {
+  std::vector<T> data;
+  linattn::HeadShape shape;
+  bool token_major;
+  Heads(const linattn::HeadShape& sizes, bool bnhd)
+      : data(static_cast<std::size_t>(sizes.batch * sizes.heads * sizes.tokens * sizes.dim), T(7)),
+        shape(sizes),
+        token_major(bnhd) {}
+  linattn::HeadsView<T> view() {
+    return token_major ? linattn::HeadsView<T>::bnhd(data.data(), shape)
+                       : linattn::HeadsView<T>::bhnd(data.data(), shape);
+  }
+  linattn::HeadsView<const T> cview() const {
+    auto* p = const_cast<T*>(data.data());
+    return token_major ? linattn::HeadsView<const T>::bnhd(p, shape)
+                       : linattn::HeadsView<const T>::bhnd(p, shape);
+  }
+  Matrix<T> head(Eigen::Index b, Eigen::Index h) const { return cview().head(b, h); }
+  void set(Eigen::Index b, Eigen::Index h, const Matrix<T>& x) { view().head(b, h) = x; }
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the delta rule on heads: views, grouped heads, varlen, threads",
+                   "[delta_rule][heads]", float, double) {
+  using T = TestType;
+  const Eigen::Index batch = 2, qk_heads = 2, heads = 4, n = 70, dk = 16, dv = 12;
+  DeltaOptions options;
+  options.chunk = 16;
+  options.l2_normalize = true;
+  for (const bool bnhd : {true, false}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+      CAPTURE(bnhd, gate_cols);
+      Heads<T> q({batch, qk_heads, n, dk}, bnhd), k({batch, qk_heads, n, dk}, bnhd);
+      Heads<T> v({batch, heads, n, dv}, bnhd), beta({batch, heads, n, 1}, bnhd);
+      Heads<T> g({batch, heads, n, std::max<Eigen::Index>(gate_cols, 1)}, bnhd);
+      Heads<T> out({batch, heads, n, dv}, bnhd), out2({batch, heads, n, dv}, bnhd);
+      std::vector<Sequence> seqs;
+      for (Eigen::Index b = 0; b < batch; ++b) {
+        for (Eigen::Index h = 0; h < heads; ++h) {
+          seqs.emplace_back(n, dk, dv, gate_cols, 100 + 10 * (b * heads + h));
+          const Sequence& s = seqs.back();
+          if (h % 2 == 0) {  // q/k head h / 2 serves v heads h and h + 1
+            q.set(b, h / 2, s.q.cast<T>());
+            k.set(b, h / 2, s.k.cast<T>());
+          }
+          v.set(b, h, s.v.cast<T>());
+          beta.set(b, h, s.beta.cast<T>());
+          if (gate_cols > 0) g.set(b, h, s.log_gates.cast<T>());
+        }
+      }
+      const auto run = [&](Heads<T>& dst, const DeltaOptions& o,
+                           const std::vector<std::int64_t>* offsets) {
+        if (gate_cols == 0) {
+          if (offsets) {
+            linattn::causal_delta_rule_varlen_into(q.cview(), k.cview(), v.cview(), beta.cview(),
+                                                   *offsets, dst.view(), o);
+          } else {
+            linattn::causal_delta_rule_into(q.cview(), k.cview(), v.cview(), beta.cview(),
+                                            dst.view(), o);
+          }
+        } else if (offsets) {
+          linattn::causal_gated_delta_rule_varlen_into(q.cview(), k.cview(), v.cview(),
+                                                       linattn::log_gates(g.cview()), beta.cview(),
+                                                       *offsets, dst.view(), o);
+        } else {
+          linattn::causal_gated_delta_rule_into(q.cview(), k.cview(), v.cview(),
+                                                linattn::log_gates(g.cview()), beta.cview(),
+                                                dst.view(), o);
+        }
+      };
+      DeltaOptions one = options;
+      one.threads = 1;
+      run(out, one, nullptr);
+      DeltaOptions two = options;
+      two.threads = 2;
+      run(out2, two, nullptr);
+      CHECK(out.data == out2.data);  // threads split heads, never the sums of one head
+      for (Eigen::Index b = 0; b < batch; ++b) {
+        for (Eigen::Index h = 0; h < heads; ++h) {
+          CAPTURE(b, h);
+          const Sequence& own = seqs[static_cast<std::size_t>(b * heads + h)];
+          const Sequence& lead = seqs[static_cast<std::size_t>(b * heads + h - h % 2)];
+          const Matrix<double> expected =
+              naive_delta_rule(lead.q, lead.k, own.v, own.beta, own.log_gates, 0.25, true);
+          CHECK(relative_error(out.head(b, h), expected) <= bound<T>());
+        }
+      }
+      // Varlen: batch entry 0 packed as three sequences (one empty), each from zero.
+      Heads<T> packed_out({1, heads, n, dv}, bnhd);
+      const std::vector<std::int64_t> offsets = {0, 20, 20, n};
+      Heads<T> q1({1, qk_heads, n, dk}, bnhd), k1({1, qk_heads, n, dk}, bnhd);
+      Heads<T> v1({1, heads, n, dv}, bnhd), beta1({1, heads, n, 1}, bnhd);
+      Heads<T> g1({1, heads, n, std::max<Eigen::Index>(gate_cols, 1)}, bnhd);
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        if (h < qk_heads) {
+          q1.set(0, h, q.head(0, h));
+          k1.set(0, h, k.head(0, h));
+        }
+        v1.set(0, h, v.head(0, h));
+        beta1.set(0, h, beta.head(0, h));
+        g1.set(0, h, g.head(0, h));
+      }
+      std::swap(q, q1);
+      std::swap(k, k1);
+      std::swap(v, v1);
+      std::swap(beta, beta1);
+      std::swap(g, g1);
+      run(packed_out, options, &offsets);
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        CAPTURE(h);
+        const Sequence& own = seqs[static_cast<std::size_t>(h)];
+        const Sequence& lead = seqs[static_cast<std::size_t>(h - h % 2)];
+        for (std::size_t part = 0; part + 1 < offsets.size(); ++part) {
+          const Eigen::Index begin = offsets[part], len = offsets[part + 1] - begin;
+          if (len == 0) continue;
+          const Matrix<double> expected =
+              naive_delta_rule(lead.q.middleRows(begin, len), lead.k.middleRows(begin, len),
+                               own.v.middleRows(begin, len), own.beta.segment(begin, len),
+                               own.log_gates.middleRows(begin, len), 0.25, true);
+          CHECK(relative_error(packed_out.head(0, h).middleRows(begin, len), expected) <=
+                bound<T>());
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the delta rule on heads rejects bad input and writes nothing", "[delta_rule][heads]") {
+  const Eigen::Index batch = 2, heads = 4, n = 24, dk = 8, dv = 6;
+  Heads<double> q({batch, heads, n, dk}, true), k({batch, heads, n, dk}, true);
+  Heads<double> v({batch, heads, n, dv}, true), beta({batch, heads, n, 1}, true);
+  Heads<double> g({batch, heads, n, 1}, true), out({batch, heads, n, dv}, true);
+  for (auto* t : {&q, &k, &v}) {
+    for (std::size_t i = 0; i < t->data.size(); ++i) t->data[i] = std::sin(0.37 * double(i));
+  }
+  for (std::size_t i = 0; i < beta.data.size(); ++i) beta.data[i] = 0.5;
+  for (std::size_t i = 0; i < g.data.size(); ++i) g.data[i] = -0.1;
+  std::fill(out.data.begin(), out.data.end(), 7.0);
+  const auto unchanged = [&] {
+    return std::all_of(out.data.begin(), out.data.end(), [](double x) { return x == 7.0; });
+  };
+  using Catch::Matchers::Contains;
+  const auto delta = [&] {
+    linattn::causal_delta_rule_into(q.cview(), k.cview(), v.cview(), beta.cview(), out.view());
+  };
+  const auto gated = [&] {
+    linattn::causal_gated_delta_rule_into(q.cview(), k.cview(), v.cview(),
+                                          linattn::log_gates(g.cview()), beta.cview(), out.view());
+  };
+  beta.view().head(1, 2)(9, 0) = 1.5;
+  CHECK_THROWS_WITH(delta(), Contains("beta[b=1, h=2] must lie in (0, 1]") && Contains("token 9"));
+  CHECK(unchanged());
+  beta.view().head(1, 2)(9, 0) = 0.5;
+  g.view().head(0, 3)(4, 0) = 0.2;
+  CHECK_THROWS_WITH(gated(), Contains("gates[b=0, h=3]"));
+  CHECK(unchanged());
+  g.view().head(0, 3)(4, 0) = -0.1;
+  k.view().head(1, 1)(3, 2) = std::nan("");
+  CHECK_THROWS_WITH(delta(), Contains("k[b=1, h=1]"));
+  CHECK(unchanged());
+  k.view().head(1, 1)(3, 2) = 0.1;
+  Heads<double> wide_beta({batch, heads, n, 2}, true);
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q.cview(), k.cview(), v.cview(),
+                                                    wide_beta.cview(), out.view()),
+                    Contains("beta is [2, 4, 24, 2]"));
+  Heads<double> three_heads({batch, 3, n, 1}, true);
+  CHECK_THROWS_WITH(linattn::causal_gated_delta_rule_into(q.cview(), k.cview(), v.cview(),
+                                                          linattn::log_gates(three_heads.cview()),
+                                                          beta.cview(), out.view()),
+                    Contains("gates is [2, 3, 24, 1]"));
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_varlen_into(q.cview(), k.cview(), v.cview(),
+                                                           beta.cview(), {0, 30}, out.view()),
+                    Contains("B must be 1"));
+  CHECK(unchanged());
+  CHECK_NOTHROW(gated());
+  CHECK_FALSE(unchanged());
 }
 
 TEMPLATE_TEST_CASE("the delta rule at N = 65,536", "[delta_rule][long]", float, double) {

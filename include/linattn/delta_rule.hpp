@@ -15,6 +15,8 @@
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/gates.hpp>
+#include <linattn/heads_view.hpp>
+#include <linattn/multi_head.hpp>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -110,6 +112,106 @@ void delta_rule_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   }
 }
 
+/// The gate argument of a multi-head gated delta-rule call: a view of a_t, or log_gates(view).
+template <class G, class Scalar>
+struct delta_head_gates {
+  static constexpr bool valid = false;
+};
+template <class G, class Scalar>
+struct delta_head_gates<HeadsView<G>, Scalar> {
+  static constexpr bool valid = std::is_same_v<std::remove_const_t<G>, Scalar>;
+  static HeadGates<Scalar, false> read(const HeadsView<G>& gates) { return {gates}; }
+};
+template <class G, class Scalar>
+struct delta_head_gates<LogGates<HeadsView<G>>, Scalar> {
+  static constexpr bool valid = std::is_same_v<std::remove_const_t<G>, Scalar>;
+  static HeadGates<Scalar, true> read(const LogGates<HeadsView<G>>& gates) {
+    return {gates.values()};
+  }
+};
+template <class Gates, class O>
+using enable_if_delta_head_gates = std::enable_if_t<delta_head_gates<Gates, O>::valid>;
+
+/// Throws unless `view` is [B, H', N, dim] for out's B and N, with H' dividing out's H.
+template <class T, class O>
+void require_head_view(const HeadsView<T>& view, const HeadsView<O>& out, Eigen::Index dim,
+                       const char* what, const char* where, const char* name) {
+  if (view.batch() != out.batch() || view.tokens() != out.tokens() ||
+      out.heads() % view.heads() != 0 || view.dim() != dim) {
+    throw Error(std::string(where) + ": " + name + " is " + view.sizes_string() + " but must be [" +
+                std::to_string(out.batch()) + ", H, " + std::to_string(out.tokens()) + ", " + what +
+                "] with H dividing out's " + std::to_string(out.heads()) + " (out is " +
+                out.sizes_string() + ")");
+  }
+}
+
+/// The delta rule over every sequence and head of the views (`gates` null for DeltaNet; one
+/// sequence per batch entry, or the packed sequences of `offsets`), each from a zero state,
+/// threads over sequences x heads. Every check runs before the first output is written.
+template <class Acc, class Q, class K, class V, class B, class O, class Gates>
+void heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                      const Gates* gates, const HeadsView<B>& beta, const HeadsView<O>& out,
+                      const std::vector<std::int64_t>* offsets, const DeltaOptions& options,
+                      const char* where) {
+  using T = accumulator_t<Acc, O>;
+  static_assert(is_input_scalar<O>,
+                "the delta rule takes float, double, Eigen::half or Eigen::bfloat16 inputs");
+  static_assert(is_supported_scalar<T>,
+                "the delta rule accumulates in float or double (Acc = float or double)");
+  static_assert(std::is_same_v<std::remove_const_t<B>, O>,
+                "beta must have the inputs' scalar type: cast it first");
+  validate_delta_options(options, where);
+  const Options engine = engine_options(options);
+  validate_heads(q, k, v, out, v.dim(), engine, where, "q", "k");
+  require_head_view(beta, out, 1, "1", where, "beta");
+  if constexpr (!std::is_void_v<Gates>) {
+    const auto& view = gates->view;
+    if (view.dim() != 1) {
+      require_head_view(view, out, q.dim(), "Dk (one gate per key feature) or 1", where, "gates");
+    } else {
+      require_head_view(view, out, 1, "1 (one gate per token) or Dk", where, "gates");
+    }
+  }
+  SequenceRows sequences{q.batch(), q.tokens(), offsets};
+  if (offsets) {
+    if (q.batch() != 1) {
+      throw Error(std::string(where) +
+                  ": a packed batch is one row of sequences, so B must be 1; q is " +
+                  q.sizes_string());
+    }
+    validate_offsets(*offsets, q.tokens(), where);
+    sequences.count = static_cast<Eigen::Index>(offsets->size()) - 1;
+  }
+  const int threads = resolve_threads(engine);
+  scan_view(
+      beta, threads,
+      [&](const auto& rows) {
+        return ((rows.array() > O(0)) && (rows.array() <= O(max_beta(options)))).all();
+      },
+      [&](const auto& head, Eigen::Index b, Eigen::Index h) {
+        require_beta_in_range(head, options, where, head_name("beta", b, h));
+      });
+  if constexpr (!std::is_void_v<Gates>) scan_transition(*gates, threads, where);
+  scan_heads(q, k, v, engine, where, "q", "k");
+  for_each_sequence_head(
+      q, k, v, out, sequences, engine,
+      [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
+          int) {
+        const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
+        const auto beta_rows =
+            beta.head(b, input_head(beta, out.heads(), h)).col(0).segment(begin, qs.rows());
+        Matrix<T> state = Matrix<T>::Zero(q.dim(), v.dim());
+        OutRows<O> rows(os);
+        if constexpr (std::is_void_v<Gates>) {
+          run_delta_rule<T, O>(qs, ks, vs, beta_rows, nullptr, options, state, &rows, where);
+        } else {
+          const HeadGateRows<O, Gates::log_space> gate_rows(
+              gates->view.head(b, input_head(gates->view, out.heads(), h)), begin);
+          run_delta_rule<T, O>(qs, ks, vs, beta_rows, &gate_rows, options, state, &rows, where);
+        }
+      });
+}
+
 }  // namespace detail
 
 /// DeltaNet, chunked form, into `out`: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
@@ -182,6 +284,94 @@ Matrix<typename DQ::Scalar> causal_gated_delta_rule(
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
   causal_gated_delta_rule_into<Acc>(q, k, v, gates, beta, out, options);
   return out;
+}
+
+/// DeltaNet for every head of every sequence on caller memory ([B, H, N, D] or [B, N, H, D],
+/// any strides), written into `out`, each head from a zero state; threads over B x H
+/// (DeltaOptions::threads). Head (b, h) gives exactly causal_delta_rule on q.head(b, hq), ...,
+/// beta.head(b, h) up to rounding. Grouped heads (Qwen3-Next: 16 q/k heads, 32 v heads): an
+/// input may have fewer heads than out, a divisor of its H, and out head h reads head
+/// h / (H / H_in) of it (FLA's grouping). Every check runs before anything is written.
+/// @param q        B x Hq x N x Dk queries (Hq divides H)
+/// @param k        B x Hk x N x Dk keys (Hk divides H)
+/// @param v        B x Hv x N x Dv values (Hv divides H)
+/// @param beta     B x Hb x N x 1 learning rates (Hb divides H), in (0, 1] ((0, 2] with
+///                 allow_negative_eigenvalues)
+/// @param out      B x H x N x Dv result; its heads may not overlap each other or the inputs
+/// @param options  scale, l2_normalize, allow_negative_eigenvalues, chunk, check_finite, threads
+template <class Acc = void, class Q, class K, class V, class B, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>>
+void causal_delta_rule_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                            const HeadsView<B>& beta, const HeadsView<O>& out,
+                            const DeltaOptions& options = {}) {
+  detail::heads_delta_rule<Acc, Q, K, V, B, O, void>(q, k, v, nullptr, beta, out, nullptr, options,
+                                                     "causal_delta_rule");
+}
+
+/// Gated DeltaNet and KDA for every head of every sequence on caller memory: gates as views
+/// laid out like q, k and v ([B, H, N, 1] for Gated DeltaNet, [B, H, N, Dk] for KDA; a_t, or
+/// log_gates(view) for FLA's g). Head (b, h) gives causal_gated_delta_rule on its heads up to
+/// rounding; grouped heads and threads as causal_delta_rule_into.
+/// @param q        B x Hq x N x Dk queries (Hq divides H)
+/// @param k        B x Hk x N x Dk keys (Hk divides H)
+/// @param v        B x Hv x N x Dv values (Hv divides H)
+/// @param gates    B x Hg x N x 1 or B x Hg x N x Dk gates (Hg divides H): a_t or log_gates(view)
+/// @param beta     B x Hb x N x 1 learning rates (Hb divides H)
+/// @param out      B x H x N x Dv result
+/// @param options  as causal_delta_rule_into
+template <class Acc = void, class Q, class K, class V, class Gates, class B, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>,
+          class = detail::enable_if_delta_head_gates<Gates, O>>
+void causal_gated_delta_rule_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                  const HeadsView<V>& v, const Gates& gates,
+                                  const HeadsView<B>& beta, const HeadsView<O>& out,
+                                  const DeltaOptions& options = {}) {
+  const auto transition = detail::delta_head_gates<Gates, O>::read(gates);
+  detail::heads_delta_rule<Acc>(q, k, v, &transition, beta, out, nullptr, options,
+                                "causal_gated_delta_rule");
+}
+
+/// DeltaNet over a packed batch of sequences of different lengths: sequence s is tokens
+/// [offsets[s], offsets[s+1]) of every view (FLA's cu_seqlens) and starts from a zero state.
+/// @param q        1 x Hq x total x Dk queries (Hq divides H)
+/// @param k        1 x Hk x total x Dk keys (Hk divides H)
+/// @param v        1 x Hv x total x Dv values (Hv divides H)
+/// @param beta     1 x Hb x total x 1 learning rates (Hb divides H)
+/// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
+/// @param out      1 x H x total x Dv result
+/// @param options  as causal_delta_rule_into
+template <class Acc = void, class Q, class K, class V, class B, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>>
+void causal_delta_rule_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                   const HeadsView<V>& v, const HeadsView<B>& beta,
+                                   const std::vector<std::int64_t>& offsets,
+                                   const HeadsView<O>& out, const DeltaOptions& options = {}) {
+  detail::heads_delta_rule<Acc, Q, K, V, B, O, void>(q, k, v, nullptr, beta, out, &offsets, options,
+                                                     "causal_delta_rule_varlen");
+}
+
+/// Gated DeltaNet and KDA over a packed batch of sequences of different lengths (gates
+/// packed like the tokens). See causal_gated_delta_rule_into and causal_delta_rule_varlen_into.
+/// @param q        1 x Hq x total x Dk queries (Hq divides H)
+/// @param k        1 x Hk x total x Dk keys (Hk divides H)
+/// @param v        1 x Hv x total x Dv values (Hv divides H)
+/// @param gates    1 x Hg x total x 1 or 1 x Hg x total x Dk gates: a_t or log_gates(view)
+/// @param beta     1 x Hb x total x 1 learning rates (Hb divides H)
+/// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
+/// @param out      1 x H x total x Dv result
+/// @param options  as causal_delta_rule_into
+template <class Acc = void, class Q, class K, class V, class Gates, class B, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>,
+          class = detail::enable_if_delta_head_gates<Gates, O>>
+void causal_gated_delta_rule_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                         const HeadsView<V>& v, const Gates& gates,
+                                         const HeadsView<B>& beta,
+                                         const std::vector<std::int64_t>& offsets,
+                                         const HeadsView<O>& out,
+                                         const DeltaOptions& options = {}) {
+  const auto transition = detail::delta_head_gates<Gates, O>::read(gates);
+  detail::heads_delta_rule<Acc>(q, k, v, &transition, beta, out, &offsets, options,
+                                "causal_gated_delta_rule_varlen");
 }
 
 /// The delta rule's recurrent form: the state S (Dk x Dv) of one sequence and its tokens.

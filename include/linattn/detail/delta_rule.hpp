@@ -58,12 +58,13 @@ inline double max_beta(const DeltaOptions& options) {
 /// Throws naming the first beta outside (0, max_beta] (NaN included) by its token.
 template <class Derived>
 void require_beta_in_range(const Eigen::MatrixBase<Derived>& beta, const DeltaOptions& options,
-                           const char* where) {
+                           const char* where, const std::string& name = "beta") {
   const double top = max_beta(options);
   for (Eigen::Index i = 0; i < beta.size(); ++i) {
     const double b = static_cast<double>(beta.reshaped()(i));
     if (!(b > 0.0 && b <= top)) {
-      throw Error(std::string(where) + ": beta must lie in (0, " + (top == 1.0 ? "1" : "2") + "]" +
+      throw Error(std::string(where) + ": " + name + " must lie in (0, " +
+                  (top == 1.0 ? "1" : "2") + "]" +
                   (top == 1.0 ? " (or (0, 2] with DeltaOptions::allow_negative_eigenvalues)" : "") +
                   ", got " + std::to_string(b) + " at token " + std::to_string(i));
     }
