@@ -13,6 +13,9 @@
 //       - the last row of linear_attention equals the last row of the causal form (decay 1);
 //   * a RecurrentState with finite S and z saves and loads back to the same bytes, and the
 //     loaded copy steps to bit-identical outputs;
+//   * the delta rule (DeltaNet, Gated DeltaNet, KDA) with valid options, beta and bounded input
+//     never throws; with L2-normalised q and k its outputs are finite, the chunked form, the
+//     steps, prefill-then-step and the view agree, and a saved state continues bit for bit;
 //   * softmax baselines on such inputs: finite, inside the range of v, and the tiled, the
 //     materialised, the sliding-window and both caches agree; truncate() rolls back exactly.
 //
@@ -729,6 +732,102 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
   }
 }
 
+/// The delta rule on the same inputs: DeltaNet, Gated DeltaNet or KDA by the seed (gates from
+/// draw_log_gates, resets included), beta in (0, 1] or (0, 2] drawn from the seed. With L2
+/// normalisation (Options::normalize stands for DeltaOptions::l2_normalize) and bounded input
+/// every S_t stays bounded: then the outputs are finite and the chunked form, the steps,
+/// prefill-then-step and the 1 x 1 x N view agree, and a saved state continues bit for bit.
+template <class T>
+void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+               bool bounded) {
+  const bool gated = (in.seed & 4u) == 0;
+  const Matrix<T> g = draw_log_gates<T>(in, in.dk);
+  linattn::DeltaOptions opt;
+  opt.scale = in.scale;
+  opt.l2_normalize = in.options.normalize;
+  opt.chunk = in.options.chunk;
+  opt.check_finite = in.options.check_finite;
+  opt.allow_negative_eigenvalues = (in.seed & 8u) != 0;
+  Vector<T> beta(in.n);
+  for (Index t = 0; t < in.n; ++t) {
+    const double u = static_cast<double>((in.seed * 31 + static_cast<std::uint64_t>(t) * 17) % 20);
+    beta(t) = static_cast<T>((opt.allow_negative_eigenvalues ? 0.1 : 0.05) * (u + 1.0));
+  }
+  const bool valid = opt.chunk >= 1 && std::isfinite(in.scale) && in.scale != 0.0;
+  const bool must = bounded && valid;
+  const bool check = must && opt.l2_normalize;
+  Matrix<T> par(in.n, in.dv), steps(in.n, in.dv), split(in.n, in.dv), viewed(in.n, in.dv);
+  const bool par_ok = attempt("causal_(gated_)delta_rule", must, [&] {
+    if (gated) {
+      par = linattn::causal_gated_delta_rule(q, k, v, linattn::log_gates(g), beta, opt);
+    } else {
+      par = linattn::causal_delta_rule(q, k, v, beta, opt);
+    }
+  });
+  using State = linattn::DeltaRuleState<T>;
+  const auto step = [&](State& state, Index i) {
+    if (gated) {
+      return state.step(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)), beta(i));
+    }
+    return state.step(q.row(i), k.row(i), v.row(i), beta(i));
+  };
+  std::optional<State> stepped, pieces;
+  const bool steps_ok = attempt("DeltaRuleState::step", must, [&] {
+    stepped.emplace(in.dk, in.dv, opt);
+    for (Index i = 0; i < in.n; ++i) steps.row(i) = step(*stepped, i).transpose();
+  });
+  const bool split_ok = attempt("DeltaRuleState::prefill", must, [&] {
+    pieces.emplace(in.dk, in.dv, opt);
+    const Index s = in.split;
+    if (s > 0) {
+      if (gated) {
+        split.topRows(s) = pieces->prefill(q.topRows(s), k.topRows(s), v.topRows(s),
+                                           linattn::log_gates(g.topRows(s)), beta.head(s));
+      } else {
+        split.topRows(s) = pieces->prefill(q.topRows(s), k.topRows(s), v.topRows(s), beta.head(s));
+      }
+    }
+    for (Index i = s; i < in.n; ++i) split.row(i) = step(*pieces, i).transpose();
+  });
+  const linattn::HeadShape qk_shape{1, 1, in.n, in.dk}, v_shape{1, 1, in.n, in.dv};
+  const auto qv = linattn::HeadsView<const T>::bhnd(q.data(), qk_shape);
+  const auto kv = linattn::HeadsView<const T>::bhnd(k.data(), qk_shape);
+  const auto vv = linattn::HeadsView<const T>::bhnd(v.data(), v_shape);
+  const auto bv = linattn::HeadsView<const T>::bhnd(beta.data(), {1, 1, in.n, 1});
+  const auto gv = linattn::HeadsView<const T>::bhnd(g.data(), {1, 1, in.n, g.cols()});
+  const auto ov = linattn::HeadsView<T>::bhnd(viewed.data(), v_shape);
+  const bool viewed_ok = attempt("causal_(gated_)delta_rule_into(views)", must, [&] {
+    if (gated) {
+      linattn::causal_gated_delta_rule_into(qv, kv, vv, linattn::log_gates(gv), bv, ov, opt);
+    } else {
+      linattn::causal_delta_rule_into(qv, kv, vv, bv, ov, opt);
+    }
+  });
+  // beta = 0 is never a learning rate: every form refuses it.
+  Vector<T> zero_beta = beta;
+  zero_beta(in.n - 1) = T(0);
+  if (attempt("causal_delta_rule(beta = 0)", false,
+              [&] { (void)linattn::causal_delta_rule(q, k, v, zero_beta, opt); })) {
+    fail("the delta rule took beta = 0");
+  }
+  if (!check || !par_ok) return;
+  require_finite("causal_(gated_)delta_rule", par);
+  // Normalised keys and beta <= 2 keep |S| within the sum of beta |v|: size the bound by it.
+  const double tol = kRelTol<T> * (1.0 + 2.0 * static_cast<double>(in.n) * max_abs(v));
+  if (steps_ok) require_close("delta rule: chunked vs steps", par, steps, tol);
+  if (split_ok) require_close("delta rule: chunked vs prefill then steps", par, split, tol);
+  if (viewed_ok) require_close("delta rule: matrix vs 1 x 1 x N view", par, viewed, tol);
+  if (!steps_ok || !stepped->s().allFinite()) return;
+  std::stringstream saved;
+  stepped->save(saved);
+  std::optional<State> loaded;
+  attempt("DeltaRuleState::load", true, [&] { loaded.emplace(State::load(saved, opt)); });
+  if (!bit_equal(loaded->s(), stepped->s())) fail("a loaded delta-rule state differs");
+  const Vector<T> a = step(*stepped, in.n - 1);
+  const Vector<T> b = step(*loaded, in.n - 1);
+  if (!bit_equal(a, b)) fail("a loaded delta-rule state steps to other outputs");
+}
+
 template <class T>
 void run(const Input& in) {
   ValueStream stream(in);
@@ -779,6 +878,7 @@ void run(const Input& in) {
       break;
   }
   run_softmax<T>(in, q, k, v, bounded);
+  run_delta<T>(in, q, k, v, bounded);
 }
 
 }  // namespace

@@ -13,6 +13,9 @@
 //     reproduces the input but for the fields that only say how W was drawn (seed,
 //     projection, row_norm: not compared); it is tried with the maps of the seed corpus, a
 //     map rebuilt from the record itself, and both the file's options and the defaults;
+//   * DeltaRuleState<float> and <double>: only Error escapes load_unchecked and load; an
+//     accepted stream is what save writes for the loaded state, load with its own options
+//     accepts it, and a step that throws leaves it as it was;
 //   * a loaded state is usable: a step, a gated step and a short prefill either work or throw
 //     linattn::Error leaving the state as it was (a state keeps its transition kind, so some
 //     must throw), and the state then saves and loads again.
@@ -327,6 +330,58 @@ void try_load(const std::string& input) {
   if (state) exercise(*state, input.size());
 }
 
+template <class T, class Acc>
+std::string save_bytes(const linattn::DeltaRuleState<T, Acc>& state) {
+  std::ostringstream os;
+  state.save(os);
+  return os.str();
+}
+
+/// DeltaRuleState<T, Acc>::load_unchecked and load(is, options) on the same bytes: only Error
+/// escapes; an accepted stream is exactly what save writes for the state it gives, the checked
+/// load accepts it with the saved options (and the caller's chunk) and gives the same state,
+/// and a step that throws on it leaves it as it was.
+template <class T, class Acc = linattn::detail::default_accumulator_t<T>>
+void try_load_delta(const std::string& input) {
+  using State = linattn::DeltaRuleState<T, Acc>;
+  std::optional<State> state;
+  try {
+    std::istringstream is(input);
+    state.emplace(State::load_unchecked(is));
+  } catch (const linattn::Error&) {
+    if (state) fail("a delta-rule load that threw left an object behind", input.size());
+  }
+  linattn::DeltaOptions other;
+  other.chunk = 5;
+  try {
+    std::istringstream is(input);
+    (void)State::load(is, state ? state->options() : other);
+    if (!state) fail("DeltaRuleState::load accepted what load_unchecked refuses", input.size());
+  } catch (const linattn::Error&) {
+    if (state) fail("DeltaRuleState::load refused a stream with its own options", input.size());
+  }
+  if (!state) return;
+  const std::string saved = save_bytes(*state);
+  if (!same_range(saved, input, 0, saved.size())) {
+    fail("DeltaRuleState: save after load_unchecked does not reproduce the input", input.size());
+  }
+  const Eigen::Index dk = state->key_dim(), dv = state->value_dim();
+  if (dk * dv > 4096) return;
+  const linattn::Vector<T> k = linattn::Vector<T>::Constant(dk, T(1) / T(std::sqrt(double(dk))));
+  const linattn::Vector<T> v = linattn::Vector<T>::LinSpaced(dv, T(-1), T(1));
+  const linattn::Vector<T> gate = linattn::Vector<T>::Constant(dk, T(0.5));
+  const std::string before = save_bytes(*state);
+  const bool keeps = state->transition() == linattn::TransitionKind::none ||
+                     state->transition() == linattn::TransitionKind::feature_gates;
+  try {
+    (void)state->step(k, k, v, gate, T(0.5));
+    if (!keeps)
+      fail("a per-feature step continued a delta-rule state of another kind", input.size());
+  } catch (const linattn::Error&) {
+    if (save_bytes(*state) != before) fail("a delta-rule step that threw moved it", input.size());
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -334,5 +389,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try_load<float>(input);
   try_load<double>(input);
   try_load<float, double>(input);  // float inputs, double state: reads the double format
+  try_load_delta<float>(input);
+  try_load_delta<double>(input);
   return 0;
 }

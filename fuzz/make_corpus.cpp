@@ -222,6 +222,33 @@ int main(int argc, char** argv) {
   ok &= write_file(v3 + "double_favor_wrong_hash", with_u64(double_favor, kHashAt, 0));
   ok &= write_file(v3 + "empty", std::string());
 
+  // Delta-rule states (format 1 of DeltaRuleState): Gated DeltaNet in float, KDA in double,
+  // a fresh one, and a truncated one.
+  {
+    linattn::DeltaOptions delta;
+    delta.l2_normalize = true;
+    linattn::DeltaRuleState<float> gdn(4, 3, delta);
+    linattn::DeltaRuleState<double> kda(3, 2);
+    const linattn::Vector<float> kf = linattn::Vector<float>::Constant(4, 0.5f);
+    const linattn::Vector<float> vf = linattn::Vector<float>::LinSpaced(3, -1.0f, 1.0f);
+    const linattn::Vector<double> kd = linattn::Vector<double>::Constant(3, 0.5);
+    const linattn::Vector<double> vd = linattn::Vector<double>::LinSpaced(2, -1.0, 1.0);
+    for (int t = 0; t < 3; ++t) {
+      (void)gdn.step(kf, kf, vf, linattn::log_gates(linattn::Vector<float>::Constant(1, -0.1f)),
+                     0.5f);
+      (void)kda.step(kd, kd, vd, linattn::Vector<double>::Constant(3, 0.9), 0.7);
+    }
+    std::ostringstream gdn_bytes, kda_bytes, fresh;
+    gdn.save(gdn_bytes);
+    kda.save(kda_bytes);
+    linattn::DeltaRuleState<float>(2, 2).save(fresh);
+    ok &= write_file(load + "delta1_float_gated", gdn_bytes.str());
+    ok &= write_file(load + "delta1_double_kda", kda_bytes.str());
+    ok &= write_file(load + "delta1_float_fresh", fresh.str());
+    ok &= write_file(load + "delta1_float_truncated",
+                     gdn_bytes.str().substr(0, gdn_bytes.str().size() - 3));
+  }
+
   // The kernels/ files were written after the 185 draws of 0.1.0's load/ section; replaying
   // them from the seed keeps those files as committed.
   g_rng = 0x9E3779B97F4A7C15ull;
