@@ -45,6 +45,7 @@ void BM_DeltaChunked(benchmark::State& state, Eigen::Index dk, Eigen::Index dv,
   Head in(n, dk, dv, gate_cols);
   linattn::DeltaOptions options;
   options.chunk = chunk;
+  options.threads = 1;  // bench_threads measures the split over threads
   linattn_bench::measure(state, [&] {
     if (gate_cols == 0) {
       linattn::causal_delta_rule_into(in.q, in.k, in.v, in.beta, in.out, options);

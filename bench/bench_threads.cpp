@@ -1,6 +1,8 @@
 // Threads: many heads over B x H, and one long sequence split across threads (ungated, scalar
 // and per-feature gates), at 1..max threads, with the single-thread Eigen GEMM rate in the
 // same binary. Built with OpenMP.
+#include <algorithm>
+#include <linattn/delta_rule.hpp>
 #include <linattn/gated.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/multi_head.hpp>
@@ -113,6 +115,44 @@ void BM_GatedSequence(benchmark::State& state, Eigen::Index gate_cols) {
   state.counters["threads"] = double(options.threads);
 }
 
+/// Gated DeltaNet (Dk = Dv = 128, Qwen3-Next's head; L2-normalised keys, beta in [0.05, 1],
+/// log gates in [-0.05, 0]) over `heads` heads of range(0) tokens ([B, N, H, D] views, B =
+/// heads / 4, H = 4; one head: the matrix call) on range(1) threads. Useful FLOPs: 6 Dk Dv per
+/// token per head.
+void BM_GatedDelta(benchmark::State& state, Eigen::Index heads) {
+  constexpr Eigen::Index kDeltaDim = 128;
+  const Eigen::Index n = state.range(0);
+  const Eigen::Index rows = heads * n;
+  Matrix<float> q = random_matrix<float>(rows, kDeltaDim, 41);
+  Matrix<float> k = random_matrix<float>(rows, kDeltaDim, 42);
+  for (Eigen::Index t = 0; t < rows; ++t) k.row(t).normalize();
+  const Matrix<float> v = random_matrix<float>(rows, kDeltaDim, 43);
+  const Matrix<float> g = (random_matrix<float>(rows, 1, 44).array().abs() * -0.05f).matrix();
+  const Matrix<float> beta =
+      (random_matrix<float>(rows, 1, 45).array().abs() * 0.95f + 0.05f).min(1.0f).matrix();
+  Matrix<float> out(rows, kDeltaDim);
+  linattn::DeltaOptions options;
+  options.threads = static_cast<int>(state.range(1));
+  const Eigen::Index batch = std::max<Eigen::Index>(1, heads / 4), per = heads / batch;
+  const linattn::HeadShape shape{batch, per, n, kDeltaDim}, one{batch, per, n, 1};
+  linattn_bench::measure(state, [&] {
+    if (heads == 1) {
+      linattn::causal_gated_delta_rule_into(q, k, v, linattn::log_gates(g), beta, out, options);
+    } else {
+      linattn::causal_gated_delta_rule_into(
+          HeadsView<const float>::bnhd(q.data(), shape),
+          HeadsView<const float>::bnhd(k.data(), shape),
+          HeadsView<const float>::bnhd(v.data(), shape),
+          linattn::log_gates(HeadsView<const float>::bnhd(g.data(), one)),
+          HeadsView<const float>::bnhd(beta.data(), one), HeadsView<float>::bnhd(out.data(), shape),
+          options);
+    }
+    benchmark::DoNotOptimize(out.data());
+  });
+  set_rates(state, 6.0 * double(rows) * kDeltaDim * kDeltaDim, double(rows));
+  state.counters["threads"] = double(options.threads);
+}
+
 template <class T>
 void register_scalar(int max_threads) {
   const std::string t = linattn_bench::scalar_name(T{});
@@ -163,6 +203,16 @@ int main(int argc, char** argv) {
   Eigen::setNbThreads(1);
   register_scalar<float>(max_threads);
   if (!linattn_bench::quick()) register_scalar<double>(max_threads);
+  for (int threads = 1; threads <= max_threads; threads *= 2) {
+    benchmark::RegisterBenchmark("BM_GatedDeltaHeads16<float>", BM_GatedDelta, Eigen::Index{16})
+        ->Args({2048, threads})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("BM_GatedDeltaSequence<float>", BM_GatedDelta, Eigen::Index{1})
+        ->Args({65536, threads})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

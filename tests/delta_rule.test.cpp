@@ -483,6 +483,43 @@ TEMPLATE_TEST_CASE("the delta rule on heads: views, grouped heads, varlen, threa
   }
 }
 
+TEMPLATE_TEST_CASE("one delta-rule sequence on two threads: the value columns split exactly",
+                   "[delta_rule][threads]", float, double) {
+  const Eigen::Index dk = 32, dv = 72;
+  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+    CAPTURE(gate_cols);
+    const Sequence s(150, dk, dv, gate_cols, 77);
+    const Matrix<double> expected =
+        naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 1.0 / std::sqrt(32.0), false);
+    DeltaOptions options;
+    options.chunk = 32;
+    options.threads = 1;
+    const Matrix<TestType> one = chunked<TestType>(s, options);
+    options.threads = 2;
+    const Matrix<TestType> two = chunked<TestType>(s, options);
+    CHECK(relative_error(one, expected) <= bound<TestType>());
+    CHECK(relative_error(two, expected) <= bound<TestType>());
+    // The state a two-thread prefill leaves continues like one stepped token by token.
+    DeltaRuleState<TestType> state(dk, dv, options);
+    const Matrix<TestType> q = s.q.cast<TestType>(), k = s.k.cast<TestType>();
+    const Matrix<TestType> v = s.v.cast<TestType>(), g = s.log_gates.cast<TestType>();
+    const Vector<TestType> beta = s.beta.cast<TestType>();
+    Matrix<TestType> out(q.rows(), dv);
+    if (gate_cols == 0) {
+      out.topRows(149) =
+          state.prefill(q.topRows(149), k.topRows(149), v.topRows(149), beta.head(149));
+      out.row(149) = state.step(q.row(149), k.row(149), v.row(149), beta(149)).transpose();
+    } else {
+      out.topRows(149) = state.prefill(q.topRows(149), k.topRows(149), v.topRows(149),
+                                       linattn::log_gates(g.topRows(149)), beta.head(149));
+      out.row(149) =
+          state.step(q.row(149), k.row(149), v.row(149), linattn::log_gates(g.row(149)), beta(149))
+              .transpose();
+    }
+    CHECK(relative_error(out, expected) <= bound<TestType>());
+  }
+}
+
 TEST_CASE("the delta rule on heads rejects bad input and writes nothing", "[delta_rule][heads]") {
   const Eigen::Index batch = 2, heads = 4, n = 24, dk = 8, dv = 6;
   Heads<double> q({batch, heads, n, dk}, true), k({batch, heads, n, dk}, true);

@@ -68,17 +68,44 @@ void validate_delta_gates(const Gates& gates, Eigen::Index rows, Eigen::Index ke
   require_gates_in_range<Traits::log_space>(Traits::values(gates), where, "gates");
 }
 
+/// Value columns below this per thread are not split further (each part repeats the
+/// key-side work: K K^T, the solve for W, Q K^T).
+inline constexpr Eigen::Index kDeltaMinColumnsPerThread = 32;
+
 /// Runs the chunked form over every token from `state` on (Dk x Dv, left after the last
-/// token), writing out rows when `out` is not null. Inputs validated by the caller.
+/// token), writing out rows when `out` is not null. Inputs validated by the caller. With
+/// threads > 1 the value columns are split between them: under the delta rule each column of
+/// S (and of the output) evolves alone, so the parts are exact and need no synchronisation.
 template <class T, class O, class DQ, class DK, class DV, class DB>
 void run_delta_rule(const DQ& q, const DK& k, const DV& v, const DB& beta, const GateRows* gates,
                     const DeltaOptions& options, Matrix<T>& state, OutRows<O>* out,
-                    const char* where) {
+                    const char* where, int threads = 1) {
   const SerialEigenScope serial;
   const BetaVector<T, DB> beta_rows(beta);
-  with_source<T>(q, k, v, Identity{}, gates, false, where, [&](ChunkSource<T>& source) {
-    DeltaKernel<T, O> kernel(q.rows(), q.cols(), v.cols(), options);
-    kernel.run(source, beta_rows, state, out);
+  const Eigen::Index dv = v.cols();
+  const Eigen::Index parts =
+      std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, dv / kDeltaMinColumnsPerThread));
+  if (parts == 1) {
+    with_source<T>(q, k, v, Identity{}, gates, false, where, [&](ChunkSource<T>& source) {
+      DeltaKernel<T, O> kernel(q.rows(), q.cols(), dv, options);
+      kernel.run(source, beta_rows, state, out);
+    });
+    return;
+  }
+  parallel_for(parts, static_cast<int>(parts), [&](Eigen::Index p) {
+    const Eigen::Index first = dv * p / parts, width = dv * (p + 1) / parts - first;
+    Matrix<T> part_state = state.middleCols(first, width);
+    with_source<T>(q, k, v.middleCols(first, width), Identity{}, gates, false, where,
+                   [&](ChunkSource<T>& source) {
+                     DeltaKernel<T, O> kernel(q.rows(), q.cols(), width, options);
+                     if (out == nullptr) {
+                       kernel.run(source, beta_rows, part_state, nullptr);
+                     } else {
+                       OutRows<O> part_out(out->middleCols(first, width));
+                       kernel.run(source, beta_rows, part_state, &part_out);
+                     }
+                   });
+    state.middleCols(first, width) = part_state;
   });
 }
 
@@ -102,13 +129,14 @@ void delta_rule_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   scan_inputs(q, k, v, engine_options(options), where, "q", "k");
   Matrix<T> state = Matrix<T>::Zero(q.cols(), v.cols());
   OutRows<Scalar> rows(out);
+  const int threads = resolve_threads(engine_options(options));
   if constexpr (std::is_void_v<Gates>) {
     run_delta_rule<T, Scalar>(q.derived(), k.derived(), v.derived(), beta.derived(), nullptr,
-                              options, state, &rows, where);
+                              options, state, &rows, where, threads);
   } else {
     const GateMatrix<Gates> gate_rows(*gates);
     run_delta_rule<T, Scalar>(q.derived(), k.derived(), v.derived(), beta.derived(), &gate_rows,
-                              options, state, &rows, where);
+                              options, state, &rows, where, threads);
   }
 }
 
@@ -196,18 +224,20 @@ void heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsV
   for_each_sequence_head(
       q, k, v, out, sequences, engine,
       [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
-          int) {
+          int inner_threads) {
         const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
         const auto beta_rows =
             beta.head(b, input_head(beta, out.heads(), h)).col(0).segment(begin, qs.rows());
         Matrix<T> state = Matrix<T>::Zero(q.dim(), v.dim());
         OutRows<O> rows(os);
         if constexpr (std::is_void_v<Gates>) {
-          run_delta_rule<T, O>(qs, ks, vs, beta_rows, nullptr, options, state, &rows, where);
+          run_delta_rule<T, O>(qs, ks, vs, beta_rows, nullptr, options, state, &rows, where,
+                               inner_threads);
         } else {
           const HeadGateRows<O, Gates::log_space> gate_rows(
               gates->view.head(b, input_head(gates->view, out.heads(), h)), begin);
-          run_delta_rule<T, O>(qs, ks, vs, beta_rows, &gate_rows, options, state, &rows, where);
+          run_delta_rule<T, O>(qs, ks, vs, beta_rows, &gate_rows, options, state, &rows, where,
+                               inner_threads);
         }
       });
 }
@@ -759,7 +789,8 @@ class DeltaRuleState {
            const detail::GateRows* gates, Eigen::Ref<Matrix<T>> out, const char* where) {
     detail::OutRows<T> rows(out);
     detail::run_delta_rule<Acc, T>(q.derived(), k.derived(), v.derived(), beta.derived(), gates,
-                                   options_, s_, &rows, where);
+                                   options_, s_, &rows, where,
+                                   detail::resolve_threads(detail::engine_options(options_)));
     tokens_ += q.rows();
     if (kind_ == TransitionKind::none) {
       kind_ = detail::transition_of_gate_dim(gates == nullptr ? 0 : gates->cols());
