@@ -50,4 +50,21 @@ struct BonusAttentionGradients {
   Matrix<T> u;
 };
 
+/// Gradients of a scalar loss with respect to the inputs of causal_delta_rule and
+/// causal_gated_delta_rule (DeltaNet, Gated DeltaNet, KDA), each the shape of its input.
+template <class T>
+struct DeltaRuleGradients {
+  /// N x Dk: d loss / d q (the raw queries, before the in-kernel L2 norm and the scale)
+  Matrix<T> q;
+  /// N x Dk: d loss / d k (the raw keys, before the in-kernel L2 norm)
+  Matrix<T> k;
+  /// N x Dv: d loss / d v
+  Matrix<T> v;
+  /// N: d loss / d beta
+  Vector<T> beta;
+  /// N x 1 or N x Dk, the shape of the gates: d loss / d g_t for log_gates(g) (0 at a reset,
+  /// g_t = -infinity), d loss / d a_t for gates a_t; N x 0 for DeltaNet (no gates)
+  Matrix<T> gates;
+};
+
 }  // namespace linattn

@@ -5,6 +5,7 @@
 #include <linattn/backward.hpp>
 #include <linattn/config.hpp>
 #include <linattn/delta_rule.hpp>
+#include <linattn/delta_rule_backward.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/gated.hpp>

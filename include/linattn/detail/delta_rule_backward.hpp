@@ -1,0 +1,366 @@
+// SPDX-License-Identifier: MIT
+// The delta rule's backward (DeltaNet, Gated DeltaNet, KDA) in its recurrent form: the state at
+// the start of every block of DeltaOptions::chunk tokens from the chunked forward, then, block
+// by block from the last, the block's states recomputed token by token from its checkpoint and
+// reverse mode over its tokens from the last. Per token t, with dS the gradient flowing into
+// S_t from later tokens and S' = diag(a_t) S_{t-1}:
+//     dS += q^ do^T,  dq^ = S_t do = S' do + k^ (u . do)
+//     dk^ = dS u,  du = dS^T k^,  dbeta = du . u / beta,  dv = beta du,  dpred = -beta du
+//     dS' = dS + k^ dpred^T,  dk^ += S' dpred,  da = rows of (dS' o S_{t-1}) summed (or all)
+//     dS_{t-1} = diag(a_t) dS',  dg_t = da a_t
+// then through the scale and the L2 norm: J_n(x)^T y = (y - x^ (x^ . y)) / sqrt(|x|^2 + 1e-6).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <linattn/config.hpp>
+#include <linattn/delta_rule.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/delta_rule.hpp>
+#include <linattn/detail/openmp.hpp>
+#include <linattn/detail/parallel.hpp>
+#include <linattn/detail/validate.hpp>
+#include <linattn/feature_map.hpp>
+#include <linattn/gates.hpp>
+#include <string>
+#include <type_traits>
+
+namespace linattn::detail {
+
+/// BetaRows over a caller's beta (a row or column vector) from token `first` on: the betas of
+/// one block for the chunked kernel, which counts tokens from the block's start.
+template <class T, class DB>
+class BetaFrom final : public BetaRows<T> {
+ public:
+  BetaFrom(const DB& beta, Eigen::Index first) : beta_(beta), first_(first) {}
+  void load(Eigen::Index begin, Eigen::Index len, Vector<T>& dst) const override {
+    for (Eigen::Index i = 0; i < len; ++i) {
+      dst(i) = static_cast<T>(beta_.reshaped()(first_ + begin + i));
+    }
+  }
+
+ private:
+  const DB& beta_;
+  Eigen::Index first_;
+};
+
+/// Throws unless the gradient `grad` is rows x cols; `name` is the gradient argument.
+template <class Grad>
+void require_delta_gradient_shape(const Grad& grad, Eigen::Index rows, Eigen::Index cols,
+                                  const char* where, const char* name) {
+  if (grad.rows() != rows || grad.cols() != cols) {
+    throw Error(std::string(where) + ": " + name + " is " + shape_string(grad.rows(), grad.cols()) +
+                " but the gradient is " + shape_string(rows, cols));
+  }
+}
+
+/// Every check of a delta-rule backward call, before anything is written: the forward's
+/// (options, shapes, beta, gates, and with check_finite q, k and v), grad_out's shape and (with
+/// check_finite) its values, and the shapes of the gradients. `gates` and `grad_gates` are null
+/// for DeltaNet.
+template <class DQ, class DK, class DV, class DB, class DO, class Gates, class S>
+void validate_delta_backward(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DB>& beta, const Gates* gates, const Eigen::MatrixBase<DO>& grad_out,
+    const Eigen::Ref<Matrix<S>>& grad_q, const Eigen::Ref<Matrix<S>>& grad_k,
+    const Eigen::Ref<Matrix<S>>& grad_v, const Eigen::Ref<Matrix<S>>* grad_gates,
+    const Eigen::Ref<Vector<S>>& grad_beta, const DeltaOptions& options, const char* where) {
+  validate_delta_options(options, where);
+  const Options engine = engine_options(options);
+  validate_sequence_shapes(q, k, v, engine, where, "q", "k");
+  validate_beta(beta, q.rows(), options, where);
+  if (grad_out.rows() != v.rows() || grad_out.cols() != v.cols()) {
+    throw Error(std::string(where) + ": grad_out is " + shape_string(grad_out) + " but v is " +
+                shape_string(v) + "; the gradient has the output's shape");
+  }
+  require_delta_gradient_shape(grad_q, q.rows(), q.cols(), where, "grad_q");
+  require_delta_gradient_shape(grad_k, k.rows(), k.cols(), where, "grad_k");
+  require_delta_gradient_shape(grad_v, v.rows(), v.cols(), where, "grad_v");
+  require_delta_gradient_shape(grad_beta, q.rows(), 1, where, "grad_beta");
+  if constexpr (!std::is_void_v<Gates>) {
+    validate_delta_gates(*gates, q.rows(), q.cols(), where);
+    require_delta_gradient_shape(*grad_gates, q.rows(), gate_traits<Gates>::values(*gates).cols(),
+                                 where, "grad_gates");
+  }
+  scan_inputs(q, k, v, engine, where, "q", "k");
+  if (options.check_finite) {
+    require_finite_parallel(grad_out, where, "grad_out", resolve_threads(engine));
+  }
+}
+
+/// The recurrent-form backward of one sequence on validated inputs, in T. Workspace, allocated
+/// once: the checkpoints (ceil(N / L) states, L = min(chunk, N)) and one block's L states and
+/// rows; nothing else grows with N.
+template <class T>
+class DeltaBackward {
+ public:
+  /// gate_dim: 0 (DeltaNet), 1 (scalar gates) or Dk (per key feature).
+  DeltaBackward(Eigen::Index rows, Eigen::Index key_dim, Eigen::Index value_dim,
+                Eigen::Index gate_dim, const DeltaOptions& options)
+      : n_(rows),
+        dk_(key_dim),
+        dv_(value_dim),
+        gates_(gate_dim),
+        block_(std::max<Eigen::Index>(1, std::min(options.chunk, rows))),
+        scale_(static_cast<T>(delta_scale(options, key_dim))),
+        l2_normalize_(options.l2_normalize),
+        options_(options),
+        checkpoints_(blocks() * key_dim, value_dim),
+        states_(block_ * key_dim, value_dim),
+        q_(block_, key_dim),
+        k_(block_, key_dim),
+        raw_q_(l2_normalize_ ? block_ : 0, key_dim),
+        raw_k_(l2_normalize_ ? block_ : 0, key_dim),
+        v_(block_, value_dim),
+        u_(block_, value_dim),
+        grad_out_(block_, value_dim),
+        gate_(block_, std::max<Eigen::Index>(gate_dim, 1)),
+        beta_(block_),
+        grad_q_(block_, key_dim),
+        grad_k_(block_, key_dim),
+        grad_v_(block_, value_dim),
+        grad_gates_(block_, std::max<Eigen::Index>(gate_dim, 1)),
+        grad_beta_(block_),
+        ds_(Matrix<T>::Zero(key_dim, value_dim)),
+        state_(key_dim, value_dim),
+        dout_(value_dim),
+        du_(value_dim),
+        dpred_(value_dim),
+        dq_(key_dim),
+        dkey_(key_dim),
+        product_(key_dim),
+        step_(key_dim, value_dim) {}
+
+  /// Blocks of L tokens, the last possibly shorter.
+  Eigen::Index blocks() const { return (n_ + block_ - 1) / block_; }
+
+  /// The whole backward: q, k, v, beta, the gate values (null for DeltaNet; a_t, or log a_t
+  /// with LogSpace) and their GateRows, and grad_out, as the caller gave them; the gradients
+  /// are written block by block, from the last.
+  template <bool LogSpace, class DQ, class DK, class DV, class DB, class DO, class GV, class S>
+  void run(const DQ& q, const DK& k, const DV& v, const DB& beta, const GV* gate_values,
+           const GateRows* gate_rows, const DO& grad_out, Eigen::Ref<Matrix<S>> grad_q,
+           Eigen::Ref<Matrix<S>> grad_k, Eigen::Ref<Matrix<S>> grad_v,
+           Eigen::Ref<Matrix<S>>* grad_gates, Eigen::Ref<Vector<S>> grad_beta, const char* where) {
+    const SerialEigenScope serial;
+    checkpoint(q, k, v, beta, gate_rows, where);
+    for (Eigen::Index b = blocks() - 1; b >= 0; --b) {
+      const Eigen::Index begin = b * block_;
+      const Eigen::Index len = std::min(block_, n_ - begin);
+      load_block<LogSpace>(q, k, v, beta, gate_values, grad_out, begin, len);
+      recompute(b, len);
+      for (Eigen::Index i = len - 1; i >= 0; --i) reverse_token<LogSpace>(i);
+      finish_block(len);
+      store(grad_q_, len, grad_q.middleRows(begin, len));
+      store(grad_k_, len, grad_k.middleRows(begin, len));
+      store(grad_v_, len, grad_v.middleRows(begin, len));
+      grad_beta.segment(begin, len) = grad_beta_.head(len).template cast<S>();
+      if (gates_ > 0) store(grad_gates_, len, grad_gates->middleRows(begin, len));
+    }
+  }
+
+ private:
+  /// The chunked forward from a zero state, keeping S at each block's start (the last block's
+  /// end is not needed). One kernel and one source for every block.
+  template <class DQ, class DK, class DV, class DB>
+  void checkpoint(const DQ& q, const DK& k, const DV& v, const DB& beta, const GateRows* gate_rows,
+                  const char* where) {
+    state_.setZero();
+    with_source<T>(q, k, v, Identity{}, gate_rows, false, where, [&](ChunkSource<T>& source) {
+      DeltaKernel<T, T> kernel(n_, dk_, dv_, options_);
+      for (Eigen::Index b = 0; b < blocks(); ++b) {
+        checkpoints_.middleRows(b * dk_, dk_) = state_;
+        if (b + 1 == blocks()) break;
+        const RowRange<T> rows(source, b * block_, block_);
+        const BetaFrom<T, DB> betas(beta, b * block_);
+        kernel.run(rows, betas, state_, nullptr);
+      }
+    });
+  }
+
+  /// The block's rows in T: q^ = s n(q), k^ = n(k), v, beta, a_t, grad_out.
+  template <bool LogSpace, class DQ, class DK, class DV, class DB, class DO, class GV>
+  void load_block(const DQ& q, const DK& k, const DV& v, const DB& beta, const GV* gate_values,
+                  const DO& grad_out, Eigen::Index begin, Eigen::Index len) {
+    load_rows(q.middleRows(begin, len), q_);
+    load_rows(k.middleRows(begin, len), k_);
+    load_rows(v.middleRows(begin, len), v_);
+    load_rows(grad_out.middleRows(begin, len), grad_out_);
+    for (Eigen::Index i = 0; i < len; ++i) beta_(i) = static_cast<T>(beta.reshaped()(begin + i));
+    if (l2_normalize_) {
+      raw_q_.topRows(len) = q_.topRows(len);
+      raw_k_.topRows(len) = k_.topRows(len);
+      l2_normalize_rows(q_, len);
+      l2_normalize_rows(k_, len);
+    }
+    q_.topRows(len) *= scale_;
+    if constexpr (!std::is_void_v<GV>) {
+      // As DeltaRuleState's step reads a gate: exp in double for log gates (-inf gives 0).
+      for (Eigen::Index i = 0; i < len; ++i) {
+        for (Eigen::Index c = 0; c < gates_; ++c) {
+          const double x = static_cast<double>((*gate_values)(begin + i, c));
+          gate_(i, c) = static_cast<T>(LogSpace ? std::exp(x) : x);
+        }
+      }
+    }
+  }
+
+  /// S_{t-1} and u_t of the block's tokens from its checkpoint, by delta_step.
+  void recompute(Eigen::Index b, Eigen::Index len) {
+    state_ = checkpoints_.middleRows(b * dk_, dk_);
+    for (Eigen::Index i = 0; i < len; ++i) {
+      states_.middleRows(i * dk_, dk_) = state_;
+      step_.q = q_.row(i).transpose();
+      step_.k = k_.row(i).transpose();
+      step_.v = v_.row(i).transpose();
+      if (gates_ > 0) step_.gate.head(gates_) = gate_.row(i).head(gates_).transpose();
+      delta_step(state_, step_, beta_(i), gates_);
+      u_.row(i) = step_.pred.transpose();  // delta_step leaves u = beta (v - pred) there
+    }
+  }
+
+  /// Token i of the loaded block: its gradients into the block's rows, ds_ moved to S_{t-1}.
+  template <bool LogSpace>
+  void reverse_token(Eigen::Index i) {
+    const auto s_prev = states_.middleRows(i * dk_, dk_);
+    const auto q = q_.row(i).transpose();
+    const auto k = k_.row(i).transpose();
+    const auto u = u_.row(i).transpose();
+    const T beta = beta_(i);
+    dout_ = grad_out_.row(i).transpose();
+    ds_.noalias() += q * dout_.transpose();
+    // dq^ = S_t do with S_t = S' + k^ u^T: one pass over S_{t-1}, none over S_t.
+    product_.noalias() = s_prev * dout_;
+    decay(i, product_);
+    dq_ = product_ + k * u.dot(dout_);
+    dkey_.noalias() = ds_ * u;
+    du_.noalias() = ds_.transpose() * k;
+    // v - pred = u / beta, beta > 0 by validation.
+    grad_beta_(i) = du_.dot(u) / beta;
+    grad_v_.row(i) = beta * du_.transpose();
+    dpred_ = -beta * du_;
+    ds_.noalias() += k * dpred_.transpose();  // now dS'
+    product_.noalias() = s_prev * dpred_;
+    decay(i, product_);
+    dkey_ += product_;
+    if (gates_ == 1) {
+      const T da = (ds_.array() * s_prev.array()).sum();
+      grad_gates_(i, 0) = LogSpace ? da * gate_(i, 0) : da;
+      ds_ *= gate_(i, 0);
+    } else if (gates_ > 1) {
+      product_ = (ds_.array() * s_prev.array()).rowwise().sum().matrix();
+      if constexpr (LogSpace) {
+        grad_gates_.row(i) = product_.transpose().cwiseProduct(gate_.row(i));
+      } else {
+        grad_gates_.row(i) = product_.transpose();
+      }
+      ds_.array().colwise() *= gate_.row(i).transpose().array();
+    }
+    grad_q_.row(i) = dq_.transpose();
+    grad_k_.row(i) = dkey_.transpose();
+  }
+
+  /// y <- diag(a_t) y: S' y from S_{t-1} y.
+  void decay(Eigen::Index i, Vector<T>& y) const {
+    if (gates_ == 1) {
+      y *= gate_(i, 0);
+    } else if (gates_ > 1) {
+      y.array() *= gate_.row(i).transpose().array();
+    }
+  }
+
+  /// The block's dq^ and dk^ through the scale and the L2 norm, to dq and dk.
+  void finish_block(Eigen::Index len) {
+    if (!l2_normalize_) {
+      grad_q_.topRows(len) *= scale_;
+      return;
+    }
+    norm_backward(raw_q_, grad_q_, len, scale_);
+    norm_backward(raw_k_, grad_k_, len, T(1));
+  }
+
+  /// grad rows <- factor J_n(x)^T grad, J_n^T y = (y - x^ (x^ . y)) / r, r = sqrt(|x|^2 + eps),
+  /// x^ = x / r: 1 / r as l2_normalize computes it.
+  static void norm_backward(const Matrix<T>& raw, Matrix<T>& grad, Eigen::Index len, T factor) {
+    for (Eigen::Index r = 0; r < len; ++r) {
+      const T inv = static_cast<T>(
+          1.0 / std::sqrt(static_cast<double>(raw.row(r).squaredNorm()) + kL2NormEps));
+      const T along = inv * raw.row(r).dot(grad.row(r));  // x^ . y
+      grad.row(r) = (factor * inv) * (grad.row(r) - (along * inv) * raw.row(r));
+    }
+  }
+
+  /// Rows [0, len) of a block buffer into the caller's gradient rows.
+  template <class Out>
+  static void store(const Matrix<T>& src, Eigen::Index len, Out out) {
+    using S = typename Out::Scalar;
+    store_rows<S>(src, len, out);
+  }
+
+  Eigen::Index n_, dk_, dv_, gates_, block_;
+  T scale_;
+  bool l2_normalize_;
+  DeltaOptions options_;
+  Matrix<T> checkpoints_;          ///< (blocks Dk) x Dv: S before each block's first token
+  Matrix<T> states_;               ///< (L Dk) x Dv: S_{t-1} of the loaded block's tokens
+  Matrix<T> q_, k_;                ///< L x Dk: q^ = s n(q) and k^ = n(k)
+  Matrix<T> raw_q_;                ///< L x Dk: q as given, with l2_normalize (else empty)
+  Matrix<T> raw_k_;                ///< L x Dk: k as given, with l2_normalize (else empty)
+  Matrix<T> v_, u_;                ///< L x Dv: v, and u_t = beta_t (v_t - S'^T k^_t)
+  Matrix<T> grad_out_;             ///< L x Dv
+  Matrix<T> gate_;                 ///< L x G: a_t
+  Vector<T> beta_;                 ///< L
+  Matrix<T> grad_q_;               ///< L x Dk: dq^, then dq
+  Matrix<T> grad_k_;               ///< L x Dk: dk^, then dk
+  Matrix<T> grad_v_;               ///< L x Dv
+  Matrix<T> grad_gates_;           ///< L x G
+  Vector<T> grad_beta_;            ///< L
+  Matrix<T> ds_;                   ///< Dk x Dv: d loss / d S flowing back
+  Matrix<T> state_;                ///< Dk x Dv: the recomputed S
+  Vector<T> dout_, du_, dpred_;    ///< Dv
+  Vector<T> dq_, dkey_, product_;  ///< Dk
+  DeltaStepBuffers<T> step_;
+};
+
+/// The matrix entry points: the scalar checks, validation, then the backward in Acc.
+template <class Acc, class DQ, class DK, class DV, class DB, class DO, class Gates>
+void delta_rule_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                              const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+                              const Gates* gates, const Eigen::MatrixBase<DO>& grad_out,
+                              Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q,
+                              Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
+                              Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v,
+                              Eigen::Ref<Matrix<typename DQ::Scalar>>* grad_gates,
+                              Eigen::Ref<Vector<typename DQ::Scalar>> grad_beta,
+                              const DeltaOptions& options, const char* where) {
+  using Scalar = typename DQ::Scalar;
+  using T = accumulator_t<Acc, Scalar>;
+  static_assert(is_supported_scalar<T>,
+                "the delta rule accumulates in float or double (Acc = float or double)");
+  check_delta_scalars<DQ, DK, DV, DB>();
+  static_assert(std::is_same_v<typename DO::Scalar, Scalar>,
+                "grad_out must have the inputs' scalar type: cast it first");
+  if constexpr (!std::is_void_v<Gates>) {
+    static_assert(std::is_same_v<gate_scalar_t<Gates>, Scalar>,
+                  "the gates must have the inputs' scalar type");
+  }
+  validate_delta_backward(q, k, v, beta, gates, grad_out, grad_q, grad_k, grad_v, grad_gates,
+                          grad_beta, options, where);
+  if constexpr (std::is_void_v<Gates>) {
+    DeltaBackward<T> backward(q.rows(), q.cols(), v.cols(), 0, options);
+    backward.template run<false, DQ, DK, DV, DB, DO, void, Scalar>(
+        q.derived(), k.derived(), v.derived(), beta.derived(), nullptr, nullptr, grad_out.derived(),
+        grad_q, grad_k, grad_v, nullptr, grad_beta, where);
+  } else {
+    using Traits = gate_traits<Gates>;
+    const auto& values = Traits::values(*gates);
+    using GV = std::decay_t<decltype(values)>;
+    const GateMatrix<Gates> gate_rows(*gates);
+    DeltaBackward<T> backward(q.rows(), q.cols(), v.cols(), values.cols(), options);
+    backward.template run<Traits::log_space, DQ, DK, DV, DB, DO, GV, Scalar>(
+        q.derived(), k.derived(), v.derived(), beta.derived(), &values, &gate_rows,
+        grad_out.derived(), grad_q, grad_k, grad_v, grad_gates, grad_beta, where);
+  }
+}
+
+}  // namespace linattn::detail

@@ -1,0 +1,552 @@
+// The delta rule's backward (DeltaNet, Gated DeltaNet, KDA): against central finite differences
+// of the library's forward in double, and against an independent reverse mode written here that
+// keeps every state in double.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <linattn/delta_rule.hpp>
+#include <linattn/delta_rule_backward.hpp>
+#include <type_traits>
+#include <vector>
+
+#include "support.hpp"
+
+namespace {
+
+using linattn::DeltaOptions;
+using linattn::DeltaRuleGradients;
+using linattn::Matrix;
+using linattn::Vector;
+using linattn_test::gaussian;
+using linattn_test::relative_error;
+
+constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
+
+/// One sequence's inputs in double: q, k, v Gaussian (keys of norm 0.9 unless raw_keys, then
+/// N(0, 9) for the in-kernel norm), beta in [0.05, 0.95] and log gates in [-0.5, -0.01] (so a
+/// finite-difference step keeps both in range); gate_cols 0 (DeltaNet), 1 or Dk.
+struct Inputs {
+  Matrix<double> q, k, v, log_gates;
+  Vector<double> beta;
+  Inputs(Eigen::Index n, Eigen::Index dk, Eigen::Index dv, Eigen::Index gate_cols, bool raw_keys,
+         std::uint64_t seed)
+      : q(gaussian<double>(n, dk, seed)),
+        k(gaussian<double>(n, dk, seed + 1, raw_keys ? 3.0 : 1.0)),
+        v(gaussian<double>(n, dv, seed + 2)),
+        log_gates(
+            -(0.01 + 0.49 * (gaussian<double>(n, gate_cols, seed + 3).array().abs().min(1.0)))),
+        beta(0.05 + 0.9 * (gaussian<double>(n, 1, seed + 4).array().abs().min(1.0))) {
+    if (!raw_keys) {
+      for (Eigen::Index t = 0; t < n; ++t) k.row(t) *= 0.9 / k.row(t).norm();
+    }
+  }
+  Eigen::Index gate_cols() const { return log_gates.cols(); }
+};
+
+const char* variant_name(Eigen::Index gate_cols) {
+  return gate_cols == 0 ? "DeltaNet" : gate_cols == 1 ? "Gated DeltaNet" : "KDA";
+}
+
+/// The library's forward in double: DeltaNet without gates, else log_gates(g).
+Matrix<double> forward(const Inputs& in, const DeltaOptions& options) {
+  if (in.gate_cols() == 0) return linattn::causal_delta_rule(in.q, in.k, in.v, in.beta, options);
+  return linattn::causal_gated_delta_rule(in.q, in.k, in.v, linattn::log_gates(in.log_gates),
+                                          in.beta, options);
+}
+
+/// The library's backward in T (inputs, grad_out and gradients in T, accumulation Acc), the
+/// gradients returned in double.
+template <class T, class Acc = void>
+DeltaRuleGradients<double> backward(const Inputs& in, const Matrix<double>& grad_out,
+                                    const DeltaOptions& options) {
+  const Matrix<T> q = in.q.cast<T>();
+  const Matrix<T> k = in.k.cast<T>();
+  const Matrix<T> v = in.v.cast<T>();
+  const Vector<T> beta = in.beta.cast<T>();
+  const Matrix<T> g = in.log_gates.cast<T>();
+  const Matrix<T> d = grad_out.cast<T>();
+  const DeltaRuleGradients<T> grads =
+      in.gate_cols() == 0 ? linattn::causal_delta_rule_backward<Acc>(q, k, v, beta, d, options)
+                          : linattn::causal_gated_delta_rule_backward<Acc>(
+                                q, k, v, linattn::log_gates(g), beta, d, options);
+  return {grads.q.template cast<double>(), grads.k.template cast<double>(),
+          grads.v.template cast<double>(), grads.beta.template cast<double>(),
+          grads.gates.template cast<double>()};
+}
+
+/// Reverse mode written out with every state kept, in double: the forward S'_t = diag(a_t)
+/// S_{t-1}, e_t = v_t - S'_t^T k^_t, S_t = S'_t + beta_t k^_t e_t^T, o_t = S_t^T q^_t, then from
+/// the last token dS += q^ do^T, dq^ = S_t do, dk^ = dS u, du = dS^T k^, dbeta = du . e,
+/// dv = beta du, dS' = dS - beta k^ du^T, dk^ -= beta S' du, da_i = sum_j dS'_ij S_{t-1,ij},
+/// dS = diag(a) dS', dg = da a; the norm's Jacobian as an explicit matrix.
+DeltaRuleGradients<double> naive_backward(const Inputs& in, const Matrix<double>& grad_out,
+                                          double scale, bool l2_normalize) {
+  const Eigen::Index n = in.q.rows(), dk = in.q.cols(), dv = in.v.cols();
+  const Eigen::Index gate_cols = in.gate_cols();
+  Matrix<double> qh(n, dk), kh(n, dk), a(n, dk), e(n, dv);
+  std::vector<Matrix<double>> states(n + 1, Matrix<double>::Zero(dk, dv));  // S_{t-1} at t
+  const auto normalised = [&](const Eigen::RowVectorXd& x) {
+    return l2_normalize ? Eigen::RowVectorXd(x / std::sqrt(x.squaredNorm() + 1e-6)) : x;
+  };
+  for (Eigen::Index t = 0; t < n; ++t) {
+    qh.row(t) = scale * normalised(in.q.row(t));
+    kh.row(t) = normalised(in.k.row(t));
+    for (Eigen::Index d = 0; d < dk; ++d) {
+      a(t, d) = gate_cols == 0 ? 1.0 : std::exp(in.log_gates(t, gate_cols == 1 ? 0 : d));
+    }
+    const Matrix<double> decayed = a.row(t).transpose().asDiagonal() * states[t];
+    e.row(t) = in.v.row(t) - kh.row(t) * decayed;
+    states[t + 1] = decayed + in.beta(t) * kh.row(t).transpose() * e.row(t);
+  }
+  DeltaRuleGradients<double> grads{Matrix<double>(n, dk), Matrix<double>(n, dk),
+                                   Matrix<double>(n, dv), Vector<double>(n),
+                                   Matrix<double>::Zero(n, gate_cols)};
+  Matrix<double> ds = Matrix<double>::Zero(dk, dv);
+  for (Eigen::Index t = n - 1; t >= 0; --t) {
+    const Eigen::VectorXd dout = grad_out.row(t).transpose();
+    const Eigen::VectorXd k = kh.row(t).transpose();
+    const Eigen::VectorXd u = in.beta(t) * e.row(t).transpose();
+    ds += qh.row(t).transpose() * dout.transpose();
+    const Eigen::VectorXd dq = states[t + 1] * dout;
+    Eigen::VectorXd dkey = ds * u;
+    const Eigen::VectorXd du = ds.transpose() * k;
+    grads.beta(t) = du.dot(e.row(t).transpose());
+    grads.v.row(t) = in.beta(t) * du.transpose();
+    const Matrix<double> decayed = a.row(t).transpose().asDiagonal() * states[t];
+    ds -= in.beta(t) * k * du.transpose();
+    dkey -= in.beta(t) * decayed * du;
+    const Eigen::VectorXd da = ds.cwiseProduct(states[t]).rowwise().sum();
+    ds = a.row(t).transpose().asDiagonal() * ds;
+    for (Eigen::Index c = 0; c < gate_cols; ++c) {
+      grads.gates(t, c) = gate_cols == 1 ? da.sum() * a(t, 0) : da(c) * a(t, c);
+    }
+    // Through q^ = s n(q) and k^ = n(k): n's Jacobian I / r - x x^T / r^3 (symmetric).
+    const auto back = [&](const Eigen::RowVectorXd& x, const Eigen::VectorXd& y, double factor) {
+      if (!l2_normalize) return Eigen::RowVectorXd(factor * y.transpose());
+      const double r = std::sqrt(x.squaredNorm() + 1e-6);
+      const Matrix<double> jacobian =
+          Matrix<double>::Identity(x.size(), x.size()) / r - x.transpose() * x / (r * r * r);
+      return Eigen::RowVectorXd(factor * (jacobian.transpose() * y).transpose());
+    };
+    grads.q.row(t) = back(in.q.row(t), dq, scale);
+    grads.k.row(t) = back(in.k.row(t), dkey, 1.0);
+  }
+  return grads;
+}
+
+/// Central differences of L = sum(grad_out o forward) for every input entry, step h (1 + |x|)
+/// (g = -inf, a reset, has no neighbourhood and gets 0).
+DeltaRuleGradients<double> finite_differences(Inputs in, const Matrix<double>& grad_out,
+                                              const DeltaOptions& options, double h) {
+  const auto loss = [&] { return (forward(in, options).array() * grad_out.array()).sum(); };
+  const auto differentiate = [&](auto& x) {
+    using X = std::decay_t<decltype(x)>;
+    X grad = X::Zero(x.rows(), x.cols());
+    for (Eigen::Index r = 0; r < x.rows(); ++r) {
+      for (Eigen::Index c = 0; c < x.cols(); ++c) {
+        const double keep = x(r, c);
+        if (keep == kMinusInf) continue;
+        const double step = h * (1.0 + std::abs(keep));
+        x(r, c) = keep + step;
+        const double up = loss();
+        x(r, c) = keep - step;
+        const double down = loss();
+        x(r, c) = keep;
+        grad(r, c) = (up - down) / (2.0 * step);
+      }
+    }
+    return grad;
+  };
+  DeltaRuleGradients<double> grads;
+  grads.q = differentiate(in.q);
+  grads.k = differentiate(in.k);
+  grads.v = differentiate(in.v);
+  grads.beta = differentiate(in.beta);
+  grads.gates = differentiate(in.log_gates);
+  return grads;
+}
+
+/// The largest of the five gradients' relative errors (max|a - b| / max|b| each), with each
+/// one reported.
+double gradient_error(const DeltaRuleGradients<double>& got,
+                      const DeltaRuleGradients<double>& expected) {
+  const double q = relative_error(got.q, expected.q);
+  const double k = relative_error(got.k, expected.k);
+  const double v = relative_error(got.v, expected.v);
+  const double beta = relative_error(got.beta, expected.beta);
+  const double gates = expected.gates.size() == 0 ? 0.0 : relative_error(got.gates, expected.gates);
+  CAPTURE(q, k, v, beta, gates);
+  CHECK(got.gates.rows() == expected.gates.rows());
+  CHECK(got.gates.cols() == expected.gates.cols());
+  return std::max({q, k, v, beta, gates});
+}
+
+/// Resets in the middle of the sequence: token `row` entirely, and for KDA also two features of
+/// token row + 4.
+void add_resets(Inputs& in, Eigen::Index row) {
+  if (in.gate_cols() == 0) return;
+  in.log_gates.row(row).setConstant(kMinusInf);
+  if (in.gate_cols() > 1) {
+    in.log_gates(row + 4, 1) = kMinusInf;
+    in.log_gates(row + 4, in.gate_cols() - 1) = kMinusInf;
+  }
+}
+
+/// DESIGN.md's delta-rule bound, for the gradients against the naive reverse mode.
+template <class T>
+double bound() {
+  return std::is_same_v<T, float> ? 1e-4 : 1e-10;
+}
+
+}  // namespace
+
+TEST_CASE("the delta rule's backward matches central finite differences of the forward",
+          "[delta_rule_backward]") {
+  // N not a multiple of the chunk, Dk != Dv, resets mid-sequence; every input differentiated.
+  const Eigen::Index n = 37, dk = 8, dv = 5;
+  double worst = 0.0;
+  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+    for (const bool l2 : {false, true}) {
+      for (const double scale : {-1.0, 0.7}) {
+        CAPTURE(variant_name(gate_cols), l2, scale);
+        Inputs in(n, dk, dv, gate_cols, l2, 100 + static_cast<std::uint64_t>(gate_cols));
+        add_resets(in, 20);
+        const Matrix<double> grad_out = gaussian<double>(n, dv, 7);
+        DeltaOptions options;
+        options.chunk = 16;
+        options.l2_normalize = l2;
+        options.scale = scale;
+        // Step 1e-5 (1 + |x|): measured errors 3.5e-10 at most, 3.8e-9 at 1e-6 (rounding of the
+        // loss over the step), 5e-9 at 1e-4 (the h^2 term); a wrong term errs by O(1).
+        const DeltaRuleGradients<double> fd = finite_differences(in, grad_out, options, 1e-5);
+        const DeltaRuleGradients<double> got = backward<double>(in, grad_out, options);
+        const double error = gradient_error(got, fd);
+        CHECK(error <= 1e-6);
+        worst = std::max(worst, error);
+        // No gradient reaches a reset's log gate: nothing depends on it near -inf.
+        for (Eigen::Index r = 0; r < n; ++r) {
+          for (Eigen::Index c = 0; c < gate_cols; ++c) {
+            if (in.log_gates(r, c) == kMinusInf) CHECK(got.gates(r, c) == 0.0);
+          }
+        }
+      }
+    }
+  }
+  WARN("largest relative error against finite differences: " << worst);
+}
+
+TEST_CASE("the delta rule's backward for gates a_t: finite differences and dg = da a",
+          "[delta_rule_backward]") {
+  const Eigen::Index n = 37, dk = 8, dv = 6;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, dk}) {
+    CAPTURE(variant_name(gate_cols));
+    const Inputs in(n, dk, dv, gate_cols, true, 300);
+    const Matrix<double> a = in.log_gates.array().exp().matrix();
+    const Matrix<double> grad_out = gaussian<double>(n, dv, 8);
+    DeltaOptions options;
+    options.chunk = 16;
+    options.l2_normalize = true;
+    const auto by_a =
+        linattn::causal_gated_delta_rule_backward(in.q, in.k, in.v, a, in.beta, grad_out, options);
+    const auto by_log = linattn::causal_gated_delta_rule_backward(
+        in.q, in.k, in.v, linattn::log_gates(in.log_gates), in.beta, grad_out, options);
+    // The chain rule through a = exp(g); the other gradients agree up to the rounding of a.
+    CHECK(relative_error((by_a.gates.array() * a.array()).matrix(), by_log.gates) <= 1e-13);
+    CHECK(relative_error(by_a.q, by_log.q) <= 1e-13);
+    CHECK(relative_error(by_a.k, by_log.k) <= 1e-13);
+    CHECK(relative_error(by_a.v, by_log.v) <= 1e-13);
+    CHECK(relative_error(by_a.beta, by_log.beta) <= 1e-13);
+    // d L / d a_t by central differences on a_t (a + h stays <= 1: a <= exp(-0.01)).
+    Matrix<double> shifted = a;
+    Matrix<double> fd(n, gate_cols);
+    const double h = 1e-6;  // measured error 8e-9 at 1e-7
+    for (Eigen::Index r = 0; r < n; ++r) {
+      for (Eigen::Index c = 0; c < gate_cols; ++c) {
+        const double keep = shifted(r, c);
+        shifted(r, c) = keep + h;
+        const double up =
+            (linattn::causal_gated_delta_rule(in.q, in.k, in.v, shifted, in.beta, options).array() *
+             grad_out.array())
+                .sum();
+        shifted(r, c) = keep - h;
+        const double down =
+            (linattn::causal_gated_delta_rule(in.q, in.k, in.v, shifted, in.beta, options).array() *
+             grad_out.array())
+                .sum();
+        shifted(r, c) = keep;
+        fd(r, c) = (up - down) / (2.0 * h);
+      }
+    }
+    CHECK(relative_error(by_a.gates, fd) <= 1e-6);
+  }
+}
+
+TEMPLATE_TEST_CASE("the delta rule's backward matches a naive reverse mode over every state",
+                   "[delta_rule_backward]", float, double) {
+  const Eigen::Index dk = 32, dv = 24;
+  double worst = 0.0;
+  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+    for (const bool l2 : {false, true}) {
+      for (const Eigen::Index chunk : {Eigen::Index{16}, Eigen::Index{64}}) {
+        for (const Eigen::Index n : {Eigen::Index{1}, Eigen::Index{37}, Eigen::Index{200}}) {
+          CAPTURE(variant_name(gate_cols), l2, chunk, n);
+          Inputs in(n, dk, dv, gate_cols, l2, 40 + static_cast<std::uint64_t>(n));
+          if (n > 30) add_resets(in, n / 2);
+          // Inputs rounded to T first: the reference runs on what the library sees.
+          in.q = in.q.cast<TestType>().template cast<double>();
+          in.k = in.k.cast<TestType>().template cast<double>();
+          in.v = in.v.cast<TestType>().template cast<double>();
+          in.beta = in.beta.cast<TestType>().template cast<double>();
+          in.log_gates = in.log_gates.cast<TestType>().template cast<double>();
+          const Matrix<double> grad_out =
+              gaussian<double>(n, dv, 9).cast<TestType>().template cast<double>();
+          DeltaOptions options;
+          options.chunk = chunk;
+          options.l2_normalize = l2;
+          const DeltaRuleGradients<double> expected =
+              naive_backward(in, grad_out, 1.0 / std::sqrt(double(dk)), l2);
+          const double error = gradient_error(backward<TestType>(in, grad_out, options), expected);
+          CHECK(error <= bound<TestType>());
+          worst = std::max(worst, error);
+        }
+      }
+    }
+  }
+  WARN("largest relative error against the naive reverse mode: " << worst);
+}
+
+TEMPLATE_TEST_CASE("the delta rule's backward with beta at 1 and at 2 (negative eigenvalues)",
+                   "[delta_rule_backward]", float, double) {
+  const Eigen::Index dk = 16, dv = 12;
+  for (const double beta : {1.0, 2.0}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+      CAPTURE(beta, variant_name(gate_cols));
+      Inputs in(130, dk, dv, gate_cols, true, 500);
+      in.beta.setConstant(beta);
+      in.q = in.q.cast<TestType>().template cast<double>();
+      in.k = in.k.cast<TestType>().template cast<double>();
+      in.v = in.v.cast<TestType>().template cast<double>();
+      in.log_gates = in.log_gates.cast<TestType>().template cast<double>();
+      const Matrix<double> grad_out =
+          gaussian<double>(130, dv, 10).cast<TestType>().template cast<double>();
+      DeltaOptions options;
+      options.allow_negative_eigenvalues = beta > 1.0;
+      options.l2_normalize = true;
+      options.chunk = 32;
+      const DeltaRuleGradients<double> expected = naive_backward(in, grad_out, 0.25, true);
+      CHECK(gradient_error(backward<TestType>(in, grad_out, options), expected) <=
+            bound<TestType>());
+    }
+  }
+}
+
+TEST_CASE("the delta rule's backward over N = 2000 tokens matches the naive reverse mode",
+          "[delta_rule_backward]") {
+  const Eigen::Index n = 2000, dk = 32, dv = 16;
+  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+    CAPTURE(variant_name(gate_cols));
+    Inputs in(n, dk, dv, gate_cols, true, 700);
+    add_resets(in, 1234);
+    const Matrix<double> grad_out = gaussian<double>(n, dv, 11);
+    DeltaOptions options;
+    options.l2_normalize = true;  // chunk 64: 32 checkpoints, the last block 16 tokens
+    const DeltaRuleGradients<double> expected =
+        naive_backward(in, grad_out, 1.0 / std::sqrt(double(dk)), true);
+    CHECK(gradient_error(backward<double>(in, grad_out, options), expected) <= 1e-10);
+  }
+}
+
+TEST_CASE("the delta rule's backward: chunk, layouts, _into and the accumulation type",
+          "[delta_rule_backward]") {
+  const Eigen::Index n = 45, dk = 12, dv = 10;
+  const Inputs in(n, dk, dv, dk, true, 900);
+  const Matrix<double> grad_out = gaussian<double>(n, dv, 12);
+  DeltaOptions options;
+  options.l2_normalize = true;
+  const auto reference = backward<double>(in, grad_out, options);
+  // The checkpoint interval changes the work, not the result (1: a state per token).
+  for (const Eigen::Index chunk : {Eigen::Index{1}, Eigen::Index{7}, n, Eigen::Index{1000}}) {
+    CAPTURE(chunk);
+    DeltaOptions other = options;
+    other.chunk = chunk;
+    CHECK(gradient_error(backward<double>(in, grad_out, other), reference) <= 1e-12);
+  }
+  // Column-major inputs, a row vector of beta, transposed expressions and Maps.
+  const Eigen::MatrixXd q_cols = in.q;
+  const Eigen::MatrixXd k_transposed = in.k.transpose();
+  const Eigen::RowVectorXd beta_row = in.beta.transpose();
+  const Eigen::Map<const Matrix<double>> v_map(in.v.data(), n, dv);
+  const Eigen::MatrixXd g_cols = in.log_gates;
+  const auto mixed = linattn::causal_gated_delta_rule_backward(
+      q_cols, k_transposed.transpose(), v_map, linattn::log_gates(g_cols), beta_row,
+      grad_out.leftCols(dv), options);
+  CHECK(gradient_error({mixed.q, mixed.k, mixed.v, mixed.beta, mixed.gates}, reference) <= 1e-13);
+  // _into writes exactly what the returning form returns.
+  Matrix<double> gq(n, dk), gk(n, dk), gv(n, dv), gg(n, dk);
+  Vector<double> gb(n);
+  linattn::causal_gated_delta_rule_backward_into(in.q, in.k, in.v, linattn::log_gates(in.log_gates),
+                                                 in.beta, grad_out, gq, gk, gv, gg, gb, options);
+  CHECK((gq.array() == reference.q.array()).all());
+  CHECK((gk.array() == reference.k.array()).all());
+  CHECK((gv.array() == reference.v.array()).all());
+  CHECK((gg.array() == reference.gates.array()).all());
+  CHECK((gb.array() == reference.beta.array()).all());
+  // DeltaNet returns empty gates, N x 0.
+  const Inputs plain(n, dk, dv, 0, true, 901);
+  const auto net =
+      linattn::causal_delta_rule_backward(plain.q, plain.k, plain.v, plain.beta, grad_out, options);
+  CHECK(net.gates.rows() == n);
+  CHECK(net.gates.cols() == 0);
+  // Float inputs accumulated in double: the float rounding of the gradients only, far below
+  // float accumulation's error.
+  Inputs rounded = in;
+  rounded.q = in.q.cast<float>().cast<double>();
+  rounded.k = in.k.cast<float>().cast<double>();
+  rounded.v = in.v.cast<float>().cast<double>();
+  rounded.beta = in.beta.cast<float>().cast<double>();
+  rounded.log_gates = in.log_gates.cast<float>().cast<double>();
+  const Matrix<double> rounded_out = grad_out.cast<float>().cast<double>();
+  const auto expected = naive_backward(rounded, rounded_out, 1.0 / std::sqrt(double(dk)), true);
+  const double in_double =
+      gradient_error(backward<float, double>(rounded, rounded_out, options), expected);
+  const double in_float = gradient_error(backward<float>(rounded, rounded_out, options), expected);
+  CAPTURE(in_double, in_float);
+  CHECK(in_double <= 1e-6);
+  CHECK(in_double < in_float);
+}
+
+TEST_CASE("the delta rule's backward takes 16-bit inputs and accumulates in float",
+          "[delta_rule_backward]") {
+  const Eigen::Index n = 60, dk = 16, dv = 16;
+  Inputs in(n, dk, dv, 1, true, 1100);
+  using Half = Eigen::half;
+  using Brain = Eigen::bfloat16;
+  const Matrix<double> grad_out = gaussian<double>(n, dv, 13);
+  DeltaOptions options;
+  options.l2_normalize = true;
+  options.chunk = 16;
+  // Against the float backward on the same (rounded) inputs: the difference is the rounding of
+  // the gradients to 16 bits (2^-11 for half, 2^-8 for bfloat16, relative).
+  const auto check = [&](auto zero, double limit) {
+    using H = decltype(zero);
+    Inputs rounded = in;
+    rounded.q = in.q.cast<H>().template cast<double>();
+    rounded.k = in.k.cast<H>().template cast<double>();
+    rounded.v = in.v.cast<H>().template cast<double>();
+    rounded.beta = in.beta.cast<H>().template cast<double>();
+    rounded.log_gates = in.log_gates.cast<H>().template cast<double>();
+    const Matrix<double> rounded_out = grad_out.cast<H>().template cast<double>();
+    const auto reference = backward<float>(rounded, rounded_out, options);
+    const double error = gradient_error(backward<H>(rounded, rounded_out, options), reference);
+    CHECK(error <= limit);
+  };
+  check(Half(0), 1e-3);
+  check(Brain(0), 8e-3);
+}
+
+TEST_CASE("the delta rule's backward rejects bad input and writes nothing",
+          "[delta_rule_backward]") {
+  const Eigen::Index n = 20, dk = 8, dv = 4;
+  const Inputs in(n, dk, dv, 1, false, 3);
+  const Matrix<double>& q = in.q;
+  const Matrix<double>& k = in.k;
+  const Matrix<double>& v = in.v;
+  const Vector<double>& beta = in.beta;
+  const Matrix<double>& g = in.log_gates;
+  const Matrix<double> grad_out = gaussian<double>(n, dv, 14);
+  Matrix<double> gq = Matrix<double>::Constant(n, dk, 7.0);
+  Matrix<double> gk = gq, gv = Matrix<double>::Constant(n, dv, 7.0);
+  Matrix<double> gg = Matrix<double>::Constant(n, 1, 7.0);
+  Vector<double> gb = Vector<double>::Constant(n, 7.0);
+  const auto unchanged = [&] {
+    return (gq.array() == 7.0).all() && (gk.array() == 7.0).all() && (gv.array() == 7.0).all() &&
+           (gg.array() == 7.0).all() && (gb.array() == 7.0).all();
+  };
+  using Catch::Matchers::Contains;
+  // Each call of the two entry points with one argument replaced.
+  const auto delta = [&](const auto& q_, const auto& k_, const auto& v_, const auto& beta_,
+                         const auto& grad_out_, const DeltaOptions& options = {}) {
+    linattn::causal_delta_rule_backward_into(q_, k_, v_, beta_, grad_out_, gq, gk, gv, gb, options);
+  };
+  const auto gated = [&](const auto& gates, const auto& beta_, const auto& grad_out_,
+                         const DeltaOptions& options = {}) {
+    linattn::causal_gated_delta_rule_backward_into(q, k, v, gates, beta_, grad_out_, gq, gk, gv, gg,
+                                                   gb, options);
+  };
+  // grad_out: the wrong shape, a NaN (only scanned under check_finite).
+  CHECK_THROWS_WITH(
+      delta(q, k, v, beta, grad_out.topRows(19)),
+      Contains("causal_delta_rule_backward") && Contains("grad_out is 19 x 4 but v is 20 x 4"));
+  CHECK_THROWS_WITH(gated(linattn::log_gates(g), beta, grad_out.leftCols(3)),
+                    Contains("causal_gated_delta_rule_backward") && Contains("grad_out is 20 x 3"));
+  Matrix<double> bad_out = grad_out;
+  bad_out(11, 2) = std::nan("");
+  CHECK_THROWS_WITH(delta(q, k, v, beta, bad_out),
+                    Contains("grad_out has a non-finite value") && Contains("row 11, column 2"));
+  CHECK_THROWS_WITH(gated(linattn::log_gates(g), beta, bad_out), Contains("grad_out"));
+  CHECK(unchanged());
+  // beta out of range (1.5 is in range with negative eigenvalues), NaN, the wrong size.
+  Vector<double> bad_beta = beta;
+  bad_beta(5) = 1.5;
+  CHECK_THROWS_WITH(delta(q, k, v, bad_beta, grad_out),
+                    Contains("beta must lie in (0, 1]") && Contains("token 5"));
+  CHECK_THROWS_WITH(gated(linattn::log_gates(g), bad_beta, grad_out), Contains("token 5"));
+  bad_beta(5) = std::nan("");
+  DeltaOptions negative;
+  negative.allow_negative_eigenvalues = true;
+  CHECK_THROWS_WITH(delta(q, k, v, bad_beta, grad_out, negative),
+                    Contains("beta must lie in (0, 2]"));
+  CHECK_THROWS_WITH(delta(q, k, v, beta.head(19), grad_out), Contains("beta is 19 x 1"));
+  CHECK(unchanged());
+  // Gates: > 0 in log space, > 1 as a_t, the wrong width.
+  Matrix<double> bad_g = g;
+  bad_g(3, 0) = 0.1;
+  CHECK_THROWS_WITH(gated(linattn::log_gates(bad_g), beta, grad_out),
+                    Contains("gates (log gates) must be <= 0") && Contains("row 3"));
+  CHECK_THROWS_WITH(gated((g.array().exp() + 0.5).matrix(), beta, grad_out),
+                    Contains("gates must lie in (0, 1]"));
+  CHECK_THROWS_WITH(gated(linattn::log_gates(Matrix<double>::Zero(n, 3)), beta, grad_out),
+                    Contains("gates is 20 x 3 but q is 20 x 8"));
+  CHECK(unchanged());
+  // Inputs: NaN in q (not with check_finite off), shapes, options.
+  Matrix<double> bad_q = q;
+  bad_q(2, 1) = std::nan("");
+  CHECK_THROWS_WITH(delta(bad_q, k, v, beta, grad_out), Contains("q has a non-finite value"));
+  CHECK_THROWS_WITH(delta(q, k.topRows(19), v, beta, grad_out), Contains("k is 19 x 8"));
+  CHECK_THROWS_WITH(delta(q, k, v.topRows(19), beta, grad_out), Contains("v is 19 x 4"));
+  DeltaOptions bad_chunk;
+  bad_chunk.chunk = 0;
+  CHECK_THROWS_WITH(delta(q, k, v, beta, grad_out, bad_chunk), Contains("chunk"));
+  DeltaOptions bad_scale;
+  bad_scale.scale = 0.0;
+  CHECK_THROWS_WITH(delta(q, k, v, beta, grad_out, bad_scale), Contains("scale"));
+  CHECK(unchanged());
+  // The gradients' shapes, each named.
+  Matrix<double> small(n, dk - 1);
+  Vector<double> short_beta(n - 1);
+  Matrix<double> wide_gates(n, dk);
+  CHECK_THROWS_WITH(
+      linattn::causal_delta_rule_backward_into(q, k, v, beta, grad_out, small, gk, gv, gb),
+      Contains("grad_q is 20 x 7 but the gradient is 20 x 8"));
+  CHECK_THROWS_WITH(
+      linattn::causal_delta_rule_backward_into(q, k, v, beta, grad_out, gq, small, gv, gb),
+      Contains("grad_k is 20 x 7"));
+  CHECK_THROWS_WITH(
+      linattn::causal_delta_rule_backward_into(q, k, v, beta, grad_out, gq, gk, small, gb),
+      Contains("grad_v is 20 x 7 but the gradient is 20 x 4"));
+  CHECK_THROWS_WITH(
+      linattn::causal_delta_rule_backward_into(q, k, v, beta, grad_out, gq, gk, gv, short_beta),
+      Contains("grad_beta is 19 x 1 but the gradient is 20 x 1"));
+  CHECK_THROWS_WITH(linattn::causal_gated_delta_rule_backward_into(
+                        q, k, v, linattn::log_gates(g), beta, grad_out, gq, gk, gv, wide_gates, gb),
+                    Contains("grad_gates is 20 x 8 but the gradient is 20 x 1"));
+  CHECK(unchanged());
+  // The same inputs are accepted: the checks above reject the one bad argument, nothing else.
+  DeltaOptions unchecked;
+  unchecked.check_finite = false;
+  CHECK_NOTHROW(delta(q, k, v, beta, bad_out, unchecked));
+  CHECK_NOTHROW(gated(linattn::log_gates(g), beta, grad_out));
+  CHECK_FALSE(unchanged());
+}
