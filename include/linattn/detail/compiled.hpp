@@ -27,6 +27,10 @@
       linattn::detail::CarriedState<T>&, linattn::detail::OutRows<O>, const linattn::Options&, \
       int);
 
+/// The delta rule's chunked kernel of one pair (detail/delta_rule.hpp declares it where it is
+/// defined, since this header does not include it).
+#define LINATTN_DELTA_INSTANCES(prefix, T, O) prefix class linattn::detail::DeltaKernel<T, O>;
+
 #ifdef LINATTN_COMPILED
 #define LINATTN_DECLARE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(extern template, T, O)
 LINATTN_KERNEL_TYPES(LINATTN_DECLARE_KERNELS)
