@@ -1,9 +1,10 @@
 // The delta rule (DeltaNet, Gated DeltaNet, KDA) on one head and one thread: the chunked WY
-// form at chunk 16, 32 and 64, DeltaRuleState::step over every token, and the obvious per-token
-// Eigen loop (row-major S; pred = k^T S, S += k (beta (v - pred))^T, out = s q^T S), the form
-// ggml, ONNX Runtime and MNN run, with Eigen's GEMM rate measured in the same binary. Useful
-// FLOPs are the recurrence's: 6 Dk Dv per token (readout of k, rank-1 update, output).
-// L2-normalised keys, beta in [0.05, 1], log gates in [-0.05, 0].
+// form at chunk 16, 32 and 64, the streamed recurrence (strips of S in L1 across tokens),
+// DeltaRuleState::step over every token, and the obvious per-token Eigen loop (row-major S; pred =
+// k^T S, S += k (beta (v - pred))^T, out = s q^T S), the form ggml, ONNX Runtime and MNN run, with
+// Eigen's GEMM rate measured in the same binary. Useful FLOPs are the recurrence's: 6 Dk Dv per
+// token (readout of k, rank-1 update, output). L2-normalised keys, beta in [0.05, 1], log gates in
+// [-0.05, 0].
 #include <cmath>
 #include <linattn/delta_rule.hpp>
 #include <string>
@@ -38,13 +39,15 @@ double useful_flops(Eigen::Index n, Eigen::Index dk, Eigen::Index dv) {
   return 6.0 * double(n) * double(dk) * double(dv);
 }
 
-/// The chunked form: DeltaNet (gate_cols 0), Gated DeltaNet (1) or KDA (Dk).
-void BM_DeltaChunked(benchmark::State& state, Eigen::Index dk, Eigen::Index dv,
-                     Eigen::Index gate_cols, Eigen::Index chunk) {
+/// One call over the sequence in `form` (chunk: the chunked form's L): DeltaNet (gate_cols 0),
+/// Gated DeltaNet (1) or KDA (Dk).
+void BM_DeltaCall(benchmark::State& state, Eigen::Index dk, Eigen::Index dv, Eigen::Index gate_cols,
+                  linattn::DeltaForm form, Eigen::Index chunk) {
   const Eigen::Index n = state.range(0);
   Head in(n, dk, dv, gate_cols);
   linattn::DeltaOptions options;
   options.chunk = chunk;
+  options.form = form;
   options.threads = 1;  // bench_threads measures the split over threads
   linattn_bench::measure(state, [&] {
     if (gate_cols == 0) {
@@ -109,10 +112,16 @@ void register_shape(Eigen::Index d, const std::vector<Eigen::Index>& sizes) {
         benchmark::RegisterBenchmark(("BM_DeltaChunked_" + std::string(variant.name) + "_" + shape +
                                       "_L" + std::to_string(chunk) + "<float>")
                                          .c_str(),
-                                     BM_DeltaChunked, d, d, variant.gate_cols, chunk)
+                                     BM_DeltaCall, d, d, variant.gate_cols,
+                                     linattn::DeltaForm::chunked, chunk)
             ->Arg(n)
             ->Unit(benchmark::kMillisecond);
       }
+      benchmark::RegisterBenchmark(
+          ("BM_DeltaStreamed_" + std::string(variant.name) + "_" + shape + "<float>").c_str(),
+          BM_DeltaCall, d, d, variant.gate_cols, linattn::DeltaForm::streamed, Eigen::Index{64})
+          ->Arg(n)
+          ->Unit(benchmark::kMillisecond);
     }
     benchmark::RegisterBenchmark(("BM_DeltaStep_" + shape + "<float>").c_str(), BM_DeltaStep, d, d)
         ->Arg(n)

@@ -76,7 +76,8 @@ struct Sequence {
   }
 };
 
-/// The chunked call in T on the sequence: DeltaNet without gates, else log_gates(g).
+/// The matrix call in T on the sequence (in options.form): DeltaNet without gates, else
+/// log_gates(g).
 template <class T>
 Matrix<T> chunked(const Sequence& s, const DeltaOptions& options) {
   const Matrix<T> q = s.q.cast<T>();
@@ -100,8 +101,11 @@ const char* variant_name(Eigen::Index gate_cols) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("the chunked delta rule matches the naive recurrence", "[delta_rule]", float,
+TEMPLATE_TEST_CASE("both forms of the delta rule match the naive recurrence", "[delta_rule]", float,
                    double) {
+  const linattn::DeltaForm form =
+      GENERATE(linattn::DeltaForm::chunked, linattn::DeltaForm::streamed);
+  CAPTURE(static_cast<int>(form));
   const Eigen::Index dk = 32;
   for (const Eigen::Index dv : {Eigen::Index{32}, Eigen::Index{48}}) {
     for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
@@ -111,6 +115,7 @@ TEMPLATE_TEST_CASE("the chunked delta rule matches the naive recurrence", "[delt
           const Sequence s(n, dk, dv, gate_cols, 10 + static_cast<std::uint64_t>(n));
           DeltaOptions options;
           options.chunk = chunk;
+          options.form = form;
           const Matrix<double> expected =
               naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 1.0 / std::sqrt(32.0), false);
           const Matrix<TestType> out = chunked<TestType>(s, options);
@@ -124,12 +129,16 @@ TEMPLATE_TEST_CASE("the chunked delta rule matches the naive recurrence", "[delt
 
 TEMPLATE_TEST_CASE("the delta rule takes FLA's conventions: scale and in-kernel L2 norm",
                    "[delta_rule]", float, double) {
+  const linattn::DeltaForm form =
+      GENERATE(linattn::DeltaForm::chunked, linattn::DeltaForm::streamed);
+  CAPTURE(static_cast<int>(form));
   // Raw (unnormalised) q and k: l2_normalize divides by sqrt(|x|^2 + 1e-6) as FLA's l2norm.
   Sequence s(150, 24, 16, 1, 77);
   s.k = gaussian<double>(150, 24, 78, 3.0);
   DeltaOptions options;
   options.l2_normalize = true;
   options.chunk = 32;
+  options.form = form;
   const Matrix<double> expected =
       naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 1.0 / std::sqrt(24.0), true);
   CHECK(relative_error(chunked<TestType>(s, options), expected) <= bound<TestType>());
@@ -143,6 +152,9 @@ TEMPLATE_TEST_CASE("the delta rule takes FLA's conventions: scale and in-kernel 
 
 TEMPLATE_TEST_CASE("the delta rule's gates: 1 exactly, down to 1e-30, hard resets mid-chunk",
                    "[delta_rule]", float, double) {
+  const linattn::DeltaForm form =
+      GENERATE(linattn::DeltaForm::chunked, linattn::DeltaForm::streamed);
+  CAPTURE(static_cast<int>(form));
   const Eigen::Index dk = 16;
   for (const Eigen::Index gate_cols : {Eigen::Index{1}, dk}) {
     CAPTURE(gate_cols);
@@ -159,6 +171,7 @@ TEMPLATE_TEST_CASE("the delta rule's gates: 1 exactly, down to 1e-30, hard reset
     }
     DeltaOptions options;
     options.chunk = 64;
+    options.form = form;
     const Matrix<double> expected =
         naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 0.25, false);
     CHECK(relative_error(chunked<TestType>(s, options), expected) <= bound<TestType>());
@@ -176,6 +189,9 @@ TEMPLATE_TEST_CASE("the delta rule's gates: 1 exactly, down to 1e-30, hard reset
 
 TEMPLATE_TEST_CASE("the delta rule's beta: near 0, 1, and 2 with negative eigenvalues",
                    "[delta_rule]", float, double) {
+  const linattn::DeltaForm form =
+      GENERATE(linattn::DeltaForm::chunked, linattn::DeltaForm::streamed);
+  CAPTURE(static_cast<int>(form));
   for (const double beta : {1e-6, 1.0, 2.0}) {
     for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, Eigen::Index{16}}) {
       CAPTURE(beta, gate_cols);
@@ -184,6 +200,7 @@ TEMPLATE_TEST_CASE("the delta rule's beta: near 0, 1, and 2 with negative eigenv
       DeltaOptions options;
       options.allow_negative_eigenvalues = beta > 1.0;
       options.chunk = 32;
+      options.form = form;
       const Matrix<double> expected =
           naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 0.25, false);
       CHECK(relative_error(chunked<TestType>(s, options), expected) <= bound<TestType>());
@@ -578,7 +595,12 @@ TEMPLATE_TEST_CASE("the delta rule at N = 65,536", "[delta_rule][long]", float, 
   const Sequence s(n, 8, 8, gate_cols, 123);
   const Matrix<double> expected =
       naive_delta_rule(s.q, s.k, s.v, s.beta, s.log_gates, 1.0 / std::sqrt(8.0), false);
-  CHECK(relative_error(chunked<TestType>(s, {}), expected) <= bound<TestType>());
+  for (const linattn::DeltaForm form :
+       {linattn::DeltaForm::chunked, linattn::DeltaForm::streamed}) {
+    DeltaOptions options;
+    options.form = form;
+    CHECK(relative_error(chunked<TestType>(s, options), expected) <= bound<TestType>());
+  }
 }
 
 TEST_CASE("the delta rule takes 16-bit inputs and accumulates in float or double", "[delta_rule]") {

@@ -56,6 +56,14 @@ struct Options {
   int threads = 0;
 };
 
+/// The form a delta-rule call over many tokens runs in; the results agree within DESIGN.md's
+/// bounds (1e-10 double, 1e-4 float with normalised keys).
+enum class DeltaForm {
+  automatic,  ///< the faster one for the shape, as bench_delta measures them
+  chunked,    ///< the chunked WY form: 1.6-2x the recurrence's flops, all of them in GEMMs
+  streamed,   ///< the recurrence token by token, strips of S staying in L1 across tokens
+};
+
 /// Settings of the delta-rule kernels (DeltaNet, Gated DeltaNet, KDA), FLA's conventions.
 struct DeltaOptions {
   /// s, multiplying q: out_t = S_t^T (s q_t). Negative (the default) takes Dk^-1/2, FLA's
@@ -70,6 +78,8 @@ struct DeltaOptions {
   bool allow_negative_eigenvalues = false;
   /// Tokens per chunk of the chunked (WY) form; >= 1. Changes speed, not results.
   Eigen::Index chunk = 64;
+  /// The form prefill and the matrix and view calls run in (DeltaForm::automatic: the faster).
+  DeltaForm form = DeltaForm::automatic;
   /// Scan q, k and v for NaN and Inf and throw on them (beta and gates are always checked).
   bool check_finite = true;
   /// Threads for one call when linattn is built with OpenMP; as Options::threads.

@@ -72,6 +72,12 @@ void validate_delta_gates(const Gates& gates, Eigen::Index rows, Eigen::Index ke
 /// key-side work: K K^T, the solve for W, Q K^T).
 inline constexpr Eigen::Index kDeltaMinColumnsPerThread = 32;
 
+/// True when a call runs the streamed recurrence: asked for, or (automatic) everywhere
+/// bench_delta measured it faster than the chunked form (every shape from 64 to 128 so far).
+inline bool streams(const DeltaOptions& options, Eigen::Index, Eigen::Index) {
+  return options.form != DeltaForm::chunked;
+}
+
 /// Runs the chunked form over every token from `state` on (Dk x Dv, left after the last
 /// token), writing out rows when `out` is not null. Inputs validated by the caller. With
 /// threads > 1 the value columns are split between them: under the delta rule each column of
@@ -85,11 +91,19 @@ void run_delta_rule(const DQ& q, const DK& k, const DV& v, const DB& beta, const
   const Eigen::Index dv = v.cols();
   const Eigen::Index parts =
       std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, dv / kDeltaMinColumnsPerThread));
+  const bool streamed = streams(options, q.cols(), dv);
+  const auto run = [&](const ChunkSource<T>& source, Eigen::Index width, Matrix<T>& part_state,
+                       OutRows<O>* part_out) {
+    if (streamed) {
+      DeltaStream<T, O>(q.cols(), width, options).run(source, beta_rows, part_state, part_out);
+    } else {
+      DeltaKernel<T, O>(q.rows(), q.cols(), width, options)
+          .run(source, beta_rows, part_state, part_out);
+    }
+  };
   if (parts == 1) {
-    with_source<T>(q, k, v, Identity{}, gates, false, where, [&](ChunkSource<T>& source) {
-      DeltaKernel<T, O> kernel(q.rows(), q.cols(), dv, options);
-      kernel.run(source, beta_rows, state, out);
-    });
+    with_source<T>(q, k, v, Identity{}, gates, false, where,
+                   [&](ChunkSource<T>& source) { run(source, dv, state, out); });
     return;
   }
   parallel_for(parts, static_cast<int>(parts), [&](Eigen::Index p) {
@@ -97,12 +111,11 @@ void run_delta_rule(const DQ& q, const DK& k, const DV& v, const DB& beta, const
     Matrix<T> part_state = state.middleCols(first, width);
     with_source<T>(q, k, v.middleCols(first, width), Identity{}, gates, false, where,
                    [&](ChunkSource<T>& source) {
-                     DeltaKernel<T, O> kernel(q.rows(), q.cols(), width, options);
                      if (out == nullptr) {
-                       kernel.run(source, beta_rows, part_state, nullptr);
+                       run(source, width, part_state, nullptr);
                      } else {
                        OutRows<O> part_out(out->middleCols(first, width));
-                       kernel.run(source, beta_rows, part_state, &part_out);
+                       run(source, width, part_state, &part_out);
                      }
                    });
     state.middleCols(first, width) = part_state;

@@ -16,6 +16,8 @@
 #include <linattn/gates.hpp>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace linattn::detail {
 
@@ -411,6 +413,18 @@ struct DeltaStepShape {
   static constexpr int kPackets = std::clamp(128 / static_cast<int>(sizeof(Packet)), 4, 8);
 };
 
+/// One token as a strip reads it: q^ and k^ (Dk, normalised and scaled), the gates a_t (1 or
+/// Dk, unread without), and v, u (null: not kept) and the output from the strip's first column.
+template <class T>
+struct DeltaTokenRefs {
+  const T* q;
+  const T* k;
+  const T* a;
+  const T* v;
+  T* u;
+  T* out;
+};
+
 /// f(std::integral_constant<int, W>{}) for each W: unrolled even at -O2, so that packet arrays
 /// indexed by W stay in registers.
 template <class F, int... W>
@@ -421,7 +435,8 @@ void for_each_packet(std::integer_sequence<int, W...>, F&& f) {
 /// Columns [col, col + WP packets) of delta_step (columns evolve alone): the prediction down the
 /// rows, then the update and readout back up them, so that it starts on rows still in L1.
 template <TransitionKind Kind, class T, class Packet, int WP>
-void delta_step_strip(Matrix<T>& state, DeltaStepBuffers<T>& buf, T beta, Eigen::Index col) {
+void delta_step_strip(T* const s, Eigen::Index rows, Eigen::Index lds,
+                      const DeltaTokenRefs<T>& token, T beta) {
   using Eigen::internal::padd;
   using Eigen::internal::ploadu;
   using Eigen::internal::pmadd;
@@ -431,11 +446,9 @@ void delta_step_strip(Matrix<T>& state, DeltaStepBuffers<T>& buf, T beta, Eigen:
   using Eigen::internal::psub;
   constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
   constexpr auto packets = std::make_integer_sequence<int, WP>{};
-  const Eigen::Index rows = state.rows(), lds = state.cols();
-  const T* const k = buf.k.data();
-  const T* const q = buf.q.data();
-  const T* const a = buf.gate.data();
-  T* const s = state.data() + col;
+  const T* const k = token.k;
+  const T* const q = token.q;
+  const T* const a = token.a;
   const Packet scalar_gate = pset1<Packet>(Kind == TransitionKind::scalar_gates ? a[0] : T(1));
   // Two rows a step, into two sets of accumulators: half the dependency chain.
   Packet even[WP], odd[WP], u[WP];
@@ -463,8 +476,8 @@ void delta_step_strip(Matrix<T>& state, DeltaStepBuffers<T>& buf, T beta, Eigen:
   for_each_packet(packets, [&](auto w) {
     Packet pred = padd(even[w], odd[w]);
     if constexpr (Kind == TransitionKind::scalar_gates) pred = pmul(scalar_gate, pred);
-    u[w] = pmul(b, psub(ploadu<Packet>(buf.v.data() + col + w * P), pred));
-    pstoreu<T>(buf.pred.data() + col + w * P, u[w]);
+    u[w] = pmul(b, psub(ploadu<Packet>(token.v + w * P), pred));
+    if (token.u != nullptr) pstoreu<T>(token.u + w * P, u[w]);
     even[w] = odd[w] = pset1<Packet>(T(0));
   });
   // S = S' + k u^T and out = S^T q, from the last row back.
@@ -501,24 +514,53 @@ void delta_step_strip(Matrix<T>& state, DeltaStepBuffers<T>& buf, T beta, Eigen:
       even[w] = pmadd(q0, x0, even[w]);
     });
   }
-  for_each_packet(packets,
-                  [&](auto w) { pstoreu<T>(buf.out.data() + col + w * P, padd(even[w], odd[w])); });
+  for_each_packet(packets, [&](auto w) { pstoreu<T>(token.out + w * P, padd(even[w], odd[w])); });
 }
 
-/// delta_step_strip over columns [col, Dv): WP packets wide, then halving widths, then scalars.
-template <TransitionKind Kind, int WP, class T>
-void delta_step_strips(Matrix<T>& state, DeltaStepBuffers<T>& buf, T beta, Eigen::Index col) {
+/// delta_step_strip over columns [col, cols) of the Dk rows at `s` (row stride lds) for each
+/// token token_at(t), t in [0, tokens), a strip meeting every token before the next strip
+/// starts: WP packets wide, then halving widths, then scalars.
+template <TransitionKind Kind, int WP, class T, class TokenAt>
+void delta_strips(T* s, Eigen::Index rows, Eigen::Index lds, Eigen::Index col, Eigen::Index cols,
+                  Eigen::Index tokens, const TokenAt& token_at) {
   using Packet = typename DeltaStepShape<T>::Packet;
   constexpr Eigen::Index width = WP * DeltaStepShape<T>::kPacket;
-  for (; col + width <= state.cols(); col += width) {
-    delta_step_strip<Kind, T, Packet, WP>(state, buf, beta, col);
+  const auto run = [&](auto strip, Eigen::Index c) {
+    for (Eigen::Index t = 0; t < tokens; ++t) {
+      DeltaTokenRefs<T> token = token_at(t);
+      token.v += c;
+      if (token.u != nullptr) token.u += c;
+      token.out += c;
+      strip(s + c, token, token_at.beta(t));
+    }
+  };
+  for (; col + width <= cols; col += width) {
+    run([&](T* at, const DeltaTokenRefs<T>& token,
+            T beta) { delta_step_strip<Kind, T, Packet, WP>(at, rows, lds, token, beta); },
+        col);
   }
   if constexpr (WP > 1) {
-    delta_step_strips<Kind, WP / 2>(state, buf, beta, col);
+    delta_strips<Kind, WP / 2>(s, rows, lds, col, cols, tokens, token_at);
   } else {
-    for (; col < state.cols(); ++col) delta_step_strip<Kind, T, T, 1>(state, buf, beta, col);
+    for (; col < cols; ++col) {
+      run([&](T* at, const DeltaTokenRefs<T>& token,
+              T beta) { delta_step_strip<Kind, T, T, 1>(at, rows, lds, token, beta); },
+          col);
+    }
   }
 }
+
+/// The one token of delta_step, as delta_strips reads tokens.
+template <class T>
+struct StepTokenAt {
+  DeltaStepBuffers<T>& buf;
+  T step_beta;
+  DeltaTokenRefs<T> operator()(Eigen::Index) const {
+    return {buf.q.data(), buf.k.data(),    buf.gate.data(),
+            buf.v.data(), buf.pred.data(), buf.out.data()};
+  }
+  T beta(Eigen::Index) const { return step_beta; }
+};
 
 /// delta_step in two sweeps over whole rows, for the row strides where strips 4K-alias.
 template <class T>
@@ -559,18 +601,143 @@ void delta_step(Matrix<T>& state, DeltaStepBuffers<T>& buf, T beta, Eigen::Index
     return;
   }
   constexpr int kPackets = DeltaStepShape<T>::kPackets;
+  const StepTokenAt<T> token{buf, beta};
+  const Eigen::Index rows = state.rows(), cols = state.cols();
   switch (transition_of_gate_dim(gates)) {
     case TransitionKind::scalar_gates:
-      delta_step_strips<TransitionKind::scalar_gates, kPackets>(state, buf, beta, 0);
+      delta_strips<TransitionKind::scalar_gates, kPackets>(state.data(), rows, cols, 0, cols, 1,
+                                                           token);
       break;
     case TransitionKind::feature_gates:
-      delta_step_strips<TransitionKind::feature_gates, kPackets>(state, buf, beta, 0);
+      delta_strips<TransitionKind::feature_gates, kPackets>(state.data(), rows, cols, 0, cols, 1,
+                                                            token);
       break;
     default:
-      delta_step_strips<TransitionKind::decay, kPackets>(state, buf, beta, 0);
+      delta_strips<TransitionKind::decay, kPackets>(state.data(), rows, cols, 0, cols, 1, token);
       break;
   }
 }
+
+/// The recurrent form over a sequence, streamed: blocks of tokens loaded, normalised and scaled
+/// once, then S strip by strip of columns, each strip copied into a contiguous buffer that
+/// stays in L1 while every token of the block passes through it. Exactly the recurrence's
+/// 6 Dk Dv flops a token (the chunked form does 1.6-2x that), hard resets as gates of 0.
+template <class T, class O>
+class DeltaStream {
+ public:
+  DeltaStream(Eigen::Index key_dim, Eigen::Index value_dim, const DeltaOptions& options)
+      : scale_(static_cast<T>(delta_scale(options, key_dim))),
+        l2_normalize_(options.l2_normalize),
+        io_(kBlock, key_dim, value_dim),
+        beta_(kBlock),
+        out_(kBlock, value_dim),
+        strip_(key_dim * strip_width(key_dim)) {}
+
+  /// Runs every token of `src` with `beta` from `state` on; out: N x Dv, or null.
+  void run(const ChunkSource<T>& src, const BetaRows<T>& beta, Matrix<T>& state, OutRows<O>* out) {
+    const Eigen::Index gates = src.gate_dim();
+    const Eigen::Index dk = state.rows(), dv = state.cols();
+    for (Eigen::Index begin = 0; begin < src.rows(); begin += kBlock) {
+      const Eigen::Index len = std::min(kBlock, src.rows() - begin);
+      src.load_queries(begin, len, io_);
+      src.load_keys_values(begin, len, io_);
+      beta.load(begin, len, beta_);
+      if (l2_normalize_) {
+        l2_normalize_rows(io_.q, len);
+        l2_normalize_rows(io_.k, len);
+      }
+      io_.q.topRows(len) *= scale_;
+      if (gates > 0) {
+        log_gate_.resize(kBlock, gates);
+        src.load_log_gates(begin, len, log_gate_);
+        gate_ = log_gate_.topRows(len).template cast<T>().exp();  // -inf: 0, a reset
+      }
+      const BlockTokenAt token{*this, dk, dv, gates};
+      const Eigen::Index width = strip_width(dk);
+      for (Eigen::Index col = 0; col < dv; col += width) {
+        const Eigen::Index w = std::min(width, dv - col);
+        Eigen::Map<Matrix<T>> strip(strip_.data(), dk, w);
+        strip = state.middleCols(col, w);
+        const StripTokenAt shifted{token, col};
+        switch (transition_of_gate_dim(gates)) {
+          case TransitionKind::scalar_gates:
+            strips<TransitionKind::scalar_gates>(strip.data(), dk, w, len, shifted);
+            break;
+          case TransitionKind::feature_gates:
+            strips<TransitionKind::feature_gates>(strip.data(), dk, w, len, shifted);
+            break;
+          default:
+            strips<TransitionKind::decay>(strip.data(), dk, w, len, shifted);
+            break;
+        }
+        state.middleCols(col, w) = strip;
+      }
+      if (out != nullptr) {
+        OutRows<O> rows(out->middleRows(begin, len));
+        store_rows<O>(out_, len, rows);
+      }
+    }
+  }
+
+ private:
+  static constexpr Eigen::Index kBlock = 64;
+  static constexpr Eigen::Index kStripBytes = 32768;
+
+  /// Columns per strip: the widest of 1, 2 or 4 packets whose Dk rows take at most 32 KiB.
+  /// Wide strips share each row's broadcasts of k, q and a over more columns: at Dk = 128 float
+  /// 4 packets (32 KiB, L1's size) ran faster than 2 (16 KiB) although only part stays in L1.
+  static Eigen::Index strip_width(Eigen::Index key_dim) {
+    const Eigen::Index packet = DeltaStepShape<T>::kPacket;
+    for (Eigen::Index packets : {4, 2}) {
+      if (key_dim * packets * packet * static_cast<Eigen::Index>(sizeof(T)) <= kStripBytes) {
+        return packets * packet;
+      }
+    }
+    return packet;
+  }
+
+  template <TransitionKind Kind, class TokenAt>
+  static void strips(T* s, Eigen::Index rows, Eigen::Index cols, Eigen::Index tokens,
+                     const TokenAt& token_at) {
+    delta_strips<Kind, 4>(s, rows, cols, 0, cols, tokens, token_at);
+  }
+
+  /// Token t of the loaded block.
+  struct BlockTokenAt {
+    DeltaStream& self;
+    Eigen::Index dk, dv, gates;
+    DeltaTokenRefs<T> operator()(Eigen::Index t) const {
+      return {self.io_.q.data() + t * dk,
+              self.io_.k.data() + t * dk,
+              gates > 0 ? self.gate_.data() + t * gates : nullptr,
+              self.io_.v.data() + t * dv,
+              nullptr,
+              self.out_.data() + t * dv};
+    }
+    T beta(Eigen::Index t) const { return self.beta_(t); }
+  };
+  /// As BlockTokenAt, with v and out from column `col` of the rows (the strip's first).
+  struct StripTokenAt {
+    const BlockTokenAt& rows;
+    Eigen::Index col;
+    DeltaTokenRefs<T> operator()(Eigen::Index t) const {
+      DeltaTokenRefs<T> token = rows(t);
+      token.v += col;
+      token.out += col;
+      return token;
+    }
+    T beta(Eigen::Index t) const { return rows.beta(t); }
+  };
+
+  T scale_;
+  bool l2_normalize_;
+  ChunkBuffers<T> io_;  ///< the block's q^, k^, v
+  Vector<T> beta_;
+  LogRows log_gate_;
+  Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> gate_;  ///< a_t
+  Matrix<T> out_;
+  std::vector<T> strip_;  ///< one strip of S, contiguous
+};
 
 }  // namespace linattn::detail
 
