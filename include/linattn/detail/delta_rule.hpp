@@ -114,19 +114,20 @@ class BetaRows {
   ~BetaRows() = default;
 };
 
-/// BetaRows over a caller's vector expression (a row or a column).
+/// BetaRows over a caller's vector expression (a row or a column) from its entry `first` on.
 template <class T, class DB>
 class BetaVector final : public BetaRows<T> {
  public:
-  explicit BetaVector(const DB& beta) : beta_(beta) {}
+  explicit BetaVector(const DB& beta, Eigen::Index first = 0) : beta_(beta), first_(first) {}
   void load(Eigen::Index begin, Eigen::Index len, Vector<T>& dst) const override {
     for (Eigen::Index i = 0; i < len; ++i) {
-      dst(i) = static_cast<T>(beta_.reshaped()(begin + i));
+      dst(i) = static_cast<T>(beta_.reshaped()(first_ + begin + i));
     }
   }
 
  private:
   const DB& beta_;
+  Eigen::Index first_;
 };
 
 /// x <- x / sqrt(|x|^2 + kL2NormEps), in place: FLA's l2norm of one token's q or k.

@@ -27,23 +27,6 @@
 
 namespace linattn::detail {
 
-/// BetaRows over a caller's beta (a row or column vector) from token `first` on: the betas of
-/// one block for the chunked kernel, which counts tokens from the block's start.
-template <class T, class DB>
-class BetaFrom final : public BetaRows<T> {
- public:
-  BetaFrom(const DB& beta, Eigen::Index first) : beta_(beta), first_(first) {}
-  void load(Eigen::Index begin, Eigen::Index len, Vector<T>& dst) const override {
-    for (Eigen::Index i = 0; i < len; ++i) {
-      dst(i) = static_cast<T>(beta_.reshaped()(first_ + begin + i));
-    }
-  }
-
- private:
-  const DB& beta_;
-  Eigen::Index first_;
-};
-
 /// Throws unless the gradient `grad` is rows x cols; `name` is the gradient argument.
 template <class Grad>
 void require_delta_gradient_shape(const Grad& grad, Eigen::Index rows, Eigen::Index cols,
@@ -172,7 +155,7 @@ class DeltaBackward {
         checkpoints_.middleRows(b * dk_, dk_) = state_;
         if (b + 1 == blocks()) break;
         const RowRange<T> rows(source, b * block_, block_);
-        const BetaFrom<T, DB> betas(beta, b * block_);
+        const BetaVector<T, DB> betas(beta, b * block_);
         kernel.run(rows, betas, state_, nullptr);
       }
     });
