@@ -14,8 +14,9 @@
 //   * a RecurrentState with finite S and z saves and loads back to the same bytes, and the
 //     loaded copy steps to bit-identical outputs;
 //   * the delta rule (DeltaNet, Gated DeltaNet, KDA) with valid options, beta and bounded input
-//     never throws; with L2-normalised q and k its outputs are finite, the chunked form, the
-//     steps, prefill-then-step and the view agree, and a saved state continues bit for bit;
+//     never throws; with L2-normalised q and k its outputs are finite, the streamed and the
+//     chunked forms, the steps, prefill-then-step and the view agree, and a saved state continues
+//     bit for bit;
 //   * softmax baselines on such inputs: finite, inside the range of v, and the tiled, the
 //     materialised, the sliding-window and both caches agree; truncate() rolls back exactly.
 //
@@ -735,7 +736,7 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
 /// The delta rule on the same inputs: DeltaNet, Gated DeltaNet or KDA by the seed (gates from
 /// draw_log_gates, resets included), beta in (0, 1] or (0, 2] drawn from the seed. With L2
 /// normalisation (Options::normalize stands for DeltaOptions::l2_normalize) and bounded input
-/// every S_t stays bounded: then the outputs are finite and the chunked form, the steps,
+/// every S_t stays bounded: then the outputs are finite and both forms, the steps,
 /// prefill-then-step and the 1 x 1 x N view agree, and a saved state continues bit for bit.
 template <class T>
 void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
@@ -762,6 +763,16 @@ void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
       par = linattn::causal_gated_delta_rule(q, k, v, linattn::log_gates(g), beta, opt);
     } else {
       par = linattn::causal_delta_rule(q, k, v, beta, opt);
+    }
+  });
+  Matrix<T> chunked(in.n, in.dv);
+  linattn::DeltaOptions chunked_opt = opt;
+  chunked_opt.form = linattn::DeltaForm::chunked;
+  const bool chunked_ok = attempt("causal_(gated_)delta_rule(chunked)", must, [&] {
+    if (gated) {
+      chunked = linattn::causal_gated_delta_rule(q, k, v, linattn::log_gates(g), beta, chunked_opt);
+    } else {
+      chunked = linattn::causal_delta_rule(q, k, v, beta, chunked_opt);
     }
   });
   using State = linattn::DeltaRuleState<T>;
@@ -814,7 +825,8 @@ void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
   require_finite("causal_(gated_)delta_rule", par);
   // Normalised keys and beta <= 2 keep |S| within the sum of beta |v|: size the bound by it.
   const double tol = kRelTol<T> * (1.0 + 2.0 * static_cast<double>(in.n) * max_abs(v));
-  if (steps_ok) require_close("delta rule: chunked vs steps", par, steps, tol);
+  if (chunked_ok) require_close("delta rule: streamed vs chunked", par, chunked, tol);
+  if (steps_ok) require_close("delta rule: streamed vs steps", par, steps, tol);
   if (split_ok) require_close("delta rule: chunked vs prefill then steps", par, split, tol);
   if (viewed_ok) require_close("delta rule: matrix vs 1 x 1 x N view", par, viewed, tol);
   if (!steps_ok || !stepped->s().allFinite()) return;
