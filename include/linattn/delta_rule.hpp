@@ -73,9 +73,11 @@ void validate_delta_gates(const Gates& gates, Eigen::Index rows, Eigen::Index ke
 inline constexpr Eigen::Index kDeltaMinColumnsPerThread = 32;
 
 /// True when a call runs the streamed recurrence: asked for, or (automatic) everywhere
-/// bench_delta measured it faster than the chunked form (every shape from 64 to 128 so far).
-inline bool streams(const DeltaOptions& options, Eigen::Index, Eigen::Index) {
-  return options.form != DeltaForm::chunked;
+/// bench_delta measured it faster than the chunked form (Dk = Dv = 64 and 128), except rows of
+/// S a multiple of 4 KiB long, where its strips stall on 4K aliasing.
+inline bool streams(const DeltaOptions& options, Eigen::Index value_dim, std::size_t scalar_size) {
+  if (options.form != DeltaForm::automatic) return options.form == DeltaForm::streamed;
+  return value_dim * static_cast<Eigen::Index>(scalar_size) % 4096 != 0;
 }
 
 /// Runs the chunked form over every token from `state` on (Dk x Dv, left after the last
@@ -91,7 +93,7 @@ void run_delta_rule(const DQ& q, const DK& k, const DV& v, const DB& beta, const
   const Eigen::Index dv = v.cols();
   const Eigen::Index parts =
       std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, dv / kDeltaMinColumnsPerThread));
-  const bool streamed = streams(options, q.cols(), dv);
+  const bool streamed = streams(options, dv, sizeof(T));
   const auto run = [&](const ChunkSource<T>& source, Eigen::Index width, Matrix<T>& part_state,
                        OutRows<O>* part_out) {
     if (streamed) {
