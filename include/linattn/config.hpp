@@ -61,7 +61,7 @@ struct Options {
 enum class DeltaForm {
   automatic,  ///< the faster one for the shape, as bench_delta measures them
   chunked,    ///< the chunked WY form: 1.6-2x the recurrence's flops, all of them in GEMMs
-  streamed,   ///< the recurrence token by token, strips of S staying in L1 across tokens
+  streamed,   ///< the recurrence token by token over blocks of loaded tokens, S in strips
 };
 
 /// Settings of the delta-rule kernels (DeltaNet, Gated DeltaNet, KDA), FLA's conventions.
