@@ -37,6 +37,22 @@ namespace detail {
 
 /// Throws unless the inputs share one scalar type.
 template <class DQ, class DK, class DV, class DB>
+constexpr void check_delta_scalars();
+
+/// The compile-time checks of a matrix call accumulating in Acc: one input scalar type for q,
+/// k, v, beta and the gates (Gates void for DeltaNet), and a float or double accumulator.
+template <class Acc, class DQ, class DK, class DV, class DB, class Gates>
+constexpr void check_delta_call_scalars() {
+  static_assert(is_supported_scalar<accumulator_t<Acc, typename DQ::Scalar>>,
+                "the delta rule accumulates in float or double (Acc = float or double)");
+  check_delta_scalars<DQ, DK, DV, DB>();
+  if constexpr (!std::is_void_v<Gates>) {
+    static_assert(std::is_same_v<gate_scalar_t<Gates>, typename DQ::Scalar>,
+                  "the gates must have the inputs' scalar type");
+  }
+}
+
+template <class DQ, class DK, class DV, class DB>
 constexpr void check_delta_scalars() {
   static_assert(std::is_same_v<typename DQ::Scalar, typename DK::Scalar> &&
                     std::is_same_v<typename DQ::Scalar, typename DV::Scalar> &&
@@ -132,15 +148,9 @@ void delta_rule_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
                      const DeltaOptions& options, const char* where) {
   using Scalar = typename DQ::Scalar;
   using T = accumulator_t<Acc, Scalar>;
-  static_assert(is_supported_scalar<T>,
-                "the delta rule accumulates in float or double (Acc = float or double)");
-  check_delta_scalars<DQ, DK, DV, DB>();
+  check_delta_call_scalars<Acc, DQ, DK, DV, DB, Gates>();
   validate_delta_sequence(q, k, v, beta, out, options, where);
-  if constexpr (!std::is_void_v<Gates>) {
-    static_assert(std::is_same_v<gate_scalar_t<Gates>, Scalar>,
-                  "the gates must have the inputs' scalar type");
-    validate_delta_gates(*gates, q.rows(), q.cols(), where);
-  }
+  if constexpr (!std::is_void_v<Gates>) validate_delta_gates(*gates, q.rows(), q.cols(), where);
   scan_inputs(q, k, v, engine_options(options), where, "q", "k");
   Matrix<T> state = Matrix<T>::Zero(q.cols(), v.cols());
   OutRows<Scalar> rows(out);
@@ -161,17 +171,10 @@ struct delta_head_gates {
   static constexpr bool valid = false;
 };
 template <class G, class Scalar>
-struct delta_head_gates<HeadsView<G>, Scalar> {
-  static constexpr bool valid = std::is_same_v<std::remove_const_t<G>, Scalar>;
-  static HeadGates<Scalar, false> read(const HeadsView<G>& gates) { return {gates}; }
-};
+struct delta_head_gates<HeadsView<G>, Scalar> : head_transition<HeadsView<G>, Scalar> {};
 template <class G, class Scalar>
-struct delta_head_gates<LogGates<HeadsView<G>>, Scalar> {
-  static constexpr bool valid = std::is_same_v<std::remove_const_t<G>, Scalar>;
-  static HeadGates<Scalar, true> read(const LogGates<HeadsView<G>>& gates) {
-    return {gates.values()};
-  }
-};
+struct delta_head_gates<LogGates<HeadsView<G>>, Scalar>
+    : head_transition<LogGates<HeadsView<G>>, Scalar> {};
 template <class Gates, class O>
 using enable_if_delta_head_gates = std::enable_if_t<delta_head_gates<Gates, O>::valid>;
 
@@ -215,16 +218,7 @@ void heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsV
       require_head_view(view, out, 1, "1 (one gate per token) or Dk", where, "gates");
     }
   }
-  SequenceRows sequences{q.batch(), q.tokens(), offsets};
-  if (offsets) {
-    if (q.batch() != 1) {
-      throw Error(std::string(where) +
-                  ": a packed batch is one row of sequences, so B must be 1; q is " +
-                  q.sizes_string());
-    }
-    validate_offsets(*offsets, q.tokens(), where);
-    sequences.count = static_cast<Eigen::Index>(offsets->size()) - 1;
-  }
+  const SequenceRows sequences = sequence_rows(q, offsets, where, "q");
   const int threads = resolve_threads(engine);
   scan_view(
       beta, threads,

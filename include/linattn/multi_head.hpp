@@ -123,6 +123,24 @@ inline void validate_offsets(const std::vector<std::int64_t>& offsets, Eigen::In
 
 /// Shape checks for q, k (B x H x N x Dq), v (B x H x N x Dv) and out (B x H x N x out_dim).
 /// With `cross`, k and v may hold N_k tokens of their own (non-causal cross-attention).
+/// The sequences of a view call: B of N tokens, or (offsets) the packed sequences of a B = 1
+/// view, checked.
+template <class Q>
+SequenceRows sequence_rows(const HeadsView<Q>& q, const std::vector<std::int64_t>* offsets,
+                           const char* where, const char* q_name) {
+  SequenceRows sequences{q.batch(), q.tokens(), offsets};
+  if (offsets) {
+    if (q.batch() != 1) {
+      throw Error(std::string(where) +
+                  ": a packed batch is one row of sequences, so B must be 1; " + q_name + " is " +
+                  q.sizes_string());
+    }
+    validate_offsets(*offsets, q.tokens(), where);
+    sequences.count = static_cast<Eigen::Index>(offsets->size()) - 1;
+  }
+  return sequences;
+}
+
 template <class Q, class K, class V, class O>
 void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const HeadsView<O>& out, Eigen::Index out_dim, const Options& options,
@@ -609,18 +627,8 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
   const char* k_name = featurized ? "phi_k" : "k";
   const bool cross_ok = !causal && offsets == nullptr;
   validate_heads(q, k, v, out, v.dim(), options, where, q_name, k_name, cross_ok);
-  SequenceRows sequences{q.batch(), q.tokens(), offsets};
+  SequenceRows sequences = sequence_rows(q, offsets, where, q_name);
   if (cross_ok && k.tokens() != q.tokens()) sequences.key_tokens = k.tokens();
-  if (offsets) {
-    if (q.batch() != 1) {
-      throw Error(std::string(where) +
-                  ": a packed batch is one row of sequences, so B must be "
-                  "1; " +
-                  q_name + " is " + q.sizes_string());
-    }
-    validate_offsets(*offsets, q.tokens(), where);
-    sequences.count = static_cast<Eigen::Index>(offsets->size()) - 1;
-  }
   Eigen::Index feature_dim = q.dim();
   if constexpr (!std::is_same_v<Map, void>) {
     feature_dim = map->feature_dim(q.dim());

@@ -318,15 +318,9 @@ void delta_rule_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::Matri
                               const DeltaOptions& options, const char* where) {
   using Scalar = typename DQ::Scalar;
   using T = accumulator_t<Acc, Scalar>;
-  static_assert(is_supported_scalar<T>,
-                "the delta rule accumulates in float or double (Acc = float or double)");
-  check_delta_scalars<DQ, DK, DV, DB>();
+  check_delta_call_scalars<Acc, DQ, DK, DV, DB, Gates>();
   static_assert(std::is_same_v<typename DO::Scalar, Scalar>,
                 "grad_out must have the inputs' scalar type: cast it first");
-  if constexpr (!std::is_void_v<Gates>) {
-    static_assert(std::is_same_v<gate_scalar_t<Gates>, Scalar>,
-                  "the gates must have the inputs' scalar type");
-  }
   validate_delta_backward(q, k, v, beta, gates, grad_out, grad_q, grad_k, grad_v, grad_gates,
                           grad_beta, options, where);
   if constexpr (std::is_void_v<Gates>) {
