@@ -19,46 +19,10 @@ using linattn::DeltaRuleState;
 using linattn::Matrix;
 using linattn::Vector;
 using linattn_test::gaussian;
+using linattn_test::naive_delta_rule;
 using linattn_test::relative_error;
 
 constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
-
-/// FLA's naive recurrence in double: q scaled by s (after the optional L2 normalisation,
-/// x / sqrt(|x|^2 + 1e-6)), then per token S <- diag(exp(g_t)) S, S <- S + k (beta (v - S^T k))^T,
-/// o = S^T q. `log_gates` has 0 columns (DeltaNet), 1 or Dk; `state` enters as the initial
-/// state and leaves as the final one.
-Matrix<double> naive_delta_rule(Matrix<double> q, Matrix<double> k, const Matrix<double>& v,
-                                const Vector<double>& beta, const Matrix<double>& log_gates,
-                                double scale, bool l2_normalize, Matrix<double>& state) {
-  const Eigen::Index n = q.rows();
-  Matrix<double> out(n, v.cols());
-  for (Eigen::Index t = 0; t < n; ++t) {
-    Eigen::RowVectorXd qt = q.row(t);
-    Eigen::RowVectorXd kt = k.row(t);
-    if (l2_normalize) {
-      qt /= std::sqrt(qt.squaredNorm() + 1e-6);
-      kt /= std::sqrt(kt.squaredNorm() + 1e-6);
-    }
-    qt *= scale;
-    for (Eigen::Index d = 0; d < state.rows(); ++d) {
-      if (log_gates.cols() == 0) break;
-      const double g = log_gates(t, log_gates.cols() == 1 ? 0 : d);
-      state.row(d) *= std::exp(g);
-    }
-    const Eigen::RowVectorXd pred = kt * state;
-    const Eigen::RowVectorXd u = beta(t) * (v.row(t) - pred);
-    state += kt.transpose() * u;
-    out.row(t) = qt * state;
-  }
-  return out;
-}
-
-Matrix<double> naive_delta_rule(const Matrix<double>& q, const Matrix<double>& k,
-                                const Matrix<double>& v, const Vector<double>& beta,
-                                const Matrix<double>& log_gates, double scale, bool l2_normalize) {
-  Matrix<double> state = Matrix<double>::Zero(q.cols(), v.cols());
-  return naive_delta_rule(q, k, v, beta, log_gates, scale, l2_normalize, state);
-}
 
 /// One sequence's inputs in double: q, k, v Gaussian (keys normalised unless raw_keys), beta
 /// in [0.05, 1], log gates of `gate_cols` columns in [-0.2, 0] (0: DeltaNet).

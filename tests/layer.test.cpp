@@ -1,5 +1,5 @@
-// LinearAttentionLayer: the parallel forward against prefill + token-by-token steps over the
-// same feature map, against the naive formula, over a fused QKV buffer, and its errors.
+// LinearAttentionLayer and DeltaRuleLayer: the parallel forward against prefill + token-by-token
+// steps over the same weights, against the naive formula, over a fused QKV buffer, and errors.
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -30,6 +30,11 @@ constexpr Eigen::Index kB = 2, kH = 4, kDk = 8, kDv = 6;
 template <class T>
 double tolerance() {  // DESIGN.md: parallel and recurrent forms agree to this
   return std::is_same_v<T, float> ? 2e-5 : 1e-12;
+}
+
+template <class T>
+double delta_tolerance() {  // DESIGN.md's bound for the delta rule, with L2-normalised keys
+  return std::is_same_v<T, float> ? 1e-4 : 1e-10;
 }
 
 /// The part of a view holding tokens [begin, begin + count).
@@ -602,5 +607,158 @@ TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and pr
   CHECK_THROWS_WITH(layer.forward_into(three, three, three,
                                        HeadsView<T>::bhnd(out_data.data(), {kB, kH, 10, kDv})),
                     Catch::Contains("grouped heads"));
+  CHECK(states[0].tokens() == 0);
+}
+
+TEMPLATE_TEST_CASE("delta layer: forward equals prefill then steps and the naive recurrence",
+                   "[layer][delta_rule]", float, double) {
+  using T = TestType;
+  const Eigen::Index n = 70, prompt = 50, hqk = 2;
+  const Eigen::Index gate_cols = GENERATE(Eigen::Index(0), Eigen::Index(1), kDk);
+  INFO((gate_cols == 0 ? "DeltaNet" : gate_cols == 1 ? "Gated DeltaNet" : "KDA"));
+  linattn::DeltaOptions options;
+  options.l2_normalize = true;
+  options.chunk = 16;
+  options.threads = 2;
+  const linattn::DeltaRuleLayer<T> layer(kH, kDk, kDv, options);
+  CHECK(layer.heads() == kH);
+  CHECK(layer.key_dim() == kDk);
+  CHECK(layer.value_dim() == kDv);
+  CHECK(layer.options().chunk == 16);
+  // [B, N, H, D] buffers: q and k with hqk heads (Qwen3-Next's grouping), the rest with kH.
+  const Eigen::Index gate_dim = std::max<Eigen::Index>(gate_cols, 1);
+  auto buffer = [&](Eigen::Index heads, Eigen::Index dim, std::uint64_t seed) {
+    std::vector<T> data(static_cast<std::size_t>(kB * n * heads * dim));
+    const auto view = HeadsView<T>::bnhd(data.data(), {kB, heads, n, dim});
+    for (Eigen::Index i = 0; i < kB * heads; ++i) {
+      view.head(i / heads, i % heads) =
+          gaussian<T>(n, dim, seed + 7 * static_cast<std::uint64_t>(i));
+    }
+    return data;
+  };
+  const std::vector<T> qd = buffer(hqk, kDk, 300), kd = buffer(hqk, kDk, 400),
+                       vd = buffer(kH, kDv, 500);
+  std::vector<T> bd = buffer(kH, 1, 600), gd = buffer(kH, gate_dim, 700);
+  for (T& b : bd) b = T(0.05) + T(0.9) / (T(1) + std::exp(-b));  // sigmoid, in (0.05, 0.95)
+  for (T& g : gd) g = -T(0.1) * std::abs(g);
+  auto view = [&](const std::vector<T>& data, Eigen::Index heads, Eigen::Index dim,
+                  Eigen::Index from, Eigen::Index count) {
+    return token_range(HeadsView<const T>::bnhd(data.data(), {kB, heads, n, dim}), from, count);
+  };
+  std::vector<T> forward_data(static_cast<std::size_t>(kB * kH * n * kDv));
+  const auto forward = HeadsView<T>::bhnd(forward_data.data(), {kB, kH, n, kDv});
+  if (gate_cols == 0) {
+    layer.forward_into(view(qd, hqk, kDk, 0, n), view(kd, hqk, kDk, 0, n), view(vd, kH, kDv, 0, n),
+                       view(bd, kH, 1, 0, n), forward);
+  } else {
+    layer.forward_into(view(qd, hqk, kDk, 0, n), view(kd, hqk, kDk, 0, n), view(vd, kH, kDv, 0, n),
+                       linattn::log_gates(view(gd, kH, gate_dim, 0, n)), view(bd, kH, 1, 0, n),
+                       forward);
+  }
+  // Every head against the naive recurrence, FLA's grouping: head h reads q/k head h / 2.
+  for (Eigen::Index i = 0; i < kB * kH; ++i) {
+    const Eigen::Index b = i / kH, h = i % kH, hq = h / (kH / hqk);
+    const Matrix<double> q = view(qd, hqk, kDk, 0, n).head(b, hq).template cast<double>();
+    const Matrix<double> k = view(kd, hqk, kDk, 0, n).head(b, hq).template cast<double>();
+    const Matrix<double> v = view(vd, kH, kDv, 0, n).head(b, h).template cast<double>();
+    const linattn::Vector<double> beta = view(bd, kH, 1, 0, n).head(b, h).template cast<double>();
+    const Matrix<double> g =
+        gate_cols == 0
+            ? Matrix<double>(n, 0)
+            : Matrix<double>(view(gd, kH, gate_dim, 0, n).head(b, h).template cast<double>());
+    const Matrix<double> expected =
+        linattn_test::naive_delta_rule(q, k, v, beta, g, 1.0 / std::sqrt(double(kDk)), true);
+    CHECK(relative_error(forward.head(b, h), expected) <= delta_tolerance<T>());
+  }
+  // The prompt through prefill, the rest token by token: (B * hqk) x Dk rows of q and k.
+  auto states = layer.make_states(kB);
+  CHECK(states.size() == kB * kH);
+  std::vector<T> prefill_data(static_cast<std::size_t>(kB * kH * prompt * kDv));
+  const auto prefilled = HeadsView<T>::bhnd(prefill_data.data(), {kB, kH, prompt, kDv});
+  if (gate_cols == 0) {
+    layer.prefill_into(states, view(qd, hqk, kDk, 0, prompt), view(kd, hqk, kDk, 0, prompt),
+                       view(vd, kH, kDv, 0, prompt), view(bd, kH, 1, 0, prompt), prefilled);
+  } else {
+    layer.prefill_into(states, view(qd, hqk, kDk, 0, prompt), view(kd, hqk, kDk, 0, prompt),
+                       view(vd, kH, kDv, 0, prompt),
+                       linattn::log_gates(view(gd, kH, gate_dim, 0, prompt)),
+                       view(bd, kH, 1, 0, prompt), prefilled);
+  }
+  double diff = 0.0, scale = 0.0;
+  for (Eigen::Index i = 0; i < kB * kH; ++i) {
+    const Matrix<double> expected = forward.head(i / kH, i % kH).template cast<double>();
+    scale = std::max(scale, expected.cwiseAbs().maxCoeff());
+    diff = std::max(
+        diff, (prefilled.head(i / kH, i % kH).template cast<double>() - expected.topRows(prompt))
+                  .cwiseAbs()
+                  .maxCoeff());
+  }
+  Matrix<T> qt(kB * hqk, kDk), kt(kB * hqk, kDk), vt(kB * kH, kDv), gt(kB * kH, gate_cols),
+      ot(kB * kH, kDv);
+  linattn::Vector<T> bt(kB * kH);
+  for (Eigen::Index t = prompt; t < n; ++t) {
+    for (Eigen::Index i = 0; i < kB * hqk; ++i) {
+      qt.row(i) = view(qd, hqk, kDk, 0, n).head(i / hqk, i % hqk).row(t);
+      kt.row(i) = view(kd, hqk, kDk, 0, n).head(i / hqk, i % hqk).row(t);
+    }
+    for (Eigen::Index i = 0; i < kB * kH; ++i) {
+      vt.row(i) = view(vd, kH, kDv, 0, n).head(i / kH, i % kH).row(t);
+      bt(i) = view(bd, kH, 1, 0, n).head(i / kH, i % kH)(t, 0);
+      if (gate_cols > 0) gt.row(i) = view(gd, kH, gate_dim, 0, n).head(i / kH, i % kH).row(t);
+    }
+    if (gate_cols == 0) {
+      layer.step_into(states, qt, kt, vt, bt, ot);
+    } else {
+      layer.step_into(states, qt, kt, vt, linattn::log_gates(gt), bt, ot);
+    }
+    for (Eigen::Index i = 0; i < kB * kH; ++i) {
+      const Eigen::RowVectorXd expected =
+          forward.head(i / kH, i % kH).row(t).template cast<double>();
+      diff = std::max(diff, (ot.row(i).template cast<double>() - expected).cwiseAbs().maxCoeff());
+    }
+  }
+  CHECK(diff / scale <= delta_tolerance<T>());
+  CHECK(states[0].tokens() == n);
+}
+
+TEMPLATE_TEST_CASE("delta layer: errors name the argument and move no state",
+                   "[layer][delta_rule][errors]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  CHECK_THROWS_WITH(linattn::DeltaRuleLayer<T>(0, kDk, kDv), Contains("heads"));
+  CHECK_THROWS_WITH(linattn::DeltaRuleLayer<T>(kH, kDk, 0), Contains("value_dim"));
+  linattn::DeltaOptions bad;
+  bad.chunk = 0;
+  CHECK_THROWS_WITH(linattn::DeltaRuleLayer<T>(kH, kDk, kDv, bad), Contains("chunk"));
+  const linattn::DeltaRuleLayer<T> layer(kH, kDk, kDv);
+  CHECK_THROWS_WITH(layer.make_states(0), Contains("batch"));
+  // States of another layer: other heads, widths or result-changing options.
+  const Matrix<T> q = gaussian<T>(kB * kH, kDk, 1), v = gaussian<T>(kB * kH, kDv, 2);
+  const linattn::Vector<T> beta = linattn::Vector<T>::Constant(kB * kH, T(0.5));
+  Matrix<T> out(kB * kH, kDv);
+  linattn::DeltaRuleStateBatch<T> odd(kB * kH + 1, kDk, kDv);
+  CHECK_THROWS_WITH(layer.step_into(odd, q, q, v, beta, out),
+                    Contains("are not this layer's: make them with make_states"));
+  linattn::DeltaOptions other;
+  other.l2_normalize = true;
+  linattn::DeltaRuleStateBatch<T> normalised(kB * kH, kDk, kDv, other);
+  CHECK_THROWS_WITH(layer.step_into(normalised, q, q, v, beta, out),
+                    Contains("are not this layer's"));
+  CHECK(normalised[0].tokens() == 0);
+  // Views of other widths or head counts.
+  auto states = layer.make_states(kB);
+  const Eigen::Index n = 10;
+  std::vector<T> qd(static_cast<std::size_t>(kB * 3 * n * kDk), T(0.1)),
+      vd(static_cast<std::size_t>(kB * kH * n * kDv), T(0.1)),
+      bd(static_cast<std::size_t>(kB * kH * n), T(0.5)), od(vd.size());
+  const auto three = HeadsView<const T>::bhnd(qd.data(), {kB, 3, n, kDk});
+  const auto vv = HeadsView<const T>::bhnd(vd.data(), {kB, kH, n, kDv});
+  const auto bv = HeadsView<const T>::bhnd(bd.data(), {kB, kH, n, 1});
+  const auto ov = HeadsView<T>::bhnd(od.data(), {kB, kH, n, kDv});
+  CHECK_THROWS_WITH(layer.forward_into(three, three, vv, bv, ov), Contains("grouped heads"));
+  CHECK_THROWS_WITH(layer.prefill_into(states, three, three, vv, bv, ov),
+                    Contains("grouped heads"));
+  const auto wide = HeadsView<const T>::bhnd(vd.data(), {kB, kH, n, kDv});
+  CHECK_THROWS_WITH(layer.forward_into(wide, wide, vv, bv, ov), Contains("Dk = 8"));
   CHECK(states[0].tokens() == 0);
 }

@@ -1,4 +1,4 @@
-// RecurrentStateBatch: batch steps and prefill against per-session RecurrentStates, threads,
+// RecurrentStateBatch and DeltaRuleStateBatch: batch steps and prefill against per-session states,
 // and errors that must leave every state as it was.
 #include <algorithm>
 #include <catch2/catch.hpp>
@@ -852,4 +852,379 @@ TEMPLATE_TEST_CASE("bonus batch: steps and a prefill from views equal per-state 
                                     linattn::Identity{}, out),
                     Contains("normalize = false"));
   CHECK(plain[0].tokens() == 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeltaRuleStateBatch: the delta rule's batch of states.
+
+namespace {
+
+using linattn::DeltaOptions;
+using linattn::DeltaRuleState;
+using linattn::DeltaRuleStateBatch;
+
+/// Gate columns of the three delta-rule variants: DeltaNet, Gated DeltaNet, KDA.
+const char* delta_variant(Eigen::Index gate_cols) {
+  return gate_cols == 0 ? "DeltaNet" : gate_cols == 1 ? "Gated DeltaNet" : "KDA";
+}
+
+/// rows learning rates in [0.05, 1] from a seed.
+template <class T>
+Vector<T> delta_betas(Eigen::Index rows, std::uint64_t seed) {
+  return (0.05 + 0.95 * gaussian<double>(rows, 1, seed).array().abs().min(1.0)).matrix().cast<T>();
+}
+
+/// rows x cols log gates in [-0.2, 0] from a seed.
+template <class T>
+Matrix<T> delta_log_gates(Eigen::Index rows, Eigen::Index cols, std::uint64_t seed) {
+  return (-0.1 * gaussian<double>(rows, cols, seed).array().abs()).matrix().cast<T>();
+}
+
+/// One step of a batch: DeltaNet without gates, else log_gates(g).
+template <class T>
+void delta_batch_step(DeltaRuleStateBatch<T>& batch, const Matrix<T>& q, const Matrix<T>& k,
+                      const Matrix<T>& v, const Matrix<T>& g, const Vector<T>& beta,
+                      Eigen::Ref<Matrix<T>> out) {
+  if (g.cols() == 0) {
+    batch.step_into(q, k, v, beta, out);
+  } else {
+    batch.step_into(q, k, v, linattn::log_gates(g), beta, out);
+  }
+}
+
+/// True when the two states hold the same S, token count and transition, bit for bit.
+template <class T>
+bool same_delta_state(const DeltaRuleState<T>& a, const DeltaRuleState<T>& b) {
+  return a.s() == b.s() && a.tokens() == b.tokens() && a.transition() == b.transition();
+}
+
+template <class T>
+std::vector<DeltaRuleState<T>> delta_snapshot(const DeltaRuleStateBatch<T>& batch) {
+  std::vector<DeltaRuleState<T>> states;
+  for (Eigen::Index i = 0; i < batch.size(); ++i) states.push_back(batch[i]);
+  return states;
+}
+
+template <class T>
+int delta_states_moved(const DeltaRuleStateBatch<T>& batch,
+                       const std::vector<DeltaRuleState<T>>& before) {
+  int moved = 0;
+  for (Eigen::Index i = 0; i < batch.size(); ++i) {
+    if (!same_delta_state(batch[i], before[static_cast<std::size_t>(i)])) ++moved;
+  }
+  return moved;
+}
+
+/// The delta rule's bound against the naive recurrence (DESIGN.md).
+template <class T>
+double delta_bound() {
+  return std::is_same_v<T, float> ? 1e-4 : 1e-10;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("delta batch: steps equal per-state steps bit for bit and the naive recurrence",
+                   "[state_batch][delta_rule]", float, double) {
+  using T = TestType;
+  // B = 2 sequences of H = 4 value heads; q and k have 2 heads (grouped, Qwen3-Next's layout).
+  const Eigen::Index B = 2, H = 4, Hqk = 2, count = B * H, steps = 12;
+  const Eigen::Index gate_cols = GENERATE(Eigen::Index(0), Eigen::Index(1), kDk);
+  const int threads = GENERATE(1, 2);
+  INFO(delta_variant(gate_cols) << ", threads = " << threads);
+  DeltaOptions options;
+  options.l2_normalize = true;
+  options.threads = threads;
+  DeltaRuleStateBatch<T> batch(count, kDk, kDv, options);
+  CHECK(batch.size() == count);
+  CHECK(batch.key_dim() == kDk);
+  CHECK(batch.value_dim() == kDv);
+  CHECK(batch.options().l2_normalize);
+  std::vector<DeltaRuleState<T>> single(static_cast<std::size_t>(count),
+                                        DeltaRuleState<T>(kDk, kDv, options));
+  // Each state's inputs, kept for the naive recurrence.
+  std::vector<Matrix<double>> qs(count, Matrix<double>(steps, kDk)), ks(qs),
+      vs(count, Matrix<double>(steps, kDv)), gs(count, Matrix<double>(steps, gate_cols)), outs(vs);
+  std::vector<Vector<double>> betas(count, Vector<double>(steps));
+  int differing = 0;
+  for (Eigen::Index t = 0; t < steps; ++t) {
+    const std::uint64_t seed = 9000 + 10 * static_cast<std::uint64_t>(t);
+    const Matrix<T> q = gaussian<T>(B * Hqk, kDk, seed), k = gaussian<T>(B * Hqk, kDk, seed + 1);
+    const Matrix<T> v = gaussian<T>(count, kDv, seed + 2);
+    const Matrix<T> g = delta_log_gates<T>(count, gate_cols, seed + 3);
+    const Vector<T> beta = delta_betas<T>(count, seed + 4);
+    Matrix<T> out(count, kDv);
+    delta_batch_step<T>(batch, q, k, v, g, beta, out);
+    for (Eigen::Index i = 0; i < count; ++i) {
+      const std::size_t si = static_cast<std::size_t>(i);
+      const Eigen::Index row = (i / H) * Hqk + (i % H) / (H / Hqk);  // FLA's grouping
+      const Vector<T> expected =
+          gate_cols == 0 ? single[si].step(q.row(row), k.row(row), v.row(i), beta(i))
+                         : single[si].step(q.row(row), k.row(row), v.row(i),
+                                           linattn::log_gates(Matrix<T>(g.row(i))), beta(i));
+      differing += out.row(i).transpose() == expected ? 0 : 1;
+      qs[si].row(t) = q.row(row).template cast<double>();
+      ks[si].row(t) = k.row(row).template cast<double>();
+      vs[si].row(t) = v.row(i).template cast<double>();
+      gs[si].row(t) = g.row(i).template cast<double>();
+      betas[si](t) = static_cast<double>(beta(i));
+      outs[si].row(t) = out.row(i).template cast<double>();
+    }
+  }
+  CHECK(differing == 0);
+  for (Eigen::Index i = 0; i < count; ++i) {
+    const std::size_t si = static_cast<std::size_t>(i);
+    CHECK(same_delta_state(batch[i], single[si]));
+    CHECK(batch[i].tokens() == steps);
+    const Matrix<double> expected = linattn_test::naive_delta_rule(
+        qs[si], ks[si], vs[si], betas[si], gs[si], 1.0 / std::sqrt(double(kDk)), true);
+    CHECK(linattn_test::relative_error(outs[si], expected) <= delta_bound<T>());
+  }
+}
+
+TEMPLATE_TEST_CASE("delta batch: prefill from views continues each state as its own prefill",
+                   "[state_batch][delta_rule]", float, double) {
+  using T = TestType;
+  const Eigen::Index B = 2, H = 4, Hqk = 2, count = B * H, N = 45;
+  const Eigen::Index gate_cols = GENERATE(Eigen::Index(0), Eigen::Index(1), kDk);
+  const linattn::DeltaForm form =
+      GENERATE(linattn::DeltaForm::chunked, linattn::DeltaForm::streamed);
+  const int threads = GENERATE(1, 2);
+  INFO(delta_variant(gate_cols) << ", streamed = " << (form == linattn::DeltaForm::streamed)
+                                << ", threads = " << threads);
+  DeltaOptions options;
+  options.l2_normalize = true;
+  options.chunk = 16;
+  options.form = form;
+  options.threads = threads;
+  // [B, N, H, D] buffers: q and k with Hqk heads, v, beta, the gates and out with H.
+  std::vector<T> qd(static_cast<std::size_t>(B * N * Hqk * kDk)), kd(qd.size());
+  std::vector<T> vd(static_cast<std::size_t>(B * N * H * kDv)), od(vd.size());
+  std::vector<T> bd(static_cast<std::size_t>(B * N * H)),
+      gd(static_cast<std::size_t>(B * N * H * std::max<Eigen::Index>(gate_cols, 1)));
+  auto view = [&](std::vector<T>& data, Eigen::Index heads, Eigen::Index dim) {
+    return HeadsView<T>::bnhd(data.data(), {B, heads, N, dim});
+  };
+  for (Eigen::Index b = 0; b < B; ++b) {
+    for (Eigen::Index h = 0; h < Hqk; ++h) {
+      const std::uint64_t seed = 9500 + 10 * static_cast<std::uint64_t>(b * Hqk + h);
+      view(qd, Hqk, kDk).head(b, h) = gaussian<T>(N, kDk, seed);
+      view(kd, Hqk, kDk).head(b, h) = gaussian<T>(N, kDk, seed + 1);
+    }
+    for (Eigen::Index h = 0; h < H; ++h) {
+      const std::uint64_t seed = 9700 + 10 * static_cast<std::uint64_t>(b * H + h);
+      view(vd, H, kDv).head(b, h) = gaussian<T>(N, kDv, seed);
+      view(bd, H, 1).head(b, h) = delta_betas<T>(N, seed + 1);
+      if (gate_cols > 0)
+        view(gd, H, gate_cols).head(b, h) = delta_log_gates<T>(N, gate_cols, seed + 2);
+    }
+  }
+  // Every state first takes one step, so that the prefill starts from a state of its own.
+  DeltaRuleStateBatch<T> batch(count, kDk, kDv, options);
+  const Matrix<T> q0 = gaussian<T>(count, kDk, 9900), k0 = gaussian<T>(count, kDk, 9901);
+  const Matrix<T> v0 = gaussian<T>(count, kDv, 9902),
+                  g0 = delta_log_gates<T>(count, gate_cols, 9903);
+  const Vector<T> beta0 = delta_betas<T>(count, 9904);
+  Matrix<T> out0(count, kDv);
+  delta_batch_step<T>(batch, q0, k0, v0, g0, beta0, out0);
+  std::vector<DeltaRuleState<T>> single = delta_snapshot(batch);
+  if (gate_cols == 0) {
+    batch.prefill_into(view(qd, Hqk, kDk), view(kd, Hqk, kDk), view(vd, H, kDv), view(bd, H, 1),
+                       view(od, H, kDv));
+  } else {
+    const HeadsView<const T> gv = view(gd, H, gate_cols);
+    batch.prefill_into(view(qd, Hqk, kDk), view(kd, Hqk, kDk), view(vd, H, kDv),
+                       linattn::log_gates(gv), view(bd, H, 1), view(od, H, kDv));
+  }
+  int differing = 0;
+  for (Eigen::Index i = 0; i < count; ++i) {
+    const Eigen::Index b = i / H, h = i % H, hq = h / (H / Hqk);
+    const std::size_t si = static_cast<std::size_t>(i);
+    const Matrix<T> q = view(qd, Hqk, kDk).head(b, hq), k = view(kd, Hqk, kDk).head(b, hq);
+    const Matrix<T> v = view(vd, H, kDv).head(b, h);
+    const Vector<T> beta = view(bd, H, 1).head(b, h);
+    const Matrix<T> expected =
+        gate_cols == 0
+            ? single[si].prefill(q, k, v, beta)
+            : single[si].prefill(
+                  q, k, v, linattn::log_gates(Matrix<T>(view(gd, H, gate_cols).head(b, h))), beta);
+    const Matrix<T> got = view(od, H, kDv).head(b, h);
+    differing += got == expected ? 0 : 1;
+    CHECK(same_delta_state(batch[i], single[si]));
+    CHECK(batch[i].tokens() == N + 1);
+    // And the naive recurrence over the step's token and the prompt.
+    Matrix<double> qn(N + 1, kDk), kn(N + 1, kDk), vn(N + 1, kDv), gn(N + 1, gate_cols);
+    Vector<double> bn(N + 1);
+    qn << q0.row(i).template cast<double>(), q.template cast<double>();
+    kn << k0.row(i).template cast<double>(), k.template cast<double>();
+    vn << v0.row(i).template cast<double>(), v.template cast<double>();
+    bn << static_cast<double>(beta0(i)), beta.template cast<double>();
+    if (gate_cols > 0) {
+      gn << g0.row(i).template cast<double>(),
+          Matrix<T>(view(gd, H, gate_cols).head(b, h)).template cast<double>();
+    }
+    const Matrix<double> naive =
+        linattn_test::naive_delta_rule(qn, kn, vn, bn, gn, 1.0 / std::sqrt(double(kDk)), true);
+    CHECK(linattn_test::relative_error(got, naive.bottomRows(N)) <= delta_bound<T>());
+  }
+  CHECK(differing == 0);
+}
+
+TEMPLATE_TEST_CASE("delta batch: varlen prefill puts each packed prompt into its states",
+                   "[state_batch][delta_rule]", float, double) {
+  using T = TestType;
+  // Three prompts of 7, 0 and 30 tokens packed along N, H = 2 heads: states s * H + h.
+  const std::vector<std::int64_t> offsets{0, 7, 7, 37};
+  const Eigen::Index H = 2, S = 3, total = 37, count = S * H;
+  const Eigen::Index gate_cols = GENERATE(Eigen::Index(0), Eigen::Index(1));
+  INFO(delta_variant(gate_cols));
+  DeltaOptions options;
+  options.chunk = 8;
+  const Matrix<T> q = gaussian<T>(total, H * kDk, 9950), k = gaussian<T>(total, H * kDk, 9951);
+  const Matrix<T> v = gaussian<T>(total, H * kDv, 9952);
+  Matrix<T> beta(total, H), g(total, H);
+  for (Eigen::Index h = 0; h < H; ++h) {
+    beta.col(h) = delta_betas<T>(total, 9953 + h);
+    g.col(h) = delta_log_gates<T>(total, 1, 9955 + h);
+  }
+  Matrix<T> out(total, H * kDv);
+  const linattn::HeadShape shape{1, H, total, kDk};
+  auto qv = HeadsView<const T>::bnhd(q.data(), shape),
+       kv = HeadsView<const T>::bnhd(k.data(), shape);
+  auto vv = HeadsView<const T>::bnhd(v.data(), {1, H, total, kDv});
+  auto bv = HeadsView<const T>::bnhd(beta.data(), {1, H, total, 1});
+  auto gv = HeadsView<const T>::bnhd(g.data(), {1, H, total, 1});
+  auto ov = HeadsView<T>::bnhd(out.data(), {1, H, total, kDv});
+  DeltaRuleStateBatch<T> batch(count, kDk, kDv, options);
+  const std::vector<DeltaRuleState<T>> before = delta_snapshot(batch);
+  if (gate_cols == 0) {
+    batch.prefill_varlen_into(qv, kv, vv, bv, ov, offsets);
+  } else {
+    batch.prefill_varlen_into(qv, kv, vv, linattn::log_gates(gv), bv, ov, offsets);
+  }
+  for (Eigen::Index s = 0; s < S; ++s) {
+    const Eigen::Index begin = offsets[s], len = offsets[s + 1] - offsets[s];
+    for (Eigen::Index h = 0; h < H; ++h) {
+      const Eigen::Index i = s * H + h;
+      INFO("sequence " << s << ", head " << h);
+      if (len == 0) continue;  // checked below: its states stay as they were
+      DeltaRuleState<T> state(kDk, kDv, options);
+      const Matrix<T> qs = q.block(begin, h * kDk, len, kDk),
+                      ks = k.block(begin, h * kDk, len, kDk);
+      const Matrix<T> vs = v.block(begin, h * kDv, len, kDv);
+      const Vector<T> bs = beta.col(h).segment(begin, len);
+      const Matrix<T> expected =
+          gate_cols == 0
+              ? state.prefill(qs, ks, vs, bs)
+              : state.prefill(qs, ks, vs,
+                              linattn::log_gates(Matrix<T>(g.col(h).segment(begin, len))), bs);
+      CHECK(Matrix<T>(out.block(begin, h * kDv, len, kDv)) == expected);
+      CHECK(same_delta_state(batch[i], state));
+      CHECK(batch[i].tokens() == len);
+    }
+  }
+  // The empty prompt leaves its states as they were, with no transition yet.
+  CHECK(same_delta_state(batch[2], before[2]));
+  CHECK(batch[3].transition() == linattn::TransitionKind::none);
+}
+
+TEMPLATE_TEST_CASE("delta batch: every bad step or prefill throws and moves no state",
+                   "[state_batch][delta_rule][errors]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  const Eigen::Index count = 4, N = 6;
+  DeltaOptions options;
+  options.l2_normalize = true;
+  DeltaRuleStateBatch<T> batch(count, kDk, kDv, options);
+  const Matrix<T> q = gaussian<T>(count, kDk, 9960), k = gaussian<T>(count, kDk, 9961);
+  const Matrix<T> v = gaussian<T>(count, kDv, 9962);
+  const Vector<T> beta = delta_betas<T>(count, 9963);
+  const Matrix<T> g = delta_log_gates<T>(count, 1, 9964);
+  Matrix<T> out(count, kDv);
+  batch.step_into(q, k, v, linattn::log_gates(g), beta, out);
+  const std::vector<DeltaRuleState<T>> before = delta_snapshot(batch);
+  const auto expect_still = [&] { CHECK(delta_states_moved(batch, before) == 0); };
+
+  Vector<T> bad_beta = beta;
+  bad_beta(3) = T(0);
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::log_gates(g), bad_beta, out),
+                    Contains("beta must lie in (0, 1]"));
+  bad_beta(3) = T(1.5);
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::log_gates(g), bad_beta, out),
+                    Contains("beta"));
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::log_gates(g), Vector<T>(beta.head(3)), out),
+                    Contains("beta"));
+  Matrix<T> nan_v = v;
+  nan_v(2, 1) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_WITH(batch.step_into(q, k, nan_v, linattn::log_gates(g), beta, out), Contains("v"));
+  CHECK_THROWS_WITH(
+      batch.step_into(Matrix<T>(q.topRows(3)), k, v, linattn::log_gates(g), beta, out),
+      Contains("q is 3 x 8 but the batch needs 4 x 8"));
+  Matrix<T> short_out(2, kDv);
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::log_gates(g), beta, short_out),
+                    Contains("out is 2 x 5"));
+  Matrix<T> positive = g;
+  positive(1, 0) = T(0.5);
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::log_gates(positive), beta, out),
+                    Contains("gates"));
+  CHECK_THROWS(batch.step_into(q, k, v, linattn::log_gates(Matrix<T>(Matrix<T>::Zero(count, 3))),
+                               beta, out));
+  CHECK_THROWS_WITH(batch.step_into(q, k, v, beta, out),
+                    Contains("state 0 is moved by scalar gates (Gated DeltaNet) but this call "
+                             "gives no gates (DeltaNet)"));
+  CHECK_THROWS_WITH(
+      batch.step_into(q, k, v, linattn::log_gates(Matrix<T>(Matrix<T>::Zero(count, kDk))), beta,
+                      out),
+      Contains("per-feature gates (KDA)"));
+  expect_still();
+
+  // A state of other dimensions or options, assigned through operator[], stops the batch.
+  DeltaRuleStateBatch<T> odd = batch;
+  odd[2] = DeltaRuleState<T>(kDk, kDv + 1, options);
+  const std::vector<DeltaRuleState<T>> odd_before = delta_snapshot(odd);
+  CHECK_THROWS_WITH(odd.step_into(q, k, v, linattn::log_gates(g), beta, out),
+                    Contains("state 2 is 8 x 6 (Dk x Dv) but state 0 is 8 x 5"));
+  DeltaOptions other = options;
+  other.l2_normalize = false;
+  odd[2] = DeltaRuleState<T>(kDk, kDv, other);
+  CHECK_THROWS_WITH(odd.step_into(q, k, v, linattn::log_gates(g), beta, out),
+                    Contains("state 2 has other scale, l2_normalize"));
+  CHECK(same_delta_state(odd[0], odd_before[0]));
+  CHECK(same_delta_state(odd[3], odd_before[3]));
+
+  // Prefill: the views must hold size() heads of the states' widths.
+  std::vector<T> qd(static_cast<std::size_t>(count * N * kDk), T(0.5)), kd(qd);
+  std::vector<T> vd(static_cast<std::size_t>(count * N * kDv), T(1)), od(vd);
+  std::vector<T> bd(static_cast<std::size_t>(count * N), T(0.5)),
+      gd(static_cast<std::size_t>(count * N), T(-0.1));
+  auto view = [&](std::vector<T>& data, Eigen::Index b, Eigen::Index h, Eigen::Index dim) {
+    return HeadsView<T>::bhnd(data.data(), {b, h, N, dim});
+  };
+  CHECK_THROWS_WITH(batch.prefill_into(view(qd, 1, 2, kDk), view(kd, 1, 2, kDk),
+                                       view(vd, 1, 2, kDv), linattn::log_gates(view(gd, 1, 2, 1)),
+                                       view(bd, 1, 2, 1), view(od, 1, 2, kDv)),
+                    Contains("1 sequences x 2 heads, but the batch holds 4 states"));
+  CHECK_THROWS_WITH(batch.prefill_into(view(qd, 1, 4, kDv), view(kd, 1, 4, kDv),
+                                       view(vd, 1, 4, kDv), linattn::log_gates(view(gd, 1, 4, 1)),
+                                       view(bd, 1, 4, 1), view(od, 1, 4, kDv)),
+                    Contains("but the states are Dk x Dv = 8 x 5"));
+  CHECK_THROWS_WITH(batch.prefill_into(view(qd, 2, 2, kDk), view(kd, 2, 2, kDk),
+                                       view(vd, 2, 2, kDv), view(bd, 2, 2, 1), view(od, 2, 2, kDv)),
+                    Contains("state 0 is moved by scalar gates"));
+  bd[5] = T(2);
+  CHECK_THROWS_WITH(batch.prefill_into(view(qd, 2, 2, kDk), view(kd, 2, 2, kDk),
+                                       view(vd, 2, 2, kDv), linattn::log_gates(view(gd, 2, 2, 1)),
+                                       view(bd, 2, 2, 1), view(od, 2, 2, kDv)),
+                    Contains("beta"));
+  expect_still();
+  CHECK_THROWS_WITH(DeltaRuleStateBatch<T>(0, kDk, kDv), Contains("count"));
+  CHECK_THROWS_WITH(DeltaRuleStateBatch<T>(2, 0, kDv), Contains("key_dim"));
+
+  // reset() clears every state; a cleared batch takes any transition.
+  batch.reset();
+  for (Eigen::Index i = 0; i < count; ++i) {
+    CHECK(batch[i].tokens() == 0);
+    CHECK(batch[i].s().isZero(0));
+  }
+  batch.step_into(q, k, v, beta, out);
+  CHECK(batch[1].transition() == linattn::TransitionKind::decay);
 }

@@ -191,18 +191,18 @@ void require_head_view(const HeadsView<T>& view, const HeadsView<O>& out, Eigen:
   }
 }
 
-/// The delta rule over every sequence and head of the views (`gates` null for DeltaNet; one
-/// sequence per batch entry, or the packed sequences of `offsets`), each from a zero state,
-/// threads over sequences x heads. Every check runs before the first output is written.
+/// Checks a view call of the delta rule (`gates` null for DeltaNet; one sequence per batch
+/// entry, or the packed sequences of `offsets`) before anything is written, and returns its
+/// sequences.
 template <class Acc, class Q, class K, class V, class B, class O, class Gates>
-void heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                      const Gates* gates, const HeadsView<B>& beta, const HeadsView<O>& out,
-                      const std::vector<std::int64_t>* offsets, const DeltaOptions& options,
-                      const char* where) {
-  using T = accumulator_t<Acc, O>;
+SequenceRows check_heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                    const HeadsView<V>& v, const Gates* gates,
+                                    const HeadsView<B>& beta, const HeadsView<O>& out,
+                                    const std::vector<std::int64_t>* offsets,
+                                    const DeltaOptions& options, const char* where) {
   static_assert(is_input_scalar<O>,
                 "the delta rule takes float, double, Eigen::half or Eigen::bfloat16 inputs");
-  static_assert(is_supported_scalar<T>,
+  static_assert(is_supported_scalar<accumulator_t<Acc, O>>,
                 "the delta rule accumulates in float or double (Acc = float or double)");
   static_assert(std::is_same_v<std::remove_const_t<B>, O>,
                 "beta must have the inputs' scalar type: cast it first");
@@ -230,25 +230,55 @@ void heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsV
       });
   if constexpr (!std::is_void_v<Gates>) scan_transition(*gates, threads, where);
   scan_heads(q, k, v, engine, where, "q", "k");
+  return sequences;
+}
+
+/// Runs the delta rule over every sequence and head of checked views, threads over sequences
+/// x heads: with_state(s, h, run) calls run(S) with the state of head h of sequence s (Dk x Dv,
+/// in the accumulation type), which the head starts from and leaves after its last token.
+template <class Acc, class Q, class K, class V, class B, class O, class Gates, class WithState>
+void run_heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                          const Gates* gates, const HeadsView<B>& beta, const HeadsView<O>& out,
+                          const SequenceRows& sequences, const DeltaOptions& options,
+                          const char* where, const WithState& with_state) {
+  using T = accumulator_t<Acc, O>;
   for_each_sequence_head(
-      q, k, v, out, sequences, engine,
+      q, k, v, out, sequences, engine_options(options),
       [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
           int inner_threads) {
         const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
         const auto beta_rows =
             beta.head(b, input_head(beta, out.heads(), h)).col(0).segment(begin, qs.rows());
-        Matrix<T> state = Matrix<T>::Zero(q.dim(), v.dim());
-        OutRows<O> rows(os);
-        if constexpr (std::is_void_v<Gates>) {
-          run_delta_rule<T, O>(qs, ks, vs, beta_rows, nullptr, options, state, &rows, where,
-                               inner_threads);
-        } else {
-          const HeadGateRows<O, Gates::log_space> gate_rows(
-              gates->view.head(b, input_head(gates->view, out.heads(), h)), begin);
-          run_delta_rule<T, O>(qs, ks, vs, beta_rows, &gate_rows, options, state, &rows, where,
-                               inner_threads);
-        }
+        with_state(s, h, [&](Matrix<T>& state) {
+          OutRows<O> rows(os);
+          if constexpr (std::is_void_v<Gates>) {
+            run_delta_rule<T, O>(qs, ks, vs, beta_rows, nullptr, options, state, &rows, where,
+                                 inner_threads);
+          } else {
+            const HeadGateRows<O, Gates::log_space> gate_rows(
+                gates->view.head(b, input_head(gates->view, out.heads(), h)), begin);
+            run_delta_rule<T, O>(qs, ks, vs, beta_rows, &gate_rows, options, state, &rows, where,
+                                 inner_threads);
+          }
+        });
       });
+}
+
+/// The delta rule over every sequence and head of the views, each from a zero state. Every
+/// check runs before the first output is written.
+template <class Acc, class Q, class K, class V, class B, class O, class Gates>
+void heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                      const Gates* gates, const HeadsView<B>& beta, const HeadsView<O>& out,
+                      const std::vector<std::int64_t>* offsets, const DeltaOptions& options,
+                      const char* where) {
+  using T = accumulator_t<Acc, O>;
+  const SequenceRows sequences =
+      check_heads_delta_rule<Acc>(q, k, v, gates, beta, out, offsets, options, where);
+  run_heads_delta_rule<Acc>(q, k, v, gates, beta, out, sequences, options, where,
+                            [&](Eigen::Index, Eigen::Index, const auto& run) {
+                              Matrix<T> state = Matrix<T>::Zero(q.dim(), v.dim());
+                              run(state);
+                            });
 }
 
 }  // namespace detail
@@ -413,6 +443,10 @@ void causal_gated_delta_rule_varlen_into(const HeadsView<Q>& q, const HeadsView<
                                 "causal_gated_delta_rule_varlen");
 }
 
+/// Many DeltaRuleStates stepped together (state_batch.hpp).
+template <class T, class Acc>
+class DeltaRuleStateBatch;
+
 /// The delta rule's recurrent form: the state S (Dk x Dv) of one sequence and its tokens.
 /// `step` adds one token in two passes over S, allocating nothing; `prefill` adds many through
 /// the chunked form; both give the outputs of one causal_(gated_)delta_rule call over the
@@ -491,8 +525,9 @@ class DeltaRuleState {
   void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                  const Eigen::MatrixBase<DV>& v, T beta, Eigen::Ref<Vector<T>> out) {
     constexpr const char* where = "DeltaRuleState::step";
-    load_token(q, k, v, beta, out, where);
+    check_token(q, k, v, beta, out, where);
     require_transition(TransitionKind::decay, where);
+    load_token(q, k, v);
     advance(beta, 0, out);
   }
 
@@ -507,7 +542,7 @@ class DeltaRuleState {
     using Traits = detail::gate_traits<Gate>;
     static_assert(std::is_same_v<detail::gate_scalar_t<Gate>, T>,
                   "the gate must have the state's input scalar type");
-    load_token(q, k, v, beta, out, where);
+    check_token(q, k, v, beta, out, where);
     const auto& values = Traits::values(gate);
     if ((values.rows() != 1 && values.cols() != 1) ||
         (values.size() != 1 && values.size() != key_dim())) {
@@ -517,10 +552,8 @@ class DeltaRuleState {
     }
     detail::require_gates_in_range<Traits::log_space>(values, where, "gate");
     require_transition(detail::transition_of_gate_dim(values.size()), where);
-    for (Eigen::Index i = 0; i < values.size(); ++i) {
-      const double g = static_cast<double>(values.reshaped()(i));
-      token_.gate(i) = static_cast<Acc>(Traits::log_space ? std::exp(g) : g);
-    }
+    load_token(q, k, v);
+    load_gates<Traits::log_space>(values);
     advance(beta, values.size(), out);
   }
 
@@ -742,10 +775,14 @@ class DeltaRuleState {
     return state;
   }
 
+  template <class, class>
+  friend class DeltaRuleStateBatch;
+
+  /// Throws unless q, k, v, beta and out fit one step (shapes, beta's range, finite).
   template <class DQ, class DK, class DV>
-  void load_token(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                  const Eigen::MatrixBase<DV>& v, T beta, const Eigen::Ref<Vector<T>>& out,
-                  const char* where) {
+  void check_token(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                   const Eigen::MatrixBase<DV>& v, T beta, const Eigen::Ref<Vector<T>>& out,
+                   const char* where) const {
     detail::check_delta_scalars<DQ, DK, DV, DQ>();
     static_assert(std::is_same_v<typename DQ::Scalar, T>,
                   "the token must have the state's input scalar type");
@@ -759,9 +796,24 @@ class DeltaRuleState {
       detail::require_finite(k, where, "k");
       detail::require_finite(v, where, "v");
     }
+  }
+
+  /// Copies a checked token into the step's buffers, in Acc.
+  template <class DQ, class DK, class DV>
+  void load_token(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                  const Eigen::MatrixBase<DV>& v) {
     detail::load_vector(q, token_.q);
     detail::load_vector(k, token_.k);
     detail::load_vector(v, token_.v);
+  }
+
+  /// The step's gates a_t from a checked vector of 1 or Dk gates (log gates when LogSpace).
+  template <bool LogSpace, class DG>
+  void load_gates(const Eigen::MatrixBase<DG>& values) {
+    for (Eigen::Index i = 0; i < values.size(); ++i) {
+      const double g = static_cast<double>(values.reshaped()(i));
+      token_.gate(i) = static_cast<Acc>(LogSpace ? std::exp(g) : g);
+    }
   }
 
   /// The loaded token through the recurrence; out = its output.
@@ -808,10 +860,8 @@ class DeltaRuleState {
 
   void require_transition(TransitionKind kind, const char* where) const {
     if (detail::continues_transition(kind_, kind)) return;
-    throw Error(std::string(where) + ": the state is moved by " +
-                detail::delta_transition_name(kind_) + " but this call gives " +
-                detail::delta_transition_name(kind) +
-                "; a state keeps one transition (reset() it to start another)");
+    throw detail::transition_mismatch(kind_, kind, where, "the state",
+                                      detail::delta_transition_name);
   }
 
   Matrix<Acc> s_;

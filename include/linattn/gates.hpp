@@ -128,11 +128,12 @@ inline bool continues_transition(TransitionKind had, TransitionKind kind) {
 }
 
 /// The error for a call whose transition `kind` does not continue `had`; `state` names the
-/// state in the message ("the state", "state 3").
+/// state in the message ("the state", "state 3"), `name` the kinds (the delta rule's differ).
 inline Error transition_mismatch(TransitionKind had, TransitionKind kind, const char* where,
-                                 const std::string& state) {
-  return Error(std::string(where) + ": " + state + " is moved by " + transition_name(had) +
-               " but this call gives " + transition_name(kind) +
+                                 const std::string& state,
+                                 const char* (*name)(TransitionKind) = transition_name) {
+  return Error(std::string(where) + ": " + state + " is moved by " + name(had) +
+               " but this call gives " + name(kind) +
                "; a state keeps one transition (reset() it to start another)");
 }
 

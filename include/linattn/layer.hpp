@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: MIT
-// The layer-level object: one feature map, multi-head causal linear attention in both forms.
+// The layer-level objects: multi-head causal linear attention with its feature map, and the
+// delta rule, each in both forms (parallel over whole sequences, recurrent over a batch of states).
 #pragma once
 
 #include <linattn/config.hpp>
+#include <linattn/delta_rule.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/gates.hpp>
@@ -14,6 +16,26 @@
 #include <utility>
 
 namespace linattn {
+namespace detail {
+
+/// Throws unless q, k and v have the layer's widths and a head count dividing H (grouped
+/// heads), and out has H heads of Dv.
+template <class Q, class K, class V, class O>
+void require_layer_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                         const HeadsView<O>& out, Eigen::Index heads, Eigen::Index key_dim,
+                         Eigen::Index value_dim, const char* where) {
+  auto groups = [&](Eigen::Index h) { return h >= 1 && heads % h == 0; };
+  if (!groups(q.heads()) || !groups(k.heads()) || !groups(v.heads()) || out.heads() != heads ||
+      q.dim() != key_dim || v.dim() != value_dim) {
+    throw Error(std::string(where) + ": q is " + q.sizes_string() + ", k " + k.sizes_string() +
+                ", v " + v.sizes_string() + " and out " + out.sizes_string() +
+                " but the layer has H = " + std::to_string(heads) +
+                " (out's heads; q, k and v may have a divisor of it, grouped heads), Dk = " +
+                std::to_string(key_dim) + ", Dv = " + std::to_string(value_dim));
+  }
+}
+
+}  // namespace detail
 
 /// Multi-head causal linear attention that owns its feature map (so FAVOR+'s W is shared by
 /// both forms): `forward` is the parallel form, for training and prompts; `prefill` and `step`
@@ -222,15 +244,7 @@ class LinearAttentionLayer {
   template <class Q, class K, class V, class O>
   void check_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                    const HeadsView<O>& out, const char* where) const {
-    auto groups = [&](Eigen::Index h) { return h >= 1 && heads_ % h == 0; };
-    if (!groups(q.heads()) || !groups(k.heads()) || !groups(v.heads()) || out.heads() != heads_ ||
-        q.dim() != key_dim_ || v.dim() != value_dim_) {
-      throw Error(std::string(where) + ": q is " + q.sizes_string() + ", k " + k.sizes_string() +
-                  ", v " + v.sizes_string() + " and out " + out.sizes_string() +
-                  " but the layer has H = " + std::to_string(heads_) +
-                  " (out's heads; q, k and v may have a divisor of it, grouped heads), Dk = " +
-                  std::to_string(key_dim_) + ", Dv = " + std::to_string(value_dim_));
-    }
+    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
   }
 
   /// Gates replace the decay: a layer made with HeadDecays takes none.
@@ -250,6 +264,174 @@ class LinearAttentionLayer {
   Eigen::Index feature_dim_ = 0;
   Options options_;
   HeadDecays decays_;  ///< empty: Options::decay for every head
+};
+
+/// A delta-rule layer (DeltaNet, Gated DeltaNet as in Qwen3-Next, KDA as in Kimi Linear) in
+/// both forms over the same options: `forward` is the chunked or streamed parallel form, for
+/// training and prompts; `prefill` and `step` are the recurrent form over a
+/// DeltaRuleStateBatch, for decoding. Both give the same outputs. The projections, the
+/// short convolution, beta = sigmoid(.) and the gates stay with the caller's model.
+/// Grouped heads: H is the output's (value) head count; q, k, v, beta and the gates may have
+/// fewer heads, a divisor of H (output head h reads head h / (H / H_in), FLA's grouping); in a
+/// step q, k and v likewise ((B * H_in) x D rows), beta and the gates one row per state.
+/// @tparam T    float, double, Eigen::half or Eigen::bfloat16: the type of q, k, v, beta, the
+///              gates and the outputs
+/// @tparam Acc  accumulation type of the sums and states, float or double (default T, or float
+///              for the 16-bit types)
+template <class T, class Acc = detail::default_accumulator_t<T>>
+class DeltaRuleLayer {
+ public:
+  /// The states make_states returns, one per (sequence, head).
+  using States = DeltaRuleStateBatch<T, Acc>;
+
+  /// @param heads      H, value heads per sequence
+  /// @param key_dim    Dk, width of each head's q and k
+  /// @param value_dim  Dv, width of each head's v and output
+  /// @param options    scale, l2_normalize, allow_negative_eigenvalues, chunk, form,
+  ///                   check_finite, threads
+  DeltaRuleLayer(Eigen::Index heads, Eigen::Index key_dim, Eigen::Index value_dim,
+                 const DeltaOptions& options = {})
+      : heads_(detail::require_positive_dim(heads, "DeltaRuleLayer", "heads")),
+        key_dim_(detail::require_positive_dim(key_dim, "DeltaRuleLayer", "key_dim")),
+        value_dim_(detail::require_positive_dim(value_dim, "DeltaRuleLayer", "value_dim")),
+        options_(options) {
+    detail::validate_delta_options(options, "DeltaRuleLayer");
+  }
+
+  /// H, value heads per sequence.
+  Eigen::Index heads() const { return heads_; }
+  /// Dk, width of each head's q and k.
+  Eigen::Index key_dim() const { return key_dim_; }
+  /// Dv, width of each head's v and output.
+  Eigen::Index value_dim() const { return value_dim_; }
+  /// The options both forms run with.
+  const DeltaOptions& options() const { return options_; }
+
+  /// DeltaNet over whole sequences, each from a zero state.
+  /// @param q     B x H' x N x Dk queries (any layout, e.g. HeadsView::bnhd over a QKV buffer)
+  /// @param k     B x H' x N x Dk keys
+  /// @param v     B x H' x N x Dv values
+  /// @param beta  B x H' x N x 1 learning rates
+  /// @param out   B x H x N x Dv outputs
+  template <class Q, class K, class V, class B, class O>
+  void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const HeadsView<B>& beta, const HeadsView<O>& out) const {
+    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_,
+                                "DeltaRuleLayer::forward");
+    causal_delta_rule_into<Acc>(q, k, v, beta, out, options_);
+  }
+
+  /// Gated DeltaNet and KDA over whole sequences, each from a zero state.
+  /// @param q      B x H' x N x Dk queries
+  /// @param k      B x H' x N x Dk keys
+  /// @param v      B x H' x N x Dv values
+  /// @param gates  B x H' x N x 1 (Gated DeltaNet) or B x H' x N x Dk (KDA) views of a_t, or
+  ///               log_gates(view)
+  /// @param beta   B x H' x N x 1 learning rates
+  /// @param out    B x H x N x Dv outputs
+  template <class Q, class K, class V, class Gates, class B, class O,
+            class = detail::enable_if_delta_head_gates<Gates, O>>
+  void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const Gates& gates, const HeadsView<B>& beta, const HeadsView<O>& out) const {
+    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_,
+                                "DeltaRuleLayer::forward");
+    causal_gated_delta_rule_into<Acc>(q, k, v, gates, beta, out, options_);
+  }
+
+  /// Fresh (zero) states for `batch` sequences: batch * heads() of them, state b * H + h for
+  /// head h of sequence b.
+  States make_states(Eigen::Index batch) const {
+    return States(detail::require_positive_dim(batch, "DeltaRuleLayer", "batch") * heads_, key_dim_,
+                  value_dim_, options_);
+  }
+
+  /// DeltaNet: a prompt through the parallel form that also leaves each sequence's states
+  /// ready to step (continuing from where they were).
+  /// @param states  from make_states(B)
+  /// @param q       B x H' x N x Dk queries; k likewise; v B x H' x N x Dv
+  /// @param beta    B x H' x N x 1 learning rates
+  /// @param out     B x H x N x Dv outputs
+  template <class Q, class K, class V, class B, class O>
+  void prefill_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
+                    const HeadsView<V>& v, const HeadsView<B>& beta,
+                    const HeadsView<O>& out) const {
+    constexpr const char* where = "DeltaRuleLayer::prefill";
+    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+    require_states(states, where);
+    states.prefill_into(q, k, v, beta, out);
+  }
+
+  /// Gated DeltaNet and KDA: a gated prompt through the parallel form, leaving the states
+  /// ready for gated steps.
+  /// @param states  from make_states(B)
+  /// @param q       B x H' x N x Dk queries; k likewise; v B x H' x N x Dv
+  /// @param gates   B x H' x N x 1 or B x H' x N x Dk views of a_t, or log_gates(view)
+  /// @param beta    B x H' x N x 1 learning rates
+  /// @param out     B x H x N x Dv outputs
+  template <class Q, class K, class V, class Gates, class B, class O,
+            class = detail::enable_if_delta_head_gates<Gates, O>>
+  void prefill_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
+                    const HeadsView<V>& v, const Gates& gates, const HeadsView<B>& beta,
+                    const HeadsView<O>& out) const {
+    constexpr const char* where = "DeltaRuleLayer::prefill";
+    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+    require_states(states, where);
+    states.prefill_into(q, k, v, gates, beta, out);
+  }
+
+  /// DeltaNet: one token for each of B sequences; row b * H + h holds head h of sequence b (a
+  /// [B, H, D] tensor viewed as a (B * H) x D row-major matrix).
+  /// @param states  from make_states(B)
+  /// @param q       (B * H) x Dk queries (or (B * H_q) x Dk, H_q dividing H: grouped heads)
+  /// @param k       (B * H) x Dk keys (or (B * H_k) x Dk)
+  /// @param v       (B * H) x Dv values (or (B * H_v) x Dv)
+  /// @param beta    B * H learning rates
+  /// @param out     (B * H) x Dv outputs
+  template <class DQ, class DK, class DV, class DB>
+  void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+                 Eigen::Ref<Matrix<T>> out) const {
+    require_states(states, "DeltaRuleLayer::step");
+    states.step_into(q, k, v, beta, out);
+  }
+
+  /// Gated DeltaNet and KDA: one gated token for each of B sequences, rows as the DeltaNet
+  /// step.
+  /// @param states  from make_states(B)
+  /// @param q       (B * H) x Dk queries (or grouped); k likewise; v (B * H) x Dv
+  /// @param gates   (B * H) x 1 or (B * H) x Dk: log_gates(g) or a_t
+  /// @param beta    B * H learning rates
+  /// @param out     (B * H) x Dv outputs
+  template <class DQ, class DK, class DV, class Gates, class DB,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Gates& gates,
+                 const Eigen::MatrixBase<DB>& beta, Eigen::Ref<Matrix<T>> out) const {
+    require_states(states, "DeltaRuleLayer::step");
+    states.step_into(q, k, v, gates, beta, out);
+  }
+
+ private:
+  /// Throws unless `states` could come from make_states: H states per sequence of the layer's
+  /// Dk x Dv, with the options that change results.
+  void require_states(const States& states, const char* where) const {
+    const DeltaOptions& own = states.options();
+    if (states.size() % heads_ != 0 || states.key_dim() != key_dim_ ||
+        states.value_dim() != value_dim_ ||
+        detail::delta_scale(own, key_dim_) != detail::delta_scale(options_, key_dim_) ||
+        own.l2_normalize != options_.l2_normalize ||
+        own.allow_negative_eigenvalues != options_.allow_negative_eigenvalues) {
+      throw Error(
+          std::string(where) + ": the states (" + std::to_string(states.size()) + " of " +
+          detail::shape_string(states.key_dim(), states.value_dim()) +
+          ") are not this layer's: make them with make_states (H = " + std::to_string(heads_) +
+          " per sequence, Dk x Dv = " + detail::shape_string(key_dim_, value_dim_) +
+          ", the same scale, l2_normalize and allow_negative_eigenvalues)");
+    }
+  }
+
+  Eigen::Index heads_, key_dim_, value_dim_;
+  DeltaOptions options_;
 };
 
 }  // namespace linattn

@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: MIT
-// Many recurrent states stepped together: one state per session (or per session and head).
+// Many recurrent states stepped together: one state per session (or per session and head),
+// of the engine (RecurrentStateBatch) or of the delta rule (DeltaRuleStateBatch).
 #pragma once
 
 #include <linattn/config.hpp>
+#include <linattn/delta_rule.hpp>
 #include <linattn/detail/parallel.hpp>
+#include <linattn/detail/state_batch.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/heads_view.hpp>
@@ -25,10 +28,17 @@ namespace linattn {
 /// T and Acc as for RecurrentState (Acc defaults to T, or to float for Eigen::half and
 /// Eigen::bfloat16).
 template <class T, class Acc = detail::default_accumulator_t<T>>
-class RecurrentStateBatch {
+class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
+  using Base = detail::StateBatch<RecurrentState<T, Acc>>;
+  using Base::input_row;
+  using Base::require_rows;
+  using Base::states_;
+
  public:
   /// The type of each state.
   using State = RecurrentState<T, Acc>;
+  using Base::size;
+  using Base::value_dim;
 
   /// @param count        number of states, >= 1
   /// @param feature_dim  C of every state
@@ -36,9 +46,7 @@ class RecurrentStateBatch {
   /// @param options      shared by every state (and Options::threads for the batch calls)
   RecurrentStateBatch(Eigen::Index count, Eigen::Index feature_dim, Eigen::Index value_dim,
                       const Options& options = {})
-      : states_(static_cast<std::size_t>(
-                    detail::require_positive_dim(count, "RecurrentStateBatch", "count")),
-                State(feature_dim, value_dim, options)) {}
+      : Base(count, State(feature_dim, value_dim, options), "RecurrentStateBatch") {}
 
   /// States with a constant decay per head (RetNet's multi-scale retention): state i decays
   /// by decays.values[i % H] (H = decays.values.size()), so state b * H + h is head h of
@@ -68,25 +76,11 @@ class RecurrentStateBatch {
     }
   }
 
-  /// Number of states.
-  Eigen::Index size() const { return static_cast<Eigen::Index>(states_.size()); }
   /// C of every state.
   Eigen::Index feature_dim() const { return states_.front().feature_dim(); }
-  /// Dv of every state.
-  Eigen::Index value_dim() const { return states_.front().value_dim(); }
   /// The options shared by every state (state 0's: with HeadDecays each state has its own
   /// decay).
   const Options& options() const { return states_.front().options(); }
-
-  /// State i, e.g. to save or load one session.
-  State& operator[](Eigen::Index i) { return states_.at(static_cast<std::size_t>(i)); }
-  /// State i, read-only.
-  const State& operator[](Eigen::Index i) const { return states_.at(static_cast<std::size_t>(i)); }
-
-  /// Clears every state.
-  void reset() {
-    for (State& state : states_) state.reset();
-  }
 
   /// One token for every state through a feature map (Identity{} for precomputed features).
   /// Every state and every input is checked, and every token featurized, before any state
@@ -107,18 +101,19 @@ class RecurrentStateBatch {
       require_transitions(TransitionKind::decay, where);
       if constexpr (detail::is_identity_map<Map>) {
         for_each_state([&](Eigen::Index i) {
-          states_[i].step_into(q.row(input_row(q, i)), k.row(input_row(k, i)),
-                               v.row(input_row(v, i)), map, out.row(i).transpose());
+          states_[i].step_into(q.row(input_row(q.rows(), i)), k.row(input_row(k.rows(), i)),
+                               v.row(input_row(v.rows(), i)), map, out.row(i).transpose());
         });
       } else {
         // Every state featurizes its token (which can throw) before any state advances.
         for_each_state([&](Eigen::Index i) {
-          states_[i].featurize_token(q.row(input_row(q, i)), k.row(input_row(k, i)),
-                                     v.row(input_row(v, i)), map, value_dim(), where);
+          states_[i].featurize_token(q.row(input_row(q.rows(), i)), k.row(input_row(k.rows(), i)),
+                                     v.row(input_row(v.rows(), i)), map, value_dim(), where);
         });
         constexpr bool log_scaled = detail::is_log_scaled<Map>::value;
         for_each_state([&](Eigen::Index i) {
-          states_[i].advance_featurized(v.row(input_row(v, i)), log_scaled, out.row(i).transpose());
+          states_[i].advance_featurized(v.row(input_row(v.rows(), i)), log_scaled,
+                                        out.row(i).transpose());
         });
       }
     }
@@ -155,21 +150,21 @@ class RecurrentStateBatch {
         // Every state featurizes its token (which can throw) before any state advances.
         for_each_state([&](Eigen::Index i) {
           State& state = states_[i];
-          state.featurize_token(q.row(input_row(q, i)), k.row(input_row(k, i)),
-                                v.row(input_row(v, i)), map, value_dim(), where);
+          state.featurize_token(q.row(input_row(q.rows(), i)), k.row(input_row(k.rows(), i)),
+                                v.row(input_row(v.rows(), i)), map, value_dim(), where);
           if (per_feature) state.unscale_token(where);
         });
       }
       for_each_state([&](Eigen::Index i) {
         detail::with_gate_row(gates, i, [&](const auto& gate) {
           if constexpr (features) {
-            states_[i].step_into(q.row(input_row(q, i)), k.row(input_row(k, i)),
-                                 v.row(input_row(v, i)), gate, map, out.row(i).transpose());
+            states_[i].step_into(q.row(input_row(q.rows(), i)), k.row(input_row(k.rows(), i)),
+                                 v.row(input_row(v.rows(), i)), gate, map, out.row(i).transpose());
           } else {
             State& state = states_[i];
             state.load_gate(gate, where);
             const typename State::GateScope scope(state);
-            state.advance_featurized(v.row(input_row(v, i)), true, out.row(i).transpose());
+            state.advance_featurized(v.row(input_row(v.rows(), i)), true, out.row(i).transpose());
           }
         });
       });
@@ -217,12 +212,13 @@ class RecurrentStateBatch {
       for_each_state([&](Eigen::Index i) {
         State& state = states_[i];
         if constexpr (features) {
-          state.load_token(q.row(input_row(q, i)), k.row(input_row(k, i)), v.row(input_row(v, i)),
-                           out.row(i).transpose(), where, "phi_q", "phi_k");
+          state.load_token(q.row(input_row(q.rows(), i)), k.row(input_row(k.rows(), i)),
+                           v.row(input_row(v.rows(), i)), out.row(i).transpose(), where, "phi_q",
+                           "phi_k");
         } else {
-          state.featurize_token(q.row(input_row(q, i)), k.row(input_row(k, i)),
-                                v.row(input_row(v, i)), map, value_dim(), where);
-          detail::load_vector(v.row(input_row(v, i)), state.value_);
+          state.featurize_token(q.row(input_row(q.rows(), i)), k.row(input_row(k.rows(), i)),
+                                v.row(input_row(v.rows(), i)), map, value_dim(), where);
+          detail::load_vector(v.row(input_row(v.rows(), i)), state.value_);
         }
       });
       for_each_state([&](Eigen::Index i) {
@@ -290,21 +286,11 @@ class RecurrentStateBatch {
                       std::is_same_v<typename DV::Scalar, T>,
                   "RecurrentStateBatch<T>: inputs must have scalar type T");
     // Inputs may be grouped (rows dividing size()); out has a row per state.
-    auto require = [&](Eigen::Index rows, Eigen::Index cols, Eigen::Index want_cols,
-                       const std::string& shape, const char* name, bool grouped) {
-      const bool rows_ok = grouped ? rows >= 1 && size() % rows == 0 : rows == size();
-      if (!rows_ok || cols != want_cols) {
-        throw Error(
-            std::string(where) + ": " + name + " is " + shape + " but the batch needs " +
-            detail::shape_string(size(), want_cols) + " (one row per state" +
-            (grouped ? ", or R rows with R dividing " + std::to_string(size()) + ": grouped heads)"
-                     : ")"));
-      }
-    };
-    require(q.rows(), q.cols(), q_cols, detail::shape_string(q), q_name, true);
-    require(k.rows(), k.cols(), q_cols, detail::shape_string(k), k_name, true);
-    require(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v", true);
-    require(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out", false);
+    require_rows(q.rows(), q.cols(), q_cols, detail::shape_string(q), q_name, true, where);
+    require_rows(k.rows(), k.cols(), q_cols, detail::shape_string(k), k_name, true, where);
+    require_rows(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v", true, where);
+    require_rows(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out", false,
+                 where);
     if (options().check_finite) {
       detail::require_finite(q, where, q_name);
       detail::require_finite(k, where, k_name);
@@ -314,26 +300,10 @@ class RecurrentStateBatch {
     for (const State& state : states_) state.require_token_room(1, where);
   }
 
-  /// The row of a grouped input that state i reads, i / (size() / rows): with H states per
-  /// sequence and H_in rows, state b * H + h reads row b * H_in + h / (H / H_in), FLA's
-  /// grouping (the views' too).
-  template <class D>
-  Eigen::Index input_row(const Eigen::MatrixBase<D>& x, Eigen::Index i) const {
-    return i / (size() / x.rows());
-  }
-
   /// Throws unless every state has the batch's dimensions (a state assigned through
   /// operator[] may not), so that no state moves before another one throws.
   void require_uniform_states(const char* where) const {
-    for (std::size_t i = 0; i < states_.size(); ++i) {
-      const State& state = states_[i];
-      if (state.feature_dim() != feature_dim() || state.value_dim() != value_dim()) {
-        throw Error(std::string(where) + ": state " + std::to_string(i) + " is " +
-                    detail::shape_string(state.feature_dim(), state.value_dim()) +
-                    " (C x Dv) but state 0 is " + detail::shape_string(feature_dim(), value_dim()) +
-                    "; every state of a batch must have the same dimensions");
-      }
-    }
+    this->require_uniform_dims("C x Dv", where);
   }
 
   /// Throws unless every state's Options::decay is 1, as gates need (HeadDecays states and
@@ -351,22 +321,13 @@ class RecurrentStateBatch {
   /// Throws unless every state continues with `kind` (see RecurrentState::transition()),
   /// before any state moves.
   void require_transitions(TransitionKind kind, const char* where) const {
-    for (std::size_t i = 0; i < states_.size(); ++i) {
-      const TransitionKind had = states_[i].transition();
-      if (!detail::continues_transition(had, kind)) {
-        throw detail::transition_mismatch(had, kind, where, "state " + std::to_string(i));
-      }
-    }
+    Base::require_transitions(kind, detail::transition_name, where);
   }
 
   /// body(i) for every state, the states split in equal blocks across the threads.
   template <class Body>
   void for_each_state(const Body& body) {
-    const Eigen::Index count = size();
-    const Eigen::Index blocks = std::min<Eigen::Index>(detail::resolve_threads(options()), count);
-    detail::parallel_for(blocks, static_cast<int>(blocks), [&](Eigen::Index block) {
-      for (Eigen::Index i = count * block / blocks; i < count * (block + 1) / blocks; ++i) body(i);
-    });
+    Base::for_each_state(detail::resolve_threads(options()), body);
   }
 
   template <class Q, class K, class V, class Map, class O, class Transition>
@@ -449,8 +410,259 @@ class RecurrentStateBatch {
         });
     states_ = std::move(next);
   }
+};
 
-  std::vector<State> states_;
+/// `size()` independent DeltaRuleStates of the same shape and options, advanced by one call:
+/// row i of every argument belongs to state i, and state b * H + h holds head h of sequence b
+/// (the order prefill_into uses). q, k and v may be grouped like the views' heads: R rows with
+/// R dividing size(), state i reading row i / (size() / R) (Qwen3-Next's 16 q/k heads over 32
+/// value heads); beta, the gates and out have a row per state. Threads (DeltaOptions::threads,
+/// with OpenMP) go over the states; the result is the same as stepping each state on its own.
+/// Every call checks every state and input before any state moves: a throwing call changes
+/// nothing.
+/// @tparam T    float, double, Eigen::half or Eigen::bfloat16: the inputs' and outputs' type
+/// @tparam Acc  the states' type, float or double (default T, or float for the 16-bit types)
+template <class T, class Acc = detail::default_accumulator_t<T>>
+class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
+  using Base = detail::StateBatch<DeltaRuleState<T, Acc>>;
+  using Base::input_row;
+  using Base::require_rows;
+  using Base::states_;
+
+ public:
+  /// The type of each state.
+  using State = DeltaRuleState<T, Acc>;
+  using Base::size;
+  using Base::value_dim;
+
+  /// @param count      number of states, >= 1
+  /// @param key_dim    Dk of every state
+  /// @param value_dim  Dv of every state
+  /// @param options    shared by every state (and DeltaOptions::threads for the batch calls)
+  DeltaRuleStateBatch(Eigen::Index count, Eigen::Index key_dim, Eigen::Index value_dim,
+                      const DeltaOptions& options = {})
+      : Base(count, State(key_dim, value_dim, options), "DeltaRuleStateBatch") {}
+
+  /// Dk of every state.
+  Eigen::Index key_dim() const { return states_.front().key_dim(); }
+  /// The options shared by every state (state 0's).
+  const DeltaOptions& options() const { return states_.front().options(); }
+
+  /// DeltaNet: one token for every state.
+  /// @param q     size() x Dk queries, row i for state i (or R x Dk, grouped)
+  /// @param k     size() x Dk keys (or R x Dk, grouped)
+  /// @param v     size() x Dv values (or R x Dv, grouped)
+  /// @param beta  size() learning rates, one per state (a row or column vector)
+  /// @param out   size() x Dv outputs, row-major
+  template <class DQ, class DK, class DV, class DB>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+                 Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "DeltaRuleStateBatch::step";
+    check_step(q, k, v, beta, out, where);
+    require_transitions(TransitionKind::decay, where);
+    for_each_state([&](Eigen::Index i) {
+      State& state = states_[static_cast<std::size_t>(i)];
+      state.load_token(q.row(input_row(q.rows(), i)), k.row(input_row(k.rows(), i)),
+                       v.row(input_row(v.rows(), i)));
+      state.advance(static_cast<T>(beta.reshaped()(i)), 0, out.row(i).transpose());
+    });
+  }
+
+  /// Gated DeltaNet and KDA: one gated token for every state, row i of `gates` moving state i.
+  /// @param q      size() x Dk queries, row i for state i (or R x Dk, grouped)
+  /// @param k      size() x Dk keys (or R x Dk, grouped)
+  /// @param v      size() x Dv values (or R x Dv, grouped)
+  /// @param gates  size() x 1 (Gated DeltaNet) or size() x Dk (KDA): log_gates(g) or a_t
+  /// @param beta   size() learning rates, one per state
+  /// @param out    size() x Dv outputs, row-major
+  template <class DQ, class DK, class DV, class Gates, class DB,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Gates& gates,
+                 const Eigen::MatrixBase<DB>& beta, Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "DeltaRuleStateBatch::step";
+    using Traits = detail::gate_traits<Gates>;
+    static_assert(std::is_same_v<detail::gate_scalar_t<Gates>, T>,
+                  "the gates must have the states' input scalar type");
+    check_step(q, k, v, beta, out, where);
+    detail::validate_delta_gates(gates, size(), key_dim(), where);
+    const auto& values = Traits::values(gates);
+    require_transitions(detail::transition_of_gate_dim(values.cols()), where);
+    for_each_state([&](Eigen::Index i) {
+      State& state = states_[static_cast<std::size_t>(i)];
+      state.load_token(q.row(input_row(q.rows(), i)), k.row(input_row(k.rows(), i)),
+                       v.row(input_row(v.rows(), i)));
+      state.template load_gates<Traits::log_space>(values.row(i));
+      state.advance(static_cast<T>(beta.reshaped()(i)), values.cols(), out.row(i).transpose());
+    });
+  }
+
+  /// DeltaNet: as step_into, returning size() x Dv.
+  template <class DQ, class DK, class DV, class DB>
+  Matrix<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta) {
+    Matrix<T> out(size(), value_dim());
+    step_into(q, k, v, beta, out);
+    return out;
+  }
+
+  /// Gated DeltaNet and KDA: as step_into, returning size() x Dv.
+  template <class DQ, class DK, class DV, class Gates, class DB,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  Matrix<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Gates& gates,
+                 const Eigen::MatrixBase<DB>& beta) {
+    Matrix<T> out(size(), value_dim());
+    step_into(q, k, v, gates, beta, out);
+    return out;
+  }
+
+  /// DeltaNet: a prompt for every state from multi-head views: state b * H + h takes head h
+  /// of sequence b from where it is and ends where stepping each token would leave it (FLA's
+  /// initial_state in, final_state out).
+  /// @param q     B x H' x N x Dk queries, H' dividing H (grouped heads)
+  /// @param k     B x H' x N x Dk keys
+  /// @param v     B x H' x N x Dv values
+  /// @param beta  B x H' x N x 1 learning rates
+  /// @param out   B x H x N x Dv outputs, B * H == size()
+  template <class Q, class K, class V, class B, class O,
+            class = detail::enable_if_heads_scalars<Q, K, V, O>>
+  void prefill_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const HeadsView<B>& beta, const HeadsView<O>& out) {
+    prefill_heads(q, k, v, static_cast<const void*>(nullptr), beta, out, nullptr);
+  }
+
+  /// Gated DeltaNet and KDA: a gated prompt for every state from multi-head views, as the
+  /// DeltaNet prefill.
+  /// @param gates  B x H' x N x 1 or B x H' x N x Dk views of a_t, or log_gates(view)
+  template <class Q, class K, class V, class Gates, class B, class O,
+            class = detail::enable_if_heads_scalars<Q, K, V, O>,
+            class = detail::enable_if_delta_head_gates<Gates, O>>
+  void prefill_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const Gates& gates, const HeadsView<B>& beta, const HeadsView<O>& out) {
+    const auto transition = detail::delta_head_gates<Gates, O>::read(gates);
+    prefill_heads(q, k, v, &transition, beta, out, nullptr);
+  }
+
+  /// DeltaNet: prompts of different lengths packed along N (FLA's cu_seqlens), one per
+  /// sequence: state s * H + h takes head h of sequence s (rows offsets[s] to
+  /// offsets[s + 1]) and continues from where it is.
+  /// @param q        1 x H' x T x Dk queries, T = offsets.back()
+  /// @param k        1 x H' x T x Dk keys
+  /// @param v        1 x H' x T x Dv values
+  /// @param beta     1 x H' x T x 1 learning rates
+  /// @param out      1 x H x T x Dv outputs, S * H == size() for S sequences
+  /// @param offsets  S + 1 nondecreasing offsets from 0 to T
+  template <class Q, class K, class V, class B, class O,
+            class = detail::enable_if_heads_scalars<Q, K, V, O>>
+  void prefill_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                           const HeadsView<B>& beta, const HeadsView<O>& out,
+                           const std::vector<std::int64_t>& offsets) {
+    prefill_heads(q, k, v, static_cast<const void*>(nullptr), beta, out, &offsets);
+  }
+
+  /// Gated DeltaNet and KDA: packed prompts of different lengths, as the DeltaNet varlen
+  /// prefill.
+  /// @param gates  1 x H' x T x 1 or 1 x H' x T x Dk views of a_t, or log_gates(view)
+  template <class Q, class K, class V, class Gates, class B, class O,
+            class = detail::enable_if_heads_scalars<Q, K, V, O>,
+            class = detail::enable_if_delta_head_gates<Gates, O>>
+  void prefill_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                           const Gates& gates, const HeadsView<B>& beta, const HeadsView<O>& out,
+                           const std::vector<std::int64_t>& offsets) {
+    const auto transition = detail::delta_head_gates<Gates, O>::read(gates);
+    prefill_heads(q, k, v, &transition, beta, out, &offsets);
+  }
+
+ private:
+  /// Shapes, beta's range, finiteness and the states' agreement, before any state moves.
+  template <class DQ, class DK, class DV, class DB>
+  void check_step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                  const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+                  const Eigen::Ref<Matrix<T>>& out, const char* where) const {
+    detail::check_delta_scalars<DQ, DK, DV, DB>();
+    static_assert(std::is_same_v<typename DQ::Scalar, T>,
+                  "DeltaRuleStateBatch<T>: inputs must have scalar type T");
+    require_rows(q.rows(), q.cols(), key_dim(), detail::shape_string(q), "q", true, where);
+    require_rows(k.rows(), k.cols(), key_dim(), detail::shape_string(k), "k", true, where);
+    require_rows(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v", true, where);
+    require_rows(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out", false,
+                 where);
+    detail::validate_beta(beta, size(), options(), where);
+    if (options().check_finite) {
+      detail::require_finite(q, where, "q");
+      detail::require_finite(k, where, "k");
+      detail::require_finite(v, where, "v");
+    }
+    require_uniform_states(where);
+  }
+
+  /// Throws unless every state has state 0's dimensions and the options that change results
+  /// (a state assigned through operator[] may not), so that no state moves before another
+  /// throws.
+  void require_uniform_states(const char* where) const {
+    this->require_uniform_dims("Dk x Dv", where);
+    const DeltaOptions& first = options();
+    const double scale = detail::delta_scale(first, key_dim());
+    for (std::size_t i = 0; i < states_.size(); ++i) {
+      const DeltaOptions& own = states_[i].options();
+      if (detail::delta_scale(own, key_dim()) != scale || own.l2_normalize != first.l2_normalize ||
+          own.allow_negative_eigenvalues != first.allow_negative_eigenvalues) {
+        throw Error(std::string(where) + ": state " + std::to_string(i) +
+                    " has other scale, l2_normalize or allow_negative_eigenvalues options than "
+                    "state 0; every state of a batch must have the same");
+      }
+    }
+  }
+
+  void require_transitions(TransitionKind kind, const char* where) const {
+    Base::require_transitions(kind, detail::delta_transition_name, where);
+  }
+
+  /// body(i) for every state, the states split in equal blocks across the threads.
+  template <class Body>
+  void for_each_state(const Body& body) {
+    Base::for_each_state(detail::resolve_threads(detail::engine_options(options())), body);
+  }
+
+  /// The view prefills (`gates` null for DeltaNet, `offsets` for packed sequences).
+  template <class Q, class K, class V, class Gates, class B, class O>
+  void prefill_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                     const Gates* gates, const HeadsView<B>& beta, const HeadsView<O>& out,
+                     const std::vector<std::int64_t>* offsets) {
+    constexpr const char* where = "DeltaRuleStateBatch::prefill";
+    static_assert(std::is_same_v<O, T>, "DeltaRuleStateBatch<T>: views must hold T");
+    if (q.dim() != key_dim() || v.dim() != value_dim()) {
+      throw Error(std::string(where) + ": q is " + q.sizes_string() + " and v " + v.sizes_string() +
+                  " but the states are Dk x Dv = " + detail::shape_string(key_dim(), value_dim()));
+    }
+    const detail::SequenceRows sequences =
+        detail::check_heads_delta_rule<Acc>(q, k, v, gates, beta, out, offsets, options(), where);
+    if (sequences.count * out.heads() != size()) {
+      throw Error(std::string(where) + ": out is " + out.sizes_string() + ", " +
+                  std::to_string(sequences.count) + " sequences x " + std::to_string(out.heads()) +
+                  " heads, but the batch holds " + std::to_string(size()) + " states");
+    }
+    require_uniform_states(where);
+    Eigen::Index gate_dim = 0;
+    if constexpr (!std::is_void_v<Gates>) gate_dim = gates->view.dim();
+    const TransitionKind kind = detail::transition_of_gate_dim(gate_dim);
+    require_transitions(kind, where);
+    // Each state works on a copy and is replaced only when every head succeeded.
+    std::vector<State> next = states_;
+    detail::run_heads_delta_rule<Acc>(q, k, v, gates, beta, out, sequences, options(), where,
+                                      [&](Eigen::Index s, Eigen::Index h, const auto& run) {
+                                        State& state =
+                                            next[static_cast<std::size_t>(s * out.heads() + h)];
+                                        run(state.s_);
+                                        const Eigen::Index rows = sequences.rows(s);
+                                        state.tokens_ += rows;
+                                        if (rows > 0 && state.kind_ == TransitionKind::none)
+                                          state.kind_ = kind;
+                                      });
+    states_ = std::move(next);
+  }
 };
 
 }  // namespace linattn

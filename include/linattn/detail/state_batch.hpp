@@ -1,0 +1,104 @@
+// SPDX-License-Identifier: MIT
+// What every batch of recurrent states shares: the states, grouped rows, checks, threads.
+#pragma once
+
+#include <algorithm>
+#include <linattn/config.hpp>
+#include <linattn/detail/parallel.hpp>
+#include <linattn/detail/validate.hpp>
+#include <linattn/gates.hpp>
+#include <string>
+#include <vector>
+
+namespace linattn::detail {
+
+/// The part of a batch of states that does not depend on the recurrence: the states (one per
+/// sequence and head, state b * H + h for head h of sequence b), the row of a grouped input
+/// each state reads, the checks that run before any state moves, and the split of the states
+/// across threads. RecurrentStateBatch and DeltaRuleStateBatch add their recurrence's calls.
+/// @tparam State  RecurrentState<T, Acc> or DeltaRuleState<T, Acc>
+template <class State>
+class StateBatch {
+ public:
+  /// Number of states.
+  Eigen::Index size() const { return static_cast<Eigen::Index>(states_.size()); }
+  /// Dv of every state.
+  Eigen::Index value_dim() const { return states_.front().value_dim(); }
+
+  /// State i, e.g. to save or load one session.
+  State& operator[](Eigen::Index i) { return states_.at(static_cast<std::size_t>(i)); }
+  /// State i, read-only.
+  const State& operator[](Eigen::Index i) const { return states_.at(static_cast<std::size_t>(i)); }
+
+  /// Clears every state.
+  void reset() {
+    for (State& state : states_) state.reset();
+  }
+
+ protected:
+  /// `count` copies of `state`; count >= 1, checked as the argument `count` of `where`.
+  StateBatch(Eigen::Index count, const State& state, const char* where)
+      : states_(static_cast<std::size_t>(require_positive_dim(count, where, "count")), state) {}
+
+  /// The row of a grouped input of `rows` rows that state i reads, i / (size() / rows): with
+  /// H states per sequence and H_in rows, state b * H + h reads row b * H_in + h / (H / H_in),
+  /// FLA's grouping (the views' too).
+  Eigen::Index input_row(Eigen::Index rows, Eigen::Index i) const { return i / (size() / rows); }
+
+  /// Throws unless an argument of a batch step is size() x cols, or with `grouped` R x cols
+  /// with R dividing size().
+  void require_rows(Eigen::Index rows, Eigen::Index cols, Eigen::Index want_cols,
+                    const std::string& shape, const char* name, bool grouped,
+                    const char* where) const {
+    const bool rows_ok = grouped ? rows >= 1 && size() % rows == 0 : rows == size();
+    if (!rows_ok || cols != want_cols) {
+      throw Error(
+          std::string(where) + ": " + name + " is " + shape + " but the batch needs " +
+          shape_string(size(), want_cols) + " (one row per state" +
+          (grouped ? ", or R rows with R dividing " + std::to_string(size()) + ": grouped heads)"
+                   : ")"));
+    }
+  }
+
+  /// Throws unless every state's S has state 0's shape (a state assigned through operator[]
+  /// may not), so that no state moves before another one throws.
+  /// @param dims  how the message names S's dimensions, e.g. "C x Dv"
+  void require_uniform_dims(const char* dims, const char* where) const {
+    const auto& first = states_.front().s();
+    for (std::size_t i = 0; i < states_.size(); ++i) {
+      const auto& s = states_[i].s();
+      if (s.rows() != first.rows() || s.cols() != first.cols()) {
+        throw Error(std::string(where) + ": state " + std::to_string(i) + " is " + shape_string(s) +
+                    " (" + dims + ") but state 0 is " + shape_string(first) +
+                    "; every state of a batch must have the same dimensions");
+      }
+    }
+  }
+
+  /// Throws unless every state continues with `kind` (see the states' transition()), before
+  /// any state moves.
+  /// @param name  how the message names a transition kind
+  void require_transitions(TransitionKind kind, const char* (*name)(TransitionKind),
+                           const char* where) const {
+    for (std::size_t i = 0; i < states_.size(); ++i) {
+      const TransitionKind had = states_[i].transition();
+      if (!continues_transition(had, kind)) {
+        throw transition_mismatch(had, kind, where, "state " + std::to_string(i), name);
+      }
+    }
+  }
+
+  /// body(i) for every state, the states split in equal blocks across `threads`.
+  template <class Body>
+  void for_each_state(int threads, const Body& body) {
+    const Eigen::Index count = size();
+    const Eigen::Index blocks = std::min<Eigen::Index>(threads, count);
+    parallel_for(blocks, static_cast<int>(blocks), [&](Eigen::Index block) {
+      for (Eigen::Index i = count * block / blocks; i < count * (block + 1) / blocks; ++i) body(i);
+    });
+  }
+
+  std::vector<State> states_;
+};
+
+}  // namespace linattn::detail
