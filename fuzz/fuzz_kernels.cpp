@@ -737,7 +737,8 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
 /// draw_log_gates, resets included), beta in (0, 1] or (0, 2] drawn from the seed. With L2
 /// normalisation (Options::normalize stands for DeltaOptions::l2_normalize) and bounded input
 /// every S_t stays bounded: then the outputs are finite and both forms, the steps,
-/// prefill-then-step and the 1 x 1 x N view agree, and a saved state continues bit for bit.
+/// prefill-then-step, the 1 x 1 x N view and a batch of one state (prefill from views, then
+/// batch steps) agree, and a saved state continues bit for bit.
 template <class T>
 void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                bool bounded) {
@@ -814,6 +815,33 @@ void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
       linattn::causal_delta_rule_into(qv, kv, vv, bv, ov, opt);
     }
   });
+  // A batch of one state: a prefill from views of the first tokens, then batch steps.
+  Matrix<T> batched(in.n, in.dv);
+  const bool batched_ok = attempt("DeltaRuleStateBatch", must, [&] {
+    linattn::DeltaRuleStateBatch<T> batch(1, in.dk, in.dv, opt);
+    const Index s = in.split;
+    if (s > 0) {
+      const auto prefix = [&](const auto& view, Index dim) {
+        return std::decay_t<decltype(view)>::bhnd(view.data(), {1, 1, s, dim});
+      };
+      const auto out = linattn::HeadsView<T>::bhnd(batched.data(), {1, 1, s, in.dv});
+      if (gated) {
+        batch.prefill_into(prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv),
+                           linattn::log_gates(prefix(gv, g.cols())), prefix(bv, 1), out);
+      } else {
+        batch.prefill_into(prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv),
+                           prefix(bv, 1), out);
+      }
+    }
+    for (Index i = s; i < in.n; ++i) {
+      if (gated) {
+        batch.step_into(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)),
+                        beta.segment(i, 1), batched.row(i));
+      } else {
+        batch.step_into(q.row(i), k.row(i), v.row(i), beta.segment(i, 1), batched.row(i));
+      }
+    }
+  });
   // beta = 0 is never a learning rate: every form refuses it.
   Vector<T> zero_beta = beta;
   zero_beta(in.n - 1) = T(0);
@@ -829,6 +857,7 @@ void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
   if (steps_ok) require_close("delta rule: streamed vs steps", par, steps, tol);
   if (split_ok) require_close("delta rule: chunked vs prefill then steps", par, split, tol);
   if (viewed_ok) require_close("delta rule: matrix vs 1 x 1 x N view", par, viewed, tol);
+  if (batched_ok) require_close("delta rule: batch prefill then batch steps", par, batched, tol);
   if (!steps_ok || !stepped->s().allFinite()) return;
   std::stringstream saved;
   stepped->save(saved);
