@@ -829,8 +829,8 @@ void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
         batch.prefill_into(prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv),
                            linattn::log_gates(prefix(gv, g.cols())), prefix(bv, 1), out);
       } else {
-        batch.prefill_into(prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv),
-                           prefix(bv, 1), out);
+        batch.prefill_into(prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv), prefix(bv, 1),
+                           out);
       }
     }
     for (Index i = s; i < in.n; ++i) {
