@@ -749,3 +749,79 @@ TEMPLATE_TEST_CASE("gated views of 16-bit memory: every transition, as the float
     CHECK(worst <= 2 * eps<T>());
   }
 }
+
+TEMPLATE_TEST_CASE("DeltaRuleLayer<T> on 16-bit views: the float call rounded once, then steps",
+                   "[half][layer][delta_rule]", Eigen::half, Eigen::bfloat16) {
+  // Gated DeltaNet (scalar gates) and KDA (per-feature gates) on [B, H, N, D] 16-bit memory with
+  // beta and the gates as views: each head is the float matrix call on the widened inputs,
+  // rounded once (1 eps); a prompt through prefill and steps over a batch of float states give
+  // the forward's outputs to 2 eps plus the delta rule's float bound.
+  using T = TestType;
+  using Layer = linattn::DeltaRuleLayer<T>;
+  static_assert(std::is_same_v<typename Layer::States, linattn::DeltaRuleStateBatch<T, float>>);
+  const Eigen::Index batch = 2, heads = 2, prompt = 40, steps = 12, n = prompt + steps;
+  for (const Eigen::Index gate_cols : {Eigen::Index(1), kDk}) {
+    INFO((gate_cols == 1 ? "Gated DeltaNet" : "KDA"));
+    linattn::DeltaOptions options;
+    options.l2_normalize = true;
+    options.chunk = 16;
+    const Layer layer(heads, kDk, kDv, options);
+    // [B, H, N, D] rows: (b, h, n).
+    const Matrix<T> q = rounded<T>(batch * heads * n, kDk, 111);
+    const Matrix<T> k = rounded<T>(batch * heads * n, kDk, 112);
+    const Matrix<T> v = rounded<T>(batch * heads * n, kDv, 113);
+    const Matrix<T> beta =
+        (0.1f + 0.8f * gaussian<float>(batch * heads * n, 1, 114).array().abs().min(1.0f))
+            .matrix()
+            .template cast<T>();
+    const Matrix<T> g = (-0.1f * gaussian<float>(batch * heads * n, gate_cols, 115).array().abs())
+                            .matrix()
+                            .template cast<T>();
+    auto view = [&](const Matrix<T>& m, Eigen::Index tokens) {
+      return linattn::ConstHeadsView<T>(
+          m.data(), batch, heads, tokens, m.cols(),
+          linattn::HeadStrides{heads * n * m.cols(), n * m.cols(), m.cols(), 1});
+    };
+    auto out_view = [&](Matrix<T>& m, Eigen::Index tokens) {
+      return linattn::HeadsView<T>(m.data(), batch, heads, tokens, kDv,
+                                   linattn::HeadStrides{heads * n * kDv, n * kDv, kDv, 1});
+    };
+    Matrix<T> forward(batch * heads * n, kDv);
+    layer.forward_into(view(q, n), view(k, n), view(v, n), linattn::log_gates(view(g, n)),
+                       view(beta, n), out_view(forward, n));
+    double worst_forward = 0.0;
+    for (Eigen::Index i = 0; i < batch * heads; ++i) {
+      const Matrix<float> gf = widened<T>(g.middleRows(i * n, n));
+      const Matrix<float> alone = linattn::causal_gated_delta_rule(
+          widened<T>(q.middleRows(i * n, n)), widened<T>(k.middleRows(i * n, n)),
+          widened<T>(v.middleRows(i * n, n)), linattn::log_gates(gf),
+          Vector<float>(widened<T>(beta.middleRows(i * n, n))), options);
+      worst_forward = std::max(worst_forward, relative_error(forward.middleRows(i * n, n), alone));
+    }
+    CHECK(worst_forward <= eps<T>());
+    // The prompt through prefill, the rest by steps of every state.
+    Matrix<T> out(batch * heads * n, kDv);
+    typename Layer::States states = layer.make_states(batch);
+    layer.prefill_into(states, view(q, prompt), view(k, prompt), view(v, prompt),
+                       linattn::log_gates(view(g, prompt)), view(beta, prompt),
+                       out_view(out, prompt));
+    Matrix<T> q_t(batch * heads, kDk), k_t(batch * heads, kDk), v_t(batch * heads, kDv);
+    Matrix<T> g_t(batch * heads, gate_cols), out_t(batch * heads, kDv);
+    Vector<T> beta_t(batch * heads);
+    for (Eigen::Index t = prompt; t < n; ++t) {
+      for (Eigen::Index i = 0; i < batch * heads; ++i) {
+        q_t.row(i) = q.row(i * n + t);
+        k_t.row(i) = k.row(i * n + t);
+        v_t.row(i) = v.row(i * n + t);
+        g_t.row(i) = g.row(i * n + t);
+        beta_t(i) = beta(i * n + t, 0);
+      }
+      layer.step_into(states, q_t, k_t, v_t, linattn::log_gates(g_t), beta_t, out_t);
+      for (Eigen::Index i = 0; i < batch * heads; ++i) out.row(i * n + t) = out_t.row(i);
+    }
+    const double worst = relative_error(out, forward);
+    WARN("delta layer prefill + steps vs its forward: worst relative error " << worst);
+    CHECK(worst <= 2 * eps<T>() + 1e-4);
+    CHECK(states[0].tokens() == n);
+  }
+}
