@@ -287,7 +287,7 @@ TEMPLATE_TEST_CASE("layer: accessors and wrong shapes", "[layer][errors]", float
     CHECK_THROWS_WITH(layer.step_into(states, qt.leftCols(kDk - 1), kt, vt, ot),
                       Contains("LinearAttentionLayer::step: q is 8 x 7") && Contains("key_dim 8"));
     CHECK_THROWS_WITH(layer.step_into(states, qt.topRows(7), kt, vt, ot),
-                      Contains("q is 7 x 8 but the batch needs 8 x 8"));
+                      Contains("q has 7 rows but the states hold 2 sequences of 4 heads"));
     CHECK_THROWS_WITH(layer.step_into(states, qt, kt.leftCols(kDk - 1), vt, ot),
                       Contains("k is 8 x 7"));
     CHECK_THROWS_WITH(layer.step_into(states, qt, kt, vt.leftCols(kDv - 1), ot),
@@ -296,7 +296,7 @@ TEMPLATE_TEST_CASE("layer: accessors and wrong shapes", "[layer][errors]", float
     CHECK_THROWS_WITH(layer.step_into(states, qt, kt, vt, narrow), Contains("out is 8 x 5"));
     auto one_sequence = layer.make_states(1);
     CHECK_THROWS_WITH(layer.step_into(one_sequence, qt, kt, vt, ot),
-                      Contains("q is 8 x 8 but the batch needs 4 x 8"));
+                      Contains("q has 8 rows but the states hold 1 sequences of 4 heads"));
     for (Eigen::Index i = 0; i < states.size(); ++i) CHECK(states[i].tokens() == n);
     layer.step_into(states, qt, kt, vt, ot);
     CHECK(ot.allFinite());
@@ -600,7 +600,7 @@ TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and pr
   auto states = layer.make_states(kB);
   const Matrix<T> q3 = gaussian<T>(kB * 3, kDk, 1), v = gaussian<T>(kB * kH, kDv, 2);
   Matrix<T> out(kB * kH, kDv);
-  CHECK_THROWS_WITH(layer.step_into(states, q3, q3, v, out), Catch::Contains("R rows"));
+  CHECK_THROWS_WITH(layer.step_into(states, q3, q3, v, out), Catch::Contains("B * H_in rows"));
   std::vector<T> data(static_cast<std::size_t>(kB * 3 * 10 * kDk));
   const auto three = HeadsView<const T>::bhnd(data.data(), {kB, 3, 10, kDk});
   std::vector<T> out_data(static_cast<std::size_t>(kB * kH * 10 * kDv));
@@ -745,6 +745,15 @@ TEMPLATE_TEST_CASE("delta layer: errors name the argument and move no state",
   CHECK_THROWS_WITH(layer.step_into(normalised, q, q, v, beta, out),
                     Contains("are not this layer's"));
   CHECK(normalised[0].tokens() == 0);
+  // Rows that divide the batch's B * H states but are not B * H_in would hand one sequence's
+  // rows to another's states: H = 4, B = 3, 12 states, 4 rows of q.
+  auto three_sequences = layer.make_states(3);
+  const Matrix<T> q4 = gaussian<T>(4, kDk, 3), v12 = gaussian<T>(12, kDv, 4);
+  const linattn::Vector<T> beta12 = linattn::Vector<T>::Constant(12, T(0.5));
+  Matrix<T> out12(12, kDv);
+  CHECK_THROWS_WITH(layer.step_into(three_sequences, q4, q4, v12, beta12, out12),
+                    Contains("q has 4 rows but the states hold 3 sequences of 4 heads"));
+  CHECK(three_sequences[0].tokens() == 0);
   // Views of other widths or head counts.
   auto states = layer.make_states(kB);
   const Eigen::Index n = 10;
@@ -758,6 +767,17 @@ TEMPLATE_TEST_CASE("delta layer: errors name the argument and move no state",
   CHECK_THROWS_WITH(layer.forward_into(three, three, vv, bv, ov), Contains("grouped heads"));
   CHECK_THROWS_WITH(layer.prefill_into(states, three, three, vv, bv, ov),
                     Contains("grouped heads"));
+  const auto qk = HeadsView<const T>::bhnd(qd.data(), {kB, 2, n, kDk});
+  CHECK_THROWS_WITH(layer.prefill_into(normalised, qk, qk, vv, bv, ov),
+                    Contains("are not this layer's"));
+  std::vector<T> packed(static_cast<std::size_t>(kH * n * kDk), T(0.1));
+  const auto packed_view = HeadsView<const T>::bhnd(packed.data(), {1, kH, n, kDk});
+  CHECK_THROWS_WITH(layer.prefill_varlen_into(normalised, packed_view, packed_view,
+                                              HeadsView<const T>::bhnd(vd.data(), {1, kH, n, kDv}),
+                                              HeadsView<const T>::bhnd(bd.data(), {1, kH, n, 1}),
+                                              std::vector<std::int64_t>{0, 4, n},
+                                              HeadsView<T>::bhnd(od.data(), {1, kH, n, kDv})),
+                    Contains("are not this layer's"));
   const auto wide = HeadsView<const T>::bhnd(vd.data(), {kB, kH, n, kDv});
   CHECK_THROWS_WITH(layer.forward_into(wide, wide, vv, bv, ov), Contains("Dk = 8"));
   CHECK(states[0].tokens() == 0);

@@ -1069,62 +1069,71 @@ TEMPLATE_TEST_CASE("delta batch: prefill from views continues each state as its 
   CHECK(differing == 0);
 }
 
-TEMPLATE_TEST_CASE("delta batch: varlen prefill puts each packed prompt into its states",
+TEMPLATE_TEST_CASE("delta batch: varlen prefill continues each packed prompt's states",
                    "[state_batch][delta_rule]", float, double) {
   using T = TestType;
-  // Three prompts of 7, 0 and 30 tokens packed along N, H = 2 heads: states s * H + h.
+  // Three prompts of 7, 0 and 30 tokens packed along N; H = 2 value heads over one q/k head
+  // (grouped); states s * H + h. Every state first takes a step of its own.
   const std::vector<std::int64_t> offsets{0, 7, 7, 37};
   const Eigen::Index H = 2, S = 3, total = 37, count = S * H;
-  const Eigen::Index gate_cols = GENERATE(Eigen::Index(0), Eigen::Index(1));
+  const Eigen::Index gate_cols = GENERATE(Eigen::Index(0), Eigen::Index(1), kDk);
   INFO(delta_variant(gate_cols));
   DeltaOptions options;
   options.chunk = 8;
-  const Matrix<T> q = gaussian<T>(total, H * kDk, 9950), k = gaussian<T>(total, H * kDk, 9951);
+  options.l2_normalize = true;
+  const Eigen::Index gate_dim = std::max<Eigen::Index>(gate_cols, 1);
+  const Matrix<T> q = gaussian<T>(total, kDk, 9950), k = gaussian<T>(total, kDk, 9951);
   const Matrix<T> v = gaussian<T>(total, H * kDv, 9952);
-  Matrix<T> beta(total, H), g(total, H);
-  for (Eigen::Index h = 0; h < H; ++h) {
-    beta.col(h) = delta_betas<T>(total, 9953 + h);
-    g.col(h) = delta_log_gates<T>(total, 1, 9955 + h);
-  }
+  const Matrix<T> g = delta_log_gates<T>(total, H * gate_dim, 9955);
+  Matrix<T> beta(total, H);
+  for (Eigen::Index h = 0; h < H; ++h) beta.col(h) = delta_betas<T>(total, 9953 + h);
   Matrix<T> out(total, H * kDv);
-  const linattn::HeadShape shape{1, H, total, kDk};
-  auto qv = HeadsView<const T>::bnhd(q.data(), shape),
-       kv = HeadsView<const T>::bnhd(k.data(), shape);
+  auto qv = HeadsView<const T>::bnhd(q.data(), {1, 1, total, kDk});
+  auto kv = HeadsView<const T>::bnhd(k.data(), {1, 1, total, kDk});
   auto vv = HeadsView<const T>::bnhd(v.data(), {1, H, total, kDv});
   auto bv = HeadsView<const T>::bnhd(beta.data(), {1, H, total, 1});
-  auto gv = HeadsView<const T>::bnhd(g.data(), {1, H, total, 1});
+  auto gv = HeadsView<const T>::bnhd(g.data(), {1, H, total, gate_dim});
   auto ov = HeadsView<T>::bnhd(out.data(), {1, H, total, kDv});
   DeltaRuleStateBatch<T> batch(count, kDk, kDv, options);
+  const Matrix<T> q0 = gaussian<T>(count, kDk, 9960), k0 = gaussian<T>(count, kDk, 9961);
+  const Matrix<T> v0 = gaussian<T>(count, kDv, 9962);
+  const Matrix<T> g0 = delta_log_gates<T>(count, gate_cols, 9963);
+  const Vector<T> beta0 = delta_betas<T>(count, 9964);
+  Matrix<T> out0(count, kDv);
+  delta_batch_step<T>(batch, q0, k0, v0, g0, beta0, out0);
   const std::vector<DeltaRuleState<T>> before = delta_snapshot(batch);
   if (gate_cols == 0) {
-    batch.prefill_varlen_into(qv, kv, vv, bv, ov, offsets);
+    batch.prefill_varlen_into(qv, kv, vv, bv, offsets, ov);
   } else {
-    batch.prefill_varlen_into(qv, kv, vv, linattn::log_gates(gv), bv, ov, offsets);
+    batch.prefill_varlen_into(qv, kv, vv, linattn::log_gates(gv), bv, offsets, ov);
   }
+  int differing = 0;
   for (Eigen::Index s = 0; s < S; ++s) {
     const Eigen::Index begin = offsets[s], len = offsets[s + 1] - offsets[s];
     for (Eigen::Index h = 0; h < H; ++h) {
       const Eigen::Index i = s * H + h;
       INFO("sequence " << s << ", head " << h);
-      if (len == 0) continue;  // checked below: its states stay as they were
-      DeltaRuleState<T> state(kDk, kDv, options);
-      const Matrix<T> qs = q.block(begin, h * kDk, len, kDk),
-                      ks = k.block(begin, h * kDk, len, kDk);
+      CHECK(batch[i].tokens() == len + 1);
+      if (len == 0) {
+        // The empty prompt leaves its states as the step left them.
+        CHECK(same_delta_state(batch[i], before[static_cast<std::size_t>(i)]));
+        continue;
+      }
+      DeltaRuleState<T> state = before[static_cast<std::size_t>(i)];
+      const Matrix<T> qs = q.middleRows(begin, len), ks = k.middleRows(begin, len);
       const Matrix<T> vs = v.block(begin, h * kDv, len, kDv);
       const Vector<T> bs = beta.col(h).segment(begin, len);
       const Matrix<T> expected =
           gate_cols == 0
               ? state.prefill(qs, ks, vs, bs)
-              : state.prefill(qs, ks, vs,
-                              linattn::log_gates(Matrix<T>(g.col(h).segment(begin, len))), bs);
-      CHECK(Matrix<T>(out.block(begin, h * kDv, len, kDv)) == expected);
+              : state.prefill(
+                    qs, ks, vs,
+                    linattn::log_gates(Matrix<T>(g.block(begin, h * gate_dim, len, gate_dim))), bs);
+      differing += Matrix<T>(out.block(begin, h * kDv, len, kDv)) == expected ? 0 : 1;
       CHECK(same_delta_state(batch[i], state));
-      CHECK(batch[i].tokens() == len);
     }
   }
-  // The empty prompt leaves its states as they were, with no transition yet.
-  CHECK(same_delta_state(batch[2], before[2]));
-  CHECK(batch[3].transition() == linattn::TransitionKind::none);
+  CHECK(differing == 0);
 }
 
 TEMPLATE_TEST_CASE("delta batch: every bad step or prefill throws and moves no state",
@@ -1147,7 +1156,7 @@ TEMPLATE_TEST_CASE("delta batch: every bad step or prefill throws and moves no s
   Vector<T> bad_beta = beta;
   bad_beta(3) = T(0);
   CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::log_gates(g), bad_beta, out),
-                    Contains("beta must lie in (0, 1]"));
+                    Contains("beta must lie in (0, 1]") && Contains("at state 3"));
   bad_beta(3) = T(1.5);
   CHECK_THROWS_WITH(batch.step_into(q, k, v, linattn::log_gates(g), bad_beta, out),
                     Contains("beta"));
@@ -1191,6 +1200,17 @@ TEMPLATE_TEST_CASE("delta batch: every bad step or prefill throws and moves no s
   CHECK(same_delta_state(odd[0], odd_before[0]));
   CHECK(same_delta_state(odd[3], odd_before[3]));
 
+  // Only the last state is moved by another transition: the states before it stay too.
+  DeltaRuleStateBatch<T> mixed(count, kDk, kDv, options);
+  const Matrix<T> kda = delta_log_gates<T>(1, kDk, 9965);
+  (void)mixed[3].step(q.row(3), k.row(3), v.row(3), linattn::log_gates(kda), beta(3));
+  const std::vector<DeltaRuleState<T>> mixed_before = delta_snapshot(mixed);
+  CHECK_THROWS_WITH(mixed.step_into(q, k, v, beta, out),
+                    Contains("state 3 is moved by per-feature gates (KDA)"));
+  CHECK_THROWS_WITH(mixed.step_into(q, k, v, linattn::log_gates(g), beta, out),
+                    Contains("state 3 is moved by per-feature gates (KDA)"));
+  CHECK(delta_states_moved(mixed, mixed_before) == 0);
+
   // Prefill: the views must hold size() heads of the states' widths.
   std::vector<T> qd(static_cast<std::size_t>(count * N * kDk), T(0.5)), kd(qd);
   std::vector<T> vd(static_cast<std::size_t>(count * N * kDv), T(1)), od(vd);
@@ -1210,6 +1230,17 @@ TEMPLATE_TEST_CASE("delta batch: every bad step or prefill throws and moves no s
   CHECK_THROWS_WITH(batch.prefill_into(view(qd, 2, 2, kDk), view(kd, 2, 2, kDk),
                                        view(vd, 2, 2, kDv), view(bd, 2, 2, 1), view(od, 2, 2, kDv)),
                     Contains("state 0 is moved by scalar gates"));
+  CHECK_THROWS_WITH(mixed.prefill_into(view(qd, 2, 2, kDk), view(kd, 2, 2, kDk),
+                                       view(vd, 2, 2, kDv), linattn::log_gates(view(gd, 2, 2, 1)),
+                                       view(bd, 2, 2, 1), view(od, 2, 2, kDv)),
+                    Contains("state 3 is moved by per-feature gates (KDA)"));
+  CHECK(delta_states_moved(mixed, mixed_before) == 0);
+  odd[2] = DeltaRuleState<T>(kDk, kDv + 1, options);
+  CHECK_THROWS_WITH(odd.prefill_into(view(qd, 2, 2, kDk), view(kd, 2, 2, kDk), view(vd, 2, 2, kDv),
+                                     linattn::log_gates(view(gd, 2, 2, 1)), view(bd, 2, 2, 1),
+                                     view(od, 2, 2, kDv)),
+                    Contains("state 2 is 8 x 6 (Dk x Dv) but state 0 is 8 x 5"));
+  CHECK(same_delta_state(odd[0], odd_before[0]));
   bd[5] = T(2);
   CHECK_THROWS_WITH(batch.prefill_into(view(qd, 2, 2, kDk), view(kd, 2, 2, kDk),
                                        view(vd, 2, 2, kDv), linattn::log_gates(view(gd, 2, 2, 1)),

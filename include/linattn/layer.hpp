@@ -14,6 +14,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace linattn {
 namespace detail {
@@ -32,6 +33,20 @@ void require_layer_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const Hea
                 " but the layer has H = " + std::to_string(heads) +
                 " (out's heads; q, k and v may have a divisor of it, grouped heads), Dk = " +
                 std::to_string(key_dim) + ", Dv = " + std::to_string(value_dim));
+  }
+}
+
+/// Throws unless a step's argument has B * H_in rows for the `states` states of `heads` heads
+/// per sequence (B = states / heads), with H_in dividing H: other row counts could divide the
+/// batch's size and still hand one sequence's rows to another's states.
+inline void require_layer_rows(Eigen::Index rows, Eigen::Index states, Eigen::Index heads,
+                               const char* name, const char* where) {
+  const Eigen::Index batch = states / heads;
+  if (batch < 1 || rows < 1 || rows % batch != 0 || heads % (rows / batch) != 0) {
+    throw Error(std::string(where) + ": " + name + " has " + std::to_string(rows) +
+                " rows but the states hold " + std::to_string(batch) + " sequences of " +
+                std::to_string(heads) + " heads: it needs B * H_in rows with H_in dividing " +
+                std::to_string(heads) + " (row b * H_in + j for head j of sequence b)");
   }
 }
 
@@ -188,10 +203,7 @@ class LinearAttentionLayer {
   template <class DQ, class DK, class DV>
   void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                  const Eigen::MatrixBase<DV>& v, Eigen::Ref<Matrix<T>> out) const {
-    if (q.cols() != key_dim_) {
-      throw Error("LinearAttentionLayer::step: q is " + detail::shape_string(q) +
-                  " but the layer has key_dim " + std::to_string(key_dim_));
-    }
+    check_step(states, q, k, v, "LinearAttentionLayer::step");
     states.step_into(q, k, v, map_, out);
   }
 
@@ -206,10 +218,7 @@ class LinearAttentionLayer {
                  const Eigen::MatrixBase<DV>& v, const Gates& gates,
                  Eigen::Ref<Matrix<T>> out) const {
     constexpr const char* where = "LinearAttentionLayer::step";
-    if (q.cols() != key_dim_) {
-      throw Error(std::string(where) + ": q is " + detail::shape_string(q) +
-                  " but the layer has key_dim " + std::to_string(key_dim_));
-    }
+    check_step(states, q, k, v, where);
     require_no_decays<Gates>(where);
     states.step_into(q, k, v, gates, map_, out);
   }
@@ -226,10 +235,7 @@ class LinearAttentionLayer {
                  const Eigen::MatrixBase<DV>& v, const BonusGates<Gates, DU>& gates,
                  Eigen::Ref<Matrix<T>> out) const {
     constexpr const char* where = "LinearAttentionLayer::step";
-    if (q.cols() != key_dim_) {
-      throw Error(std::string(where) + ": q is " + detail::shape_string(q) +
-                  " but the layer has key_dim " + std::to_string(key_dim_));
-    }
+    check_step(states, q, k, v, where);
     if (gates.bonus().rows() != heads_) {
       throw Error(std::string(where) + ": the bonus u is " + detail::shape_string(gates.bonus()) +
                   " but the layer has H = " + std::to_string(heads_) + " heads (u is H x C)");
@@ -245,6 +251,20 @@ class LinearAttentionLayer {
   void check_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                    const HeadsView<O>& out, const char* where) const {
     detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+  }
+
+  /// Throws unless q has the layer's Dk and q, k and v hold B * H_in rows (grouped heads).
+  template <class DQ, class DK, class DV>
+  void check_step(const States& states, const Eigen::MatrixBase<DQ>& q,
+                  const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                  const char* where) const {
+    if (q.cols() != key_dim_) {
+      throw Error(std::string(where) + ": q is " + detail::shape_string(q) +
+                  " but the layer has key_dim " + std::to_string(key_dim_));
+    }
+    detail::require_layer_rows(q.rows(), states.size(), heads_, "q", where);
+    detail::require_layer_rows(k.rows(), states.size(), heads_, "k", where);
+    detail::require_layer_rows(v.rows(), states.size(), heads_, "v", where);
   }
 
   /// Gates replace the decay: a layer made with HeadDecays takes none.
@@ -379,6 +399,39 @@ class DeltaRuleLayer {
     states.prefill_into(q, k, v, gates, beta, out);
   }
 
+  /// DeltaNet: prompts of different lengths packed along N (FLA's cu_seqlens), leaving the
+  /// states of sequence s (s * H + h) ready to step.
+  /// @param states   from make_states(S) for S sequences
+  /// @param q        1 x H' x T x Dk queries, T = offsets.back(); k likewise; v 1 x H' x T x Dv
+  /// @param beta     1 x H' x T x 1 learning rates
+  /// @param offsets  S + 1 nondecreasing offsets from 0 to T
+  /// @param out      1 x H x T x Dv outputs
+  template <class Q, class K, class V, class B, class O>
+  void prefill_varlen_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
+                           const HeadsView<V>& v, const HeadsView<B>& beta,
+                           const std::vector<std::int64_t>& offsets,
+                           const HeadsView<O>& out) const {
+    constexpr const char* where = "DeltaRuleLayer::prefill_varlen";
+    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+    require_states(states, where);
+    states.prefill_varlen_into(q, k, v, beta, offsets, out);
+  }
+
+  /// Gated DeltaNet and KDA: packed prompts of different lengths, as the DeltaNet varlen
+  /// prefill.
+  /// @param gates  1 x H' x T x 1 or 1 x H' x T x Dk views of a_t, or log_gates(view)
+  template <class Q, class K, class V, class Gates, class B, class O,
+            class = detail::enable_if_delta_head_gates<Gates, O>>
+  void prefill_varlen_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
+                           const HeadsView<V>& v, const Gates& gates, const HeadsView<B>& beta,
+                           const std::vector<std::int64_t>& offsets,
+                           const HeadsView<O>& out) const {
+    constexpr const char* where = "DeltaRuleLayer::prefill_varlen";
+    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+    require_states(states, where);
+    states.prefill_varlen_into(q, k, v, gates, beta, offsets, out);
+  }
+
   /// DeltaNet: one token for each of B sequences; row b * H + h holds head h of sequence b (a
   /// [B, H, D] tensor viewed as a (B * H) x D row-major matrix).
   /// @param states  from make_states(B)
@@ -391,7 +444,7 @@ class DeltaRuleLayer {
   void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                  const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
                  Eigen::Ref<Matrix<T>> out) const {
-    require_states(states, "DeltaRuleLayer::step");
+    check_step(states, q.rows(), k.rows(), v.rows());
     states.step_into(q, k, v, beta, out);
   }
 
@@ -407,27 +460,38 @@ class DeltaRuleLayer {
   void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                  const Eigen::MatrixBase<DV>& v, const Gates& gates,
                  const Eigen::MatrixBase<DB>& beta, Eigen::Ref<Matrix<T>> out) const {
-    require_states(states, "DeltaRuleLayer::step");
+    check_step(states, q.rows(), k.rows(), v.rows());
     states.step_into(q, k, v, gates, beta, out);
   }
 
  private:
   /// Throws unless `states` could come from make_states: H states per sequence of the layer's
-  /// Dk x Dv, with the options that change results.
+  /// Dk x Dv, with the options that change results and the layer's check_finite.
   void require_states(const States& states, const char* where) const {
     const DeltaOptions& own = states.options();
     if (states.size() % heads_ != 0 || states.key_dim() != key_dim_ ||
         states.value_dim() != value_dim_ ||
         detail::delta_scale(own, key_dim_) != detail::delta_scale(options_, key_dim_) ||
         own.l2_normalize != options_.l2_normalize ||
-        own.allow_negative_eigenvalues != options_.allow_negative_eigenvalues) {
+        own.allow_negative_eigenvalues != options_.allow_negative_eigenvalues ||
+        own.check_finite != options_.check_finite) {
       throw Error(
           std::string(where) + ": the states (" + std::to_string(states.size()) + " of " +
           detail::shape_string(states.key_dim(), states.value_dim()) +
           ") are not this layer's: make them with make_states (H = " + std::to_string(heads_) +
           " per sequence, Dk x Dv = " + detail::shape_string(key_dim_, value_dim_) +
-          ", the same scale, l2_normalize and allow_negative_eigenvalues)");
+          ", the same scale, l2_normalize, allow_negative_eigenvalues and check_finite)");
     }
+  }
+
+  /// The layer's checks of a step: its states, and B * H_in rows of q, k and v.
+  void check_step(const States& states, Eigen::Index q_rows, Eigen::Index k_rows,
+                  Eigen::Index v_rows) const {
+    constexpr const char* where = "DeltaRuleLayer::step";
+    require_states(states, where);
+    detail::require_layer_rows(q_rows, states.size(), heads_, "q", where);
+    detail::require_layer_rows(k_rows, states.size(), heads_, "k", where);
+    detail::require_layer_rows(v_rows, states.size(), heads_, "v", where);
   }
 
   Eigen::Index heads_, key_dim_, value_dim_;

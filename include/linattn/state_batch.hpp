@@ -3,6 +3,7 @@
 // of the engine (RecurrentStateBatch) or of the delta rule (DeltaRuleStateBatch).
 #pragma once
 
+#include <algorithm>
 #include <linattn/config.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/detail/parallel.hpp>
@@ -419,7 +420,9 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
 /// value heads); beta, the gates and out have a row per state. Threads (DeltaOptions::threads,
 /// with OpenMP) go over the states; the result is the same as stepping each state on its own.
 /// Every call checks every state and input before any state moves: a throwing call changes
-/// nothing.
+/// nothing. The calls run with state 0's chunk, form and threads (a prefill works on a copy of
+/// the states, swapped in when every head is done), and scan for NaN and Inf when any state's
+/// check_finite is on.
 /// @tparam T    float, double, Eigen::half or Eigen::bfloat16: the inputs' and outputs' type
 /// @tparam Acc  the states' type, float or double (default T, or float for the 16-bit types)
 template <class T, class Acc = detail::default_accumulator_t<T>>
@@ -552,13 +555,13 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
   /// @param k        1 x H' x T x Dk keys
   /// @param v        1 x H' x T x Dv values
   /// @param beta     1 x H' x T x 1 learning rates
-  /// @param out      1 x H x T x Dv outputs, S * H == size() for S sequences
   /// @param offsets  S + 1 nondecreasing offsets from 0 to T
+  /// @param out      1 x H x T x Dv outputs, S * H == size() for S sequences
   template <class Q, class K, class V, class B, class O,
             class = detail::enable_if_heads_scalars<Q, K, V, O>>
   void prefill_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                           const HeadsView<B>& beta, const HeadsView<O>& out,
-                           const std::vector<std::int64_t>& offsets) {
+                           const HeadsView<B>& beta, const std::vector<std::int64_t>& offsets,
+                           const HeadsView<O>& out) {
     prefill_heads(q, k, v, static_cast<const void*>(nullptr), beta, out, &offsets);
   }
 
@@ -569,8 +572,8 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
             class = detail::enable_if_heads_scalars<Q, K, V, O>,
             class = detail::enable_if_delta_head_gates<Gates, O>>
   void prefill_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                           const Gates& gates, const HeadsView<B>& beta, const HeadsView<O>& out,
-                           const std::vector<std::int64_t>& offsets) {
+                           const Gates& gates, const HeadsView<B>& beta,
+                           const std::vector<std::int64_t>& offsets, const HeadsView<O>& out) {
     const auto transition = detail::delta_head_gates<Gates, O>::read(gates);
     prefill_heads(q, k, v, &transition, beta, out, &offsets);
   }
@@ -589,8 +592,9 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
     require_rows(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v", true, where);
     require_rows(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out", false,
                  where);
-    detail::validate_beta(beta, size(), options(), where);
-    if (options().check_finite) {
+    detail::require_vector(beta, size(), where, "beta");
+    detail::require_beta_in_range(beta, options(), where, "beta", "state");
+    if (checks_finite()) {
       detail::require_finite(q, where, "q");
       detail::require_finite(k, where, "k");
       detail::require_finite(v, where, "v");
@@ -620,6 +624,13 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
     Base::require_transitions(kind, detail::delta_transition_name, where);
   }
 
+  /// True when any state checks its inputs for NaN and Inf (DeltaOptions::check_finite): a
+  /// state that asked for the scan gets it whatever state 0 says.
+  bool checks_finite() const {
+    return std::any_of(states_.begin(), states_.end(),
+                       [](const State& state) { return state.options().check_finite; });
+  }
+
   /// body(i) for every state, the states split in equal blocks across the threads.
   template <class Body>
   void for_each_state(const Body& body) {
@@ -637,8 +648,10 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
       throw Error(std::string(where) + ": q is " + q.sizes_string() + " and v " + v.sizes_string() +
                   " but the states are Dk x Dv = " + detail::shape_string(key_dim(), value_dim()));
     }
+    DeltaOptions run_options = options();
+    run_options.check_finite = checks_finite();
     const detail::SequenceRows sequences =
-        detail::check_heads_delta_rule<Acc>(q, k, v, gates, beta, out, offsets, options(), where);
+        detail::check_heads_delta_rule<Acc>(q, k, v, gates, beta, out, offsets, run_options, where);
     if (sequences.count * out.heads() != size()) {
       throw Error(std::string(where) + ": out is " + out.sizes_string() + ", " +
                   std::to_string(sequences.count) + " sequences x " + std::to_string(out.heads()) +
@@ -651,7 +664,7 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
     require_transitions(kind, where);
     // Each state works on a copy and is replaced only when every head succeeded.
     std::vector<State> next = states_;
-    detail::run_heads_delta_rule<Acc>(q, k, v, gates, beta, out, sequences, options(), where,
+    detail::run_heads_delta_rule<Acc>(q, k, v, gates, beta, out, sequences, run_options, where,
                                       [&](Eigen::Index s, Eigen::Index h, const auto& run) {
                                         State& state =
                                             next[static_cast<std::size_t>(s * out.heads() + h)];

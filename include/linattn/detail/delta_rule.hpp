@@ -62,10 +62,12 @@ inline double max_beta(const DeltaOptions& options) {
   return options.allow_negative_eigenvalues ? 2.0 : 1.0;
 }
 
-/// Throws naming the first beta outside (0, max_beta] (NaN included) by its token.
+/// Throws naming the first beta outside (0, max_beta] (NaN included) by its index, called
+/// `entry` in the message (a token; a state, in a batch step).
 template <class Derived>
 void require_beta_in_range(const Eigen::MatrixBase<Derived>& beta, const DeltaOptions& options,
-                           const char* where, const std::string& name = "beta") {
+                           const char* where, const std::string& name = "beta",
+                           const char* entry = "token") {
   const double top = max_beta(options);
   for (Eigen::Index i = 0; i < beta.size(); ++i) {
     const double b = static_cast<double>(beta.reshaped()(i));
@@ -73,7 +75,7 @@ void require_beta_in_range(const Eigen::MatrixBase<Derived>& beta, const DeltaOp
       throw Error(std::string(where) + ": " + name + " must lie in (0, " +
                   (top == 1.0 ? "1" : "2") + "]" +
                   (top == 1.0 ? " (or (0, 2] with DeltaOptions::allow_negative_eigenvalues)" : "") +
-                  ", got " + std::to_string(b) + " at token " + std::to_string(i));
+                  ", got " + std::to_string(b) + " at " + entry + " " + std::to_string(i));
     }
   }
 }

@@ -39,6 +39,11 @@ class StateBatch {
   /// `count` copies of `state`; count >= 1, checked as the argument `count` of `where`.
   StateBatch(Eigen::Index count, const State& state, const char* where)
       : states_(static_cast<std::size_t>(require_positive_dim(count, where, "count")), state) {}
+  StateBatch(const StateBatch&) = default;
+  StateBatch(StateBatch&&) noexcept = default;
+  StateBatch& operator=(const StateBatch&) = default;
+  StateBatch& operator=(StateBatch&&) noexcept = default;
+  ~StateBatch() = default;  // protected: a batch is not deleted through its base
 
   /// The row of a grouped input of `rows` rows that state i reads, i / (size() / rows): with
   /// H states per sequence and H_in rows, state b * H + h reads row b * H_in + h / (H / H_in),
