@@ -99,7 +99,9 @@ inline bool streams(const DeltaOptions& options, Eigen::Index value_dim, std::si
 /// Runs the chunked form over every token from `state` on (Dk x Dv, left after the last
 /// token), writing out rows when `out` is not null. Inputs validated by the caller. With
 /// threads > 1 the value columns are split between them: under the delta rule each column of
-/// S (and of the output) evolves alone, so the parts are exact and need no synchronisation.
+/// S (and of the output) evolves alone, so the parts need no synchronisation: the streamed
+/// form's give one thread's outputs bit for bit, the chunked form's to rounding (its GEMMs
+/// block narrower parts differently).
 template <class T, class O, class DQ, class DK, class DV, class DB>
 void run_delta_rule(const DQ& q, const DK& k, const DV& v, const DB& beta, const GateRows* gates,
                     const DeltaOptions& options, Matrix<T>& state, OutRows<O>* out,
