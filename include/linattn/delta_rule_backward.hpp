@@ -15,7 +15,7 @@
 /// S_t = S' + k^ u^T; out_t = S_t^T q^), in its recurrent form, not the chunked (WY) backward
 /// of FLA's kernels:
 ///   1. the chunked forward runs once, keeping the state at the start of every block of
-///      DeltaOptions::chunk tokens (the checkpoints);
+///      L = min(N, max(chunk, ceil(sqrt(N)))) tokens (the checkpoints);
 ///   2. block by block from the last, the block's states S_{t-1} are recomputed token by token
 ///      from its checkpoint (delta_step), then reverse mode runs over its tokens from the last,
 ///      carrying dS, the gradient with respect to the state, from block to block.
@@ -23,8 +23,8 @@
 /// and about eight matrix-vector and rank-1 passes over S_{t-1} and dS, on top of one chunked
 /// forward: several times the chunked forward (about 5x for DeltaNet and Gated DeltaNet, 3x for
 /// KDA, at N = 4096, Dk = Dv = 128 in float). Workspace: (ceil(N / L) + L) Dk Dv for the
-/// checkpoints and one block's states, L = min(chunk, N), plus O(L (Dk + Dv)); the states of
-/// all N tokens only at chunk = 1 (chunk near sqrt(N) needs the least). Single-threaded:
+/// checkpoints and one block's states, about 2 sqrt(N) Dk Dv unless the chunk is longer, plus
+/// O(L (Dk + Dv)). Single-threaded:
 /// DeltaOptions::threads splits only the finiteness scans.
 namespace linattn {
 
@@ -44,7 +44,7 @@ namespace linattn {
 /// @param grad_v     N x Dv result: d loss / d v
 /// @param grad_beta  N result: d loss / d beta
 /// @param options    the forward's options (scale, l2_normalize, allow_negative_eigenvalues,
-///                   chunk: the checkpoint interval, check_finite)
+///                   chunk: the forward's chunk and the least checkpoint interval, check_finite)
 template <class Acc = void, class DQ, class DK, class DV, class DB, class DO>
 void causal_delta_rule_backward_into(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // The delta rule's backward (DeltaNet, Gated DeltaNet, KDA) in its recurrent form: the state at
-// the start of every block of DeltaOptions::chunk tokens from the chunked forward, then, block
+// the start of every block of L tokens (checkpoint_interval) from the chunked forward, then, block
 // by block from the last, the block's states recomputed token by token from its checkpoint and
 // reverse mode over its tokens from the last. Per token t, with dS the gradient flowing into
 // S_t from later tokens and S' = diag(a_t) S_{t-1}:
@@ -71,9 +71,18 @@ void validate_delta_backward(
   }
 }
 
+/// The tokens between two checkpoints of the backward: at least the chunk (and at most N), and
+/// at least ceil(sqrt(N)), where the checkpoints and one block's states, (N / L + L) Dk Dv,
+/// take the least memory (2 sqrt(N) Dk Dv; at chunk = 1 a fixed L would keep all N states).
+inline Eigen::Index checkpoint_interval(Eigen::Index chunk, Eigen::Index rows) {
+  Eigen::Index root = static_cast<Eigen::Index>(std::sqrt(static_cast<double>(rows)));
+  while (root * root < rows) ++root;
+  return std::max<Eigen::Index>(1, std::min(std::max(chunk, root), rows));
+}
+
 /// The recurrent-form backward of one sequence on validated inputs, in T. Workspace, allocated
-/// once: the checkpoints (ceil(N / L) states, L = min(chunk, N)) and one block's L states and
-/// rows; nothing else grows with N.
+/// once: the checkpoints (ceil(N / L) states, L = checkpoint_interval(chunk, N)) and one block's
+/// L states and rows; nothing else grows with N.
 template <class T>
 class DeltaBackward {
  public:
@@ -84,7 +93,7 @@ class DeltaBackward {
         dk_(key_dim),
         dv_(value_dim),
         gates_(gate_dim),
-        block_(std::max<Eigen::Index>(1, std::min(options.chunk, rows))),
+        block_(checkpoint_interval(options.chunk, rows)),
         scale_(static_cast<T>(delta_scale(options, key_dim))),
         l2_normalize_(options.l2_normalize),
         options_(options),
