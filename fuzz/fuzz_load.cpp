@@ -365,6 +365,15 @@ void try_load_delta(const std::string& input) {
   if (!same_range(saved, input, 0, saved.size())) {
     fail("DeltaRuleState: save after load_unchecked does not reproduce the input", input.size());
   }
+  // load_bytes takes the buffer only when it holds the state and nothing after it.
+  try {
+    const State from_bytes =
+        linattn::load_bytes<State>(input.data(), input.size(), state->options());
+    if (input.size() != saved.size()) fail("load_bytes took trailing bytes", input.size());
+    if (save_bytes(from_bytes) != saved) fail("load_bytes gave another state", input.size());
+  } catch (const linattn::Error&) {
+    if (input.size() == saved.size()) fail("load_bytes refused a whole state", input.size());
+  }
   const Eigen::Index dk = state->key_dim(), dv = state->value_dim();
   if (dk * dv > 4096) return;
   const linattn::Vector<T> k = linattn::Vector<T>::Constant(dk, T(1) / T(std::sqrt(double(dk))));

@@ -18,3 +18,4 @@
 #include <linattn/recurrent_state.hpp>
 #include <linattn/softmax.hpp>
 #include <linattn/state_batch.hpp>
+#include <linattn/state_io.hpp>

@@ -1,0 +1,173 @@
+// save_bytes / load_bytes and save_file / load_file: the stream format through a byte buffer
+// and an atomically replaced file, for RecurrentState and DeltaRuleState.
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <linattn/delta_rule.hpp>
+#include <linattn/feature_maps.hpp>
+#include <linattn/recurrent_state.hpp>
+#include <linattn/state_io.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#if !defined(_WIN32)
+#include <dirent.h>
+#include <unistd.h>
+#endif
+
+#include "support.hpp"
+
+namespace {
+
+using linattn::DeltaOptions;
+using linattn::DeltaRuleState;
+using linattn::Matrix;
+using linattn::RecurrentState;
+using linattn::Vector;
+using linattn_test::gaussian;
+
+/// A fresh directory for one test's files (removed with its files by the caller).
+std::string scratch_directory() {
+  std::string path = "/tmp/linattn-state-io-XXXXXX";
+  REQUIRE(::mkdtemp(path.data()) != nullptr);
+  return path;
+}
+
+/// The names in a directory, "." and ".." left out.
+std::vector<std::string> directory_entries(const std::string& path) {
+  std::vector<std::string> names;
+  DIR* dir = ::opendir(path.c_str());
+  REQUIRE(dir != nullptr);
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  ::closedir(dir);
+  return names;
+}
+
+void remove_directory(const std::string& path) {
+  for (const std::string& name : directory_entries(path)) {
+    std::remove((path + "/" + name).c_str());
+  }
+  ::rmdir(path.c_str());
+}
+
+/// A RecurrentState stepped through `n` tokens of an ELU map.
+template <class T>
+RecurrentState<T> stepped_state(Eigen::Index n, std::uint64_t seed) {
+  RecurrentState<T> state(8, 5);
+  const Matrix<T> q = gaussian<T>(n, 8, seed), k = gaussian<T>(n, 8, seed + 1);
+  const Matrix<T> v = gaussian<T>(n, 5, seed + 2);
+  for (Eigen::Index t = 0; t < n; ++t) {
+    (void)state.step(q.row(t), k.row(t), v.row(t), linattn::EluPlusOne{});
+  }
+  return state;
+}
+
+/// A Gated DeltaNet state stepped through `n` tokens.
+template <class T>
+DeltaRuleState<T> stepped_delta(Eigen::Index n, const DeltaOptions& options, std::uint64_t seed) {
+  DeltaRuleState<T> state(6, 4, options);
+  const Matrix<T> q = gaussian<T>(n, 6, seed), k = gaussian<T>(n, 6, seed + 1);
+  const Matrix<T> v = gaussian<T>(n, 4, seed + 2);
+  for (Eigen::Index t = 0; t < n; ++t) {
+    const Matrix<T> g = Matrix<T>::Constant(1, 1, T(-0.05));
+    (void)state.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(g), T(0.5));
+  }
+  return state;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("save_bytes holds the stream's bytes; load_bytes continues bit for bit",
+                   "[state_io]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  const linattn::EluPlusOne map;
+  const RecurrentState<T> state = stepped_state<T>(20, 11);
+  std::stringstream stream;
+  state.save(stream, map);
+  const std::string streamed = stream.str();
+  const std::vector<std::uint8_t> bytes = linattn::save_bytes(state, map);
+  CHECK(std::string(bytes.begin(), bytes.end()) == streamed);
+  RecurrentState<T> loaded = linattn::load_bytes<RecurrentState<T>>(bytes, map, linattn::Options{});
+  RecurrentState<T> original = state;
+  const Matrix<T> q = gaussian<T>(1, 8, 40), k = gaussian<T>(1, 8, 41), v = gaussian<T>(1, 5, 42);
+  CHECK(loaded.step(q.row(0), k.row(0), v.row(0), map) ==
+        original.step(q.row(0), k.row(0), v.row(0), map));
+  CHECK(loaded.tokens() == 21);
+  // One byte more, one byte less, a flipped byte, the other map: refused.
+  std::vector<std::uint8_t> longer = bytes;
+  longer.push_back(0);
+  CHECK_THROWS_WITH(linattn::load_bytes<RecurrentState<T>>(longer, map, linattn::Options{}),
+                    Contains("1 bytes after the state"));
+  CHECK_THROWS_AS(linattn::load_bytes<RecurrentState<T>>(bytes.data(), bytes.size() - 1, map,
+                                                         linattn::Options{}),
+                  linattn::Error);
+  std::vector<std::uint8_t> flipped = bytes;
+  flipped[bytes.size() / 2] ^= 0x10;
+  CHECK_THROWS_WITH(linattn::load_bytes<RecurrentState<T>>(flipped, map, linattn::Options{}),
+                    Contains("checksum"));
+  CHECK_THROWS_AS(
+      linattn::load_bytes<RecurrentState<T>>(bytes, linattn::Relu{}, linattn::Options{}),
+      linattn::Error);
+  CHECK_THROWS_AS(linattn::load_bytes<RecurrentState<T>>(nullptr, 0, map, linattn::Options{}),
+                  linattn::Error);
+
+  // The delta rule's state, with its options.
+  DeltaOptions options;
+  options.l2_normalize = true;
+  const DeltaRuleState<T> delta = stepped_delta<T>(15, options, 21);
+  const std::vector<std::uint8_t> delta_bytes = linattn::save_bytes(delta);
+  DeltaRuleState<T> delta_loaded = linattn::load_bytes<DeltaRuleState<T>>(delta_bytes, options);
+  CHECK(delta_loaded.s() == delta.s());
+  CHECK(delta_loaded.tokens() == 15);
+  CHECK(delta_loaded.transition() == linattn::TransitionKind::scalar_gates);
+  DeltaOptions other = options;
+  other.l2_normalize = false;
+  CHECK_THROWS_WITH(linattn::load_bytes<DeltaRuleState<T>>(delta_bytes, other),
+                    Contains("l2_normalize"));
+  // A RecurrentState's bytes are not a delta-rule state.
+  CHECK_THROWS_AS(linattn::load_bytes<DeltaRuleState<T>>(bytes, options), linattn::Error);
+}
+
+#if !defined(_WIN32)
+TEMPLATE_TEST_CASE("save_file replaces the file whole and leaves no temporary file",
+                   "[state_io][file]", float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  const std::string dir = scratch_directory();
+  const std::string path = dir + "/session.state";
+  const linattn::EluPlusOne map;
+  const RecurrentState<T> first = stepped_state<T>(5, 51);
+  linattn::save_file(first, path, map);
+  CHECK(directory_entries(dir) == std::vector<std::string>{"session.state"});
+  RecurrentState<T> loaded = linattn::load_file<RecurrentState<T>>(path, map, linattn::Options{});
+  CHECK(loaded.s() == first.s());
+  CHECK(loaded.tokens() == 5);
+  // A second save replaces it: the file holds exactly the new state's bytes.
+  const RecurrentState<T> second = stepped_state<T>(9, 61);
+  linattn::save_file(second, path, map);
+  CHECK(directory_entries(dir) == std::vector<std::string>{"session.state"});
+  std::ifstream in(path, std::ios::binary);
+  const std::string held((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::vector<std::uint8_t> expected = linattn::save_bytes(second, map);
+  CHECK(held == std::string(expected.begin(), expected.end()));
+  CHECK(linattn::load_file<RecurrentState<T>>(path, map, linattn::Options{}).tokens() == 9);
+  // The delta rule's state through a file.
+  const DeltaRuleState<T> delta = stepped_delta<T>(7, DeltaOptions{}, 71);
+  linattn::save_file(delta, dir + "/delta.state");
+  CHECK(linattn::load_file<DeltaRuleState<T>>(dir + "/delta.state", DeltaOptions{}).s() ==
+        delta.s());
+  // A directory that does not exist: an Error naming the file, and nothing written.
+  CHECK_THROWS_WITH(linattn::save_file(first, dir + "/missing/session.state", map),
+                    Contains("linattn::save_file") && Contains("missing/session.state"));
+  CHECK_THROWS_WITH(linattn::load_file<RecurrentState<T>>(dir + "/absent", map, linattn::Options{}),
+                    Contains("cannot open") && Contains("absent"));
+  CHECK(directory_entries(dir).size() == 2);
+  remove_directory(dir);
+}
+#endif
