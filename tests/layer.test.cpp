@@ -11,6 +11,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "support.hpp"
@@ -30,6 +31,23 @@ constexpr Eigen::Index kB = 2, kH = 4, kDk = 8, kDv = 6;
 template <class T>
 double tolerance() {  // DESIGN.md: parallel and recurrent forms agree to this
   return std::is_same_v<T, float> ? 2e-5 : 1e-12;
+}
+
+/// max |prefilled - forward| over the prompt's tokens of every head, and max |forward| over
+/// all of them: where a test's tally of recurrent against parallel outputs starts.
+template <class T>
+std::pair<double, double> prompt_difference(const HeadsView<T>& prefilled,
+                                            const HeadsView<T>& forward, Eigen::Index prompt) {
+  double diff = 0.0, scale = 0.0;
+  for (Eigen::Index i = 0; i < kB * kH; ++i) {
+    const Matrix<double> expected = forward.head(i / kH, i % kH).template cast<double>();
+    scale = std::max(scale, expected.cwiseAbs().maxCoeff());
+    diff = std::max(
+        diff, (prefilled.head(i / kH, i % kH).template cast<double>() - expected.topRows(prompt))
+                  .cwiseAbs()
+                  .maxCoeff());
+  }
+  return {diff, scale};
 }
 
 template <class T>
@@ -573,14 +591,7 @@ TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and pr
                        view(vd, hv, kDv, 0, prompt), prefilled);
     // max |recurrent - forward| over every head and token, relative to max |forward|.
     double diff = 0.0, scale = 0.0;
-    for (Eigen::Index i = 0; i < kB * kH; ++i) {
-      const Matrix<double> expected = forward.head(i / kH, i % kH).template cast<double>();
-      scale = std::max(scale, expected.cwiseAbs().maxCoeff());
-      diff = std::max(
-          diff, (prefilled.head(i / kH, i % kH).template cast<double>() - expected.topRows(prompt))
-                    .cwiseAbs()
-                    .maxCoeff());
-    }
+    std::tie(diff, scale) = prompt_difference(prefilled, forward, prompt);
     Matrix<T> qt(kB * hq, kDk), kt(kB * hk, kDk), vt(kB * hv, kDv), ot(kB * kH, kDv);
     for (Eigen::Index t = prompt; t < n; ++t) {
       for (Eigen::Index i = 0; i < kB * hq; ++i) qt.row(i) = q[std::size_t(i)].row(t);
@@ -685,14 +696,7 @@ TEMPLATE_TEST_CASE("delta layer: forward equals prefill then steps and the naive
                        view(bd, kH, 1, 0, prompt), prefilled);
   }
   double diff = 0.0, scale = 0.0;
-  for (Eigen::Index i = 0; i < kB * kH; ++i) {
-    const Matrix<double> expected = forward.head(i / kH, i % kH).template cast<double>();
-    scale = std::max(scale, expected.cwiseAbs().maxCoeff());
-    diff = std::max(
-        diff, (prefilled.head(i / kH, i % kH).template cast<double>() - expected.topRows(prompt))
-                  .cwiseAbs()
-                  .maxCoeff());
-  }
+  std::tie(diff, scale) = prompt_difference(prefilled, forward, prompt);
   Matrix<T> qt(kB * hqk, kDk), kt(kB * hqk, kDk), vt(kB * kH, kDv), gt(kB * kH, gate_cols),
       ot(kB * kH, kDv);
   linattn::Vector<T> bt(kB * kH);

@@ -470,10 +470,7 @@ class DeltaRuleLayer {
   void require_states(const States& states, const char* where) const {
     const DeltaOptions& own = states.options();
     if (states.size() % heads_ != 0 || states.key_dim() != key_dim_ ||
-        states.value_dim() != value_dim_ ||
-        detail::delta_scale(own, key_dim_) != detail::delta_scale(options_, key_dim_) ||
-        own.l2_normalize != options_.l2_normalize ||
-        own.allow_negative_eigenvalues != options_.allow_negative_eigenvalues ||
+        states.value_dim() != value_dim_ || !detail::same_delta_results(own, options_, key_dim_) ||
         own.check_finite != options_.check_finite) {
       throw Error(
           std::string(where) + ": the states (" + std::to_string(states.size()) + " of " +

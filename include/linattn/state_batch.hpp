@@ -607,12 +607,8 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
   /// throws.
   void require_uniform_states(const char* where) const {
     this->require_uniform_dims("Dk x Dv", where);
-    const DeltaOptions& first = options();
-    const double scale = detail::delta_scale(first, key_dim());
     for (std::size_t i = 0; i < states_.size(); ++i) {
-      const DeltaOptions& own = states_[i].options();
-      if (detail::delta_scale(own, key_dim()) != scale || own.l2_normalize != first.l2_normalize ||
-          own.allow_negative_eigenvalues != first.allow_negative_eigenvalues) {
+      if (!detail::same_delta_results(states_[i].options(), options(), key_dim())) {
         throw Error(std::string(where) + ": state " + std::to_string(i) +
                     " has other scale, l2_normalize or allow_negative_eigenvalues options than "
                     "state 0; every state of a batch must have the same");

@@ -80,6 +80,13 @@ void require_beta_in_range(const Eigen::MatrixBase<Derived>& beta, const DeltaOp
   }
 }
 
+/// True when two options give the same numbers for keys of `key_dim`: the scale as resolved,
+/// l2_normalize and allow_negative_eigenvalues (chunk, form, threads and check_finite do not).
+inline bool same_delta_results(const DeltaOptions& a, const DeltaOptions& b, Eigen::Index key_dim) {
+  return delta_scale(a, key_dim) == delta_scale(b, key_dim) && a.l2_normalize == b.l2_normalize &&
+         a.allow_negative_eigenvalues == b.allow_negative_eigenvalues;
+}
+
 /// Throws unless beta is a vector of `tokens` entries, each in range.
 template <class Derived>
 void validate_beta(const Eigen::MatrixBase<Derived>& beta, Eigen::Index tokens,
