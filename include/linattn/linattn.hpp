@@ -16,6 +16,7 @@
 #include <linattn/linear_attention.hpp>
 #include <linattn/multi_head.hpp>
 #include <linattn/recurrent_state.hpp>
+#include <linattn/session_pool.hpp>
 #include <linattn/softmax.hpp>
 #include <linattn/state_batch.hpp>
 #include <linattn/state_io.hpp>

@@ -10,6 +10,11 @@
 #include <string>
 #include <vector>
 
+namespace linattn {
+template <class Batch>
+class SessionPool;
+}  // namespace linattn
+
 namespace linattn::detail {
 
 /// The part of a batch of states that does not depend on the recurrence: the states (one per
@@ -104,6 +109,11 @@ class StateBatch {
   }
 
   std::vector<State> states_;
+
+ private:
+  // The pool lends its sessions' states to a batch for each call, by swapping vectors.
+  template <class Batch>
+  friend class linattn::SessionPool;
 };
 
 }  // namespace linattn::detail

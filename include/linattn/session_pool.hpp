@@ -1,0 +1,362 @@
+// SPDX-License-Identifier: MIT
+// The live sessions of a server: every recurrent layer's states of every session, added,
+// dropped and reordered without copying the others, stepped one layer at a time in one call.
+#pragma once
+
+#include <cstdint>
+#include <istream>
+#include <linattn/config.hpp>
+#include <linattn/detail/state_batch.hpp>
+#include <linattn/state_batch.hpp>
+#include <ostream>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace linattn {
+namespace detail {
+
+/// The scalar type of a batch of states.
+template <class Batch>
+struct batch_traits {
+  static_assert(always_false<Batch>,
+                "linattn: SessionPool<Batch> needs Batch = RecurrentStateBatch<T, Acc> or "
+                "DeltaRuleStateBatch<T, Acc>");
+  using Scalar = float;
+};
+template <class T, class Acc>
+struct batch_traits<RecurrentStateBatch<T, Acc>> {
+  using Scalar = T;
+};
+template <class T, class Acc>
+struct batch_traits<DeltaRuleStateBatch<T, Acc>> {
+  using Scalar = T;
+};
+
+}  // namespace detail
+
+/// The decoding states of many sessions of one model: for each of its recurrent layers, each
+/// session holds that layer's H states (one per head). Sessions are named by a caller's key
+/// and ordered by position, 0 to size() - 1; a batch call on layer l takes its rows session by
+/// session, head by head (state s * H + h is head h of the session at position s, as in a
+/// batch of states), so the caller stacks each session's token rows in position order.
+///
+/// Adding, dropping and reordering sessions moves the states' handles, never their S and z:
+/// the other sessions' memory stays where it is. Each call lends one layer's states of the
+/// live sessions (or of the sessions named) to a `Batch` and runs the batch's call on them,
+/// so a step checks every state and input before the first state moves and splits the
+/// sessions x heads across the threads of the layer's options, exactly as that batch would.
+/// Layers run one after another (layer l + 1 reads layer l's outputs): one call per layer.
+/// @tparam Batch  RecurrentStateBatch<T, Acc> or DeltaRuleStateBatch<T, Acc>
+template <class Batch>
+class SessionPool {
+ public:
+  /// The type of each state.
+  using State = typename Batch::State;
+  /// The inputs' and outputs' type.
+  using Scalar = typename detail::batch_traits<Batch>::Scalar;
+  /// How the caller names a session (a user or conversation id).
+  using Key = std::int64_t;
+
+  /// @param fresh  one batch per layer holding a new session's states of that layer: H_l
+  ///               states, each with its head's options (e.g. RecurrentStateBatch(H, C, Dv,
+  ///               HeadDecays{...})); at least one layer
+  explicit SessionPool(std::vector<Batch> fresh) : fresh_(std::move(fresh)), live_(fresh_.size()) {
+    if (fresh_.empty()) throw Error("SessionPool: fresh has no layers; give one batch per layer");
+  }
+
+  /// `layers` layers that all start from `fresh` (H states: a new session's heads).
+  /// @param layers  number of layers, >= 1
+  /// @param fresh   a new session's H states of each layer
+  SessionPool(Eigen::Index layers, const Batch& fresh)
+      : SessionPool(std::vector<Batch>(
+            static_cast<std::size_t>(detail::require_positive_dim(layers, "SessionPool", "layers")),
+            fresh)) {}
+
+  /// Number of layers.
+  Eigen::Index layers() const { return static_cast<Eigen::Index>(fresh_.size()); }
+  /// H of layer `layer`: the states each session holds there.
+  Eigen::Index heads(Eigen::Index layer) const {
+    return fresh_[checked_layer(layer, "SessionPool::heads")].size();
+  }
+  /// Number of live sessions.
+  Eigen::Index size() const { return static_cast<Eigen::Index>(keys_.size()); }
+  /// The live sessions' keys in position order (the order of a batch call's rows).
+  const std::vector<Key>& keys() const { return keys_; }
+  /// Whether a session named `key` is live.
+  bool contains(Key key) const { return positions_.count(key) != 0; }
+  /// The position of session `key` (its rows in a batch call); throws if it is not live.
+  Eigen::Index position(Key key) const { return position_of(key, "SessionPool::position"); }
+
+  /// Adds a new session at the end, with each layer's fresh states; throws if `key` is live.
+  /// @return its position, size() - 1
+  Eigen::Index add(Key key) {
+    constexpr const char* where = "SessionPool::add";
+    if (contains(key)) {
+      throw Error(std::string(where) + ": session " + std::to_string(key) + " is already live");
+    }
+    const std::size_t count = keys_.size();
+    std::size_t grown = 0;
+    try {
+      for (; grown < live_.size(); ++grown) {
+        const std::vector<State>& heads = states_of(fresh_[grown]);
+        live_[grown].insert(live_[grown].end(), heads.begin(), heads.end());
+      }
+      keys_.push_back(key);
+      positions_.emplace(key, static_cast<Eigen::Index>(count));
+    } catch (...) {
+      // Out of memory part way: every layer back to the sessions it had.
+      for (std::size_t l = 0; l < live_.size(); ++l) truncate(l, count);
+      keys_.resize(count);
+      throw;
+    }
+    return static_cast<Eigen::Index>(count);
+  }
+
+  /// Removes session `key`; the sessions after it move up one position, their states where
+  /// they were in memory.
+  void drop(Key key) {
+    const std::size_t at = static_cast<std::size_t>(position_of(key, "SessionPool::drop"));
+    for (std::size_t l = 0; l < live_.size(); ++l) {
+      const std::size_t h = heads_of(l);
+      live_[l].erase(live_[l].begin() + static_cast<std::ptrdiff_t>(at * h),
+                     live_[l].begin() + static_cast<std::ptrdiff_t>((at + 1) * h));
+    }
+    keys_.erase(keys_.begin() + static_cast<std::ptrdiff_t>(at));
+    positions_.erase(key);
+    for (std::size_t s = at; s < keys_.size(); ++s)
+      positions_[keys_[s]] = static_cast<Eigen::Index>(s);
+  }
+
+  /// Puts the sessions in the order of `order`, a permutation of keys(); the states stay
+  /// where they are in memory.
+  void reorder(const std::vector<Key>& order) {
+    const std::vector<std::size_t> from = positions_of(order, "SessionPool::reorder", "order");
+    if (order.size() != keys_.size()) {
+      throw Error("SessionPool::reorder: order names " + std::to_string(order.size()) +
+                  " sessions but " + std::to_string(keys_.size()) +
+                  " are live; it must name each live session once");
+    }
+    std::vector<std::vector<State>> next(live_.size());
+    for (std::size_t l = 0; l < live_.size(); ++l) next[l].reserve(live_[l].size());
+    // Nothing below allocates or throws: the moves take the handles only.
+    for (std::size_t l = 0; l < live_.size(); ++l) {
+      const std::size_t h = heads_of(l);
+      for (std::size_t s : from) {
+        for (std::size_t j = 0; j < h; ++j) next[l].push_back(std::move(live_[l][s * h + j]));
+      }
+      live_[l].swap(next[l]);
+    }
+    keys_ = order;
+    for (std::size_t s = 0; s < keys_.size(); ++s)
+      positions_[keys_[s]] = static_cast<Eigen::Index>(s);
+  }
+
+  /// Clears every state of session `key` (a new conversation under the same key).
+  void reset(Key key) {
+    const std::size_t at = static_cast<std::size_t>(position_of(key, "SessionPool::reset"));
+    for (std::size_t l = 0; l < live_.size(); ++l) {
+      for (std::size_t j = 0; j < heads_of(l); ++j) live_[l][at * heads_of(l) + j].reset();
+    }
+  }
+
+  /// Head `head` of session `key` in layer `layer`.
+  State& state(Key key, Eigen::Index layer, Eigen::Index head) {
+    return live_[checked_layer(layer, "SessionPool::state")][state_index(key, layer, head)];
+  }
+  /// Head `head` of session `key` in layer `layer`, read-only.
+  const State& state(Key key, Eigen::Index layer, Eigen::Index head) const {
+    return live_[checked_layer(layer, "SessionPool::state")][state_index(key, layer, head)];
+  }
+
+  /// Writes session `key`'s H states of layer `layer`, head by head, each as State::save
+  /// writes it (`args`: the feature map a RecurrentState saves with, or nothing).
+  template <class... Args>
+  void save(Key key, Eigen::Index layer, std::ostream& os, const Args&... args) const {
+    constexpr const char* where = "SessionPool::save";
+    const std::size_t l = checked_layer(layer, where);
+    const std::size_t at = static_cast<std::size_t>(position_of(key, where));
+    for (std::size_t j = 0; j < heads_of(l); ++j) live_[l][at * heads_of(l) + j].save(os, args...);
+  }
+
+  /// Replaces session `key`'s H states of layer `layer` with ones `save` wrote. Each head loads
+  /// as State::load(is, args..., options) with that head's fresh options, which checks them
+  /// (and the feature map, for a RecurrentState); every head is read before any is replaced.
+  template <class... Args>
+  void load(Key key, Eigen::Index layer, std::istream& is, const Args&... args) {
+    constexpr const char* where = "SessionPool::load";
+    const std::size_t l = checked_layer(layer, where);
+    const std::size_t at = static_cast<std::size_t>(position_of(key, where));
+    const std::vector<State>& fresh = states_of(fresh_[l]);
+    std::vector<State> loaded;
+    loaded.reserve(fresh.size());
+    for (const State& head : fresh) loaded.push_back(State::load(is, args..., head.options()));
+    for (std::size_t j = 0; j < loaded.size(); ++j) {
+      live_[l][at * loaded.size() + j] = std::move(loaded[j]);
+    }
+  }
+
+  /// One token for every live session's heads of layer `layer`: Batch::step_into(args...) on
+  /// a batch of size() * H states (rows session by session; a state numbered in an error is
+  /// position * H + head). Throws if no session is live.
+  /// @param args  as the batch's step_into: q, k, v (size() * H rows, or grouped), the gates
+  ///              and beta where the recurrence has them, the map for the engine, out
+  template <class... Args>
+  void step_into(Eigen::Index layer, Args&&... args) {
+    lend_live(layer, "SessionPool::step",
+              [&](Batch& batch) { batch.step_into(std::forward<Args>(args)...); });
+  }
+
+  /// As step_into, returning the size() * H x Dv outputs (`args` without out).
+  template <class... Args>
+  Matrix<Scalar> step(Eigen::Index layer, Args&&... args) {
+    const std::size_t l = checked_layer(layer, "SessionPool::step");
+    Matrix<Scalar> out(size() * heads(layer), states_of(fresh_[l]).front().value_dim());
+    step_into(layer, std::forward<Args>(args)..., out);
+    return out;
+  }
+
+  /// Prompts of equal length for the sessions named, through the chunked form: the batch's
+  /// prefill_into(args...) with sequence b the session sessions[b], which ends where stepping
+  /// each token would leave it. The other sessions are not touched.
+  /// @param sessions  B distinct live keys
+  /// @param args      as the batch's prefill_into: B x H views (q, k, v, gates / beta, map), out
+  template <class... Args>
+  void prefill_into(Eigen::Index layer, const std::vector<Key>& sessions, Args&&... args) {
+    lend_some(layer, sessions, "SessionPool::prefill",
+              [&](Batch& batch) { batch.prefill_into(std::forward<Args>(args)...); });
+  }
+
+  /// Prompts of different lengths packed along N (offsets, FLA's cu_seqlens) for the sessions
+  /// named: the batch's prefill_varlen_into(args...) with sequence s the session sessions[s].
+  /// The other sessions are not touched.
+  /// @param sessions  S distinct live keys, S + 1 == offsets.size()
+  /// @param args      as the batch's prefill_varlen_into: 1 x H x T views, offsets, out
+  template <class... Args>
+  void prefill_varlen_into(Eigen::Index layer, const std::vector<Key>& sessions, Args&&... args) {
+    lend_some(layer, sessions, "SessionPool::prefill_varlen",
+              [&](Batch& batch) { batch.prefill_varlen_into(std::forward<Args>(args)...); });
+  }
+
+ private:
+  static std::vector<State>& states_of(Batch& batch) {
+    return static_cast<detail::StateBatch<State>&>(batch).states_;
+  }
+  static const std::vector<State>& states_of(const Batch& batch) {
+    return static_cast<const detail::StateBatch<State>&>(batch).states_;
+  }
+
+  std::size_t heads_of(std::size_t layer) const { return states_of(fresh_[layer]).size(); }
+
+  std::size_t checked_layer(Eigen::Index layer, const char* where) const {
+    if (layer < 0 || layer >= layers()) {
+      throw Error(std::string(where) + ": layer " + std::to_string(layer) + " but the pool has " +
+                  std::to_string(layers()) + " layers");
+    }
+    return static_cast<std::size_t>(layer);
+  }
+
+  Eigen::Index position_of(Key key, const char* where) const {
+    const auto found = positions_.find(key);
+    if (found == positions_.end()) {
+      throw Error(std::string(where) + ": no live session " + std::to_string(key));
+    }
+    return found->second;
+  }
+
+  std::size_t state_index(Key key, Eigen::Index layer, Eigen::Index head) const {
+    constexpr const char* where = "SessionPool::state";
+    const std::size_t l = checked_layer(layer, where);
+    if (head < 0 || head >= heads(layer)) {
+      throw Error(std::string(where) + ": head " + std::to_string(head) + " but layer " +
+                  std::to_string(layer) + " has " + std::to_string(heads(layer)) + " heads");
+    }
+    return static_cast<std::size_t>(position_of(key, where)) * heads_of(l) +
+           static_cast<std::size_t>(head);
+  }
+
+  /// The positions of `keys`, each live and named once.
+  std::vector<std::size_t> positions_of(const std::vector<Key>& keys, const char* where,
+                                        const char* name) const {
+    std::vector<std::size_t> at;
+    at.reserve(keys.size());
+    std::vector<bool> named(keys_.size(), false);
+    for (Key key : keys) {
+      const std::size_t s = static_cast<std::size_t>(position_of(key, where));
+      if (named[s]) {
+        throw Error(std::string(where) + ": " + name + " names session " + std::to_string(key) +
+                    " twice");
+      }
+      named[s] = true;
+      at.push_back(s);
+    }
+    return at;
+  }
+
+  /// Layer `layer` back to its first `count` sessions.
+  void truncate(std::size_t layer, std::size_t count) {
+    std::vector<State>& states = live_[layer];
+    const std::size_t keep = count * heads_of(layer);
+    if (states.size() > keep)
+      states.erase(states.begin() + static_cast<std::ptrdiff_t>(keep), states.end());
+  }
+
+  /// Swaps `states` into layer `layer`'s batch for body(batch), and back whatever happens.
+  template <class Body>
+  void lend(std::size_t layer, std::vector<State>& states, const Body& body) {
+    struct SwapBack {
+      std::vector<State>& a;
+      std::vector<State>& b;
+      ~SwapBack() { a.swap(b); }
+    };
+    std::vector<State>& held = states_of(fresh_[layer]);
+    held.swap(states);
+    const SwapBack swap_back{held, states};
+    body(fresh_[layer]);
+  }
+
+  template <class Body>
+  void lend_live(Eigen::Index layer, const char* where, const Body& body) {
+    const std::size_t l = checked_layer(layer, where);
+    if (keys_.empty()) throw Error(std::string(where) + ": the pool has no live session");
+    lend(l, live_[l], body);
+  }
+
+  /// Lends the states of the sessions named, in that order, moved out of their places and
+  /// back whatever happens.
+  template <class Body>
+  void lend_some(Eigen::Index layer, const std::vector<Key>& sessions, const char* where,
+                 const Body& body) {
+    const std::size_t l = checked_layer(layer, where);
+    if (sessions.empty()) throw Error(std::string(where) + ": sessions is empty");
+    const std::vector<std::size_t> at = positions_of(sessions, where, "sessions");
+    const std::size_t h = heads_of(l);
+    std::vector<State> some;
+    some.reserve(at.size() * h);
+    for (std::size_t s : at) {
+      for (std::size_t j = 0; j < h; ++j) some.push_back(std::move(live_[l][s * h + j]));
+    }
+    struct MoveBack {
+      std::vector<State>& live;
+      std::vector<State>& some;
+      const std::vector<std::size_t>& at;
+      std::size_t h;
+      ~MoveBack() {
+        for (std::size_t i = 0; i < at.size(); ++i) {
+          for (std::size_t j = 0; j < h; ++j) live[at[i] * h + j] = std::move(some[i * h + j]);
+        }
+      }
+    };
+    const MoveBack move_back{live_[l], some, at, h};
+    lend(l, some, body);
+  }
+
+  std::vector<Batch> fresh_;  // per layer: a new session's states; lent the live ones per call
+  std::vector<std::vector<State>> live_;  // per layer: size() * H states, session-major
+  std::vector<Key> keys_;                 // by position
+  std::unordered_map<Key, Eigen::Index> positions_;
+};
+
+}  // namespace linattn

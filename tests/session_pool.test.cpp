@@ -1,0 +1,431 @@
+// SessionPool: steps and prefills equal each session's states run on their own, bit for bit,
+// across adds, drops and reorders; no other session's memory moves; errors change nothing.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <linattn/session_pool.hpp>
+#include <map>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include "support.hpp"
+
+namespace {
+
+using linattn::DeltaOptions;
+using linattn::DeltaRuleState;
+using linattn::DeltaRuleStateBatch;
+using linattn::HeadsView;
+using linattn::Matrix;
+using linattn::RecurrentState;
+using linattn::RecurrentStateBatch;
+using linattn::SessionPool;
+using linattn::Vector;
+using linattn_test::gaussian;
+using Key = std::int64_t;
+
+constexpr Eigen::Index kDk = 6;
+constexpr Eigen::Index kDv = 5;
+
+/// Each session's states on their own: [layer][head].
+template <class State>
+using Sessions = std::map<Key, std::vector<std::vector<State>>>;
+
+/// True when the two states hold the same S (and z), token count and transition, bit for bit.
+template <class T>
+bool same_state(const RecurrentState<T>& a, const RecurrentState<T>& b) {
+  return a.s() == b.s() && a.z() == b.z() && a.tokens() == b.tokens() &&
+         a.transition() == b.transition();
+}
+template <class T>
+bool same_state(const DeltaRuleState<T>& a, const DeltaRuleState<T>& b) {
+  return a.s() == b.s() && a.tokens() == b.tokens() && a.transition() == b.transition();
+}
+
+/// Where each live state's S lives, by (key, layer, head).
+template <class Pool>
+std::map<std::tuple<Key, Eigen::Index, Eigen::Index>, const void*> addresses(const Pool& pool) {
+  std::map<std::tuple<Key, Eigen::Index, Eigen::Index>, const void*> at;
+  for (Key key : pool.keys()) {
+    for (Eigen::Index l = 0; l < pool.layers(); ++l) {
+      for (Eigen::Index h = 0; h < pool.heads(l); ++h) {
+        at[{key, l, h}] = pool.state(key, l, h).s().data();
+      }
+    }
+  }
+  return at;
+}
+
+/// States of `pool` that differ from `sessions` or whose S moved from `before` (keys in both).
+template <class Pool, class State>
+int differing_states(
+    const Pool& pool, const Sessions<State>& sessions,
+    const std::map<std::tuple<Key, Eigen::Index, Eigen::Index>, const void*>& before) {
+  int differing = 0;
+  for (Key key : pool.keys()) {
+    for (Eigen::Index l = 0; l < pool.layers(); ++l) {
+      for (Eigen::Index h = 0; h < pool.heads(l); ++h) {
+        const State& state = pool.state(key, l, h);
+        if (!same_state(state, sessions.at(key)[l][h])) ++differing;
+        const auto was = before.find({key, l, h});
+        if (was != before.end() && was->second != state.s().data()) ++differing;
+      }
+    }
+  }
+  return differing;
+}
+
+/// A pool's layer-0 engine states: H = 3 heads with RetNet's decays, normalised, 2 threads.
+template <class T>
+RecurrentStateBatch<T> decay_heads() {
+  linattn::Options options;
+  options.threads = 2;
+  return RecurrentStateBatch<T>(3, kDk, kDv, linattn::HeadDecays{{0.9, 0.97, 1.0}}, options);
+}
+
+/// Layer 1: H = 2 gated heads, unnormalised.
+template <class T>
+RecurrentStateBatch<T> gated_heads() {
+  linattn::Options options;
+  options.normalize = false;
+  return RecurrentStateBatch<T>(2, kDk, kDv, options);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("pool steps equal each session stepped alone across adds, drops and reorders",
+                   "[session_pool]", float, double) {
+  using T = TestType;
+  using Batch = RecurrentStateBatch<T>;
+  using State = RecurrentState<T>;
+  SessionPool<Batch> pool(std::vector<Batch>{decay_heads<T>(), gated_heads<T>()});
+  CHECK(pool.layers() == 2);
+  CHECK(pool.heads(0) == 3);
+  CHECK(pool.heads(1) == 2);
+  CHECK(pool.size() == 0);
+  const Batch fresh[2] = {decay_heads<T>(), gated_heads<T>()};
+  Sessions<State> alone;
+  std::mt19937_64 random(77);
+  Key next_key = 100;
+  int differing = 0, moved = 0, rounds_with_drop = 0, rounds_with_reorder = 0;
+  for (int round = 0; round < 40; ++round) {
+    const auto before = addresses(pool);
+    const int op = static_cast<int>(random() % 4);
+    if (pool.size() < 2 || (op == 0 && pool.size() < 7)) {
+      const Key key = next_key;
+      next_key += 7;
+      const Eigen::Index at = pool.add(key);
+      CHECK(at == pool.size() - 1);
+      for (int l = 0; l < 2; ++l) {
+        std::vector<State> heads;
+        for (Eigen::Index h = 0; h < fresh[l].size(); ++h) heads.push_back(fresh[l][h]);
+        alone[key].push_back(heads);
+      }
+    } else if (op == 1) {
+      const Key key = pool.keys()[random() % pool.keys().size()];
+      pool.drop(key);
+      alone.erase(key);
+      CHECK_FALSE(pool.contains(key));
+      ++rounds_with_drop;
+    } else if (op == 2) {
+      std::vector<Key> order = pool.keys();
+      std::shuffle(order.begin(), order.end(), random);
+      pool.reorder(order);
+      CHECK(pool.keys() == order);
+      ++rounds_with_reorder;
+    }
+    // No state of a session that stayed moved in memory or changed.
+    moved += differing_states(pool, alone, before);
+    // One token for every session: layer 0 through EluPlusOne, layer 1 gated per feature with
+    // one q/k row per session (grouped over its 2 heads).
+    const Eigen::Index n = pool.size();
+    const std::uint64_t seed = 500 + 10 * static_cast<std::uint64_t>(round);
+    const Matrix<T> q0 = gaussian<T>(3 * n, kDk, seed), k0 = gaussian<T>(3 * n, kDk, seed + 1);
+    const Matrix<T> v0 = gaussian<T>(3 * n, kDv, seed + 2);
+    Matrix<T> out0(3 * n, kDv);
+    pool.step_into(0, q0, k0, v0, linattn::EluPlusOne{}, out0);
+    const Matrix<T> q1 = gaussian<T>(n, kDk, seed + 3).cwiseAbs(),
+                    k1 = gaussian<T>(n, kDk, seed + 4).cwiseAbs();
+    const Matrix<T> v1 = gaussian<T>(2 * n, kDv, seed + 5);
+    const Matrix<T> g1 = (-0.1 * gaussian<T>(2 * n, kDk, seed + 6).array().abs()).matrix();
+    const Matrix<T> out1 = pool.step(1, q1, k1, v1, linattn::log_gates(g1), linattn::Identity{});
+    REQUIRE(out1.rows() == 2 * n);
+    for (Eigen::Index s = 0; s < n; ++s) {
+      std::vector<std::vector<State>>& states = alone.at(pool.keys()[static_cast<std::size_t>(s)]);
+      for (Eigen::Index h = 0; h < 3; ++h) {
+        const Eigen::Index r = 3 * s + h;
+        const Vector<T> want =
+            states[0][h].step(q0.row(r), k0.row(r), v0.row(r), linattn::EluPlusOne{});
+        differing += out0.row(r).transpose() == want ? 0 : 1;
+      }
+      for (Eigen::Index h = 0; h < 2; ++h) {
+        const Eigen::Index r = 2 * s + h;
+        const Vector<T> want = states[1][h].step(
+            q1.row(s), k1.row(s), v1.row(r), linattn::log_gates(g1.row(r)), linattn::Identity{});
+        differing += out1.row(r).transpose() == want ? 0 : 1;
+      }
+    }
+    differing += differing_states(pool, alone, {});
+  }
+  CHECK(differing == 0);
+  CHECK(moved == 0);
+  // The random walk did exercise every operation.
+  CHECK(rounds_with_drop > 0);
+  CHECK(rounds_with_reorder > 0);
+}
+
+TEMPLATE_TEST_CASE(
+    "pool: a delta-rule prefill of some sessions equals a batch of them, others untouched",
+    "[session_pool][delta_rule]", float, double) {
+  using T = TestType;
+  using Batch = DeltaRuleStateBatch<T>;
+  using State = DeltaRuleState<T>;
+  // One Gated DeltaNet layer of H = 4 value heads over 2 q/k heads.
+  const Eigen::Index H = 4, Hqk = 2;
+  DeltaOptions options;
+  options.l2_normalize = true;
+  options.threads = GENERATE(1, 2);
+  SessionPool<Batch> pool(1, Batch(H, kDk, kDv, options));
+  Sessions<State> alone;
+  const State fresh(kDk, kDv, options);
+  auto step_all = [&](std::uint64_t seed) {
+    const Eigen::Index n = pool.size();
+    const Matrix<T> q = gaussian<T>(n * Hqk, kDk, seed), k = gaussian<T>(n * Hqk, kDk, seed + 1);
+    const Matrix<T> v = gaussian<T>(n * H, kDv, seed + 2);
+    const Matrix<T> g = (-0.1 * gaussian<T>(n * H, 1, seed + 3).array().abs()).matrix();
+    const Vector<T> beta =
+        (0.1 + 0.8 * gaussian<T>(n * H, 1, seed + 4).array().abs().min(T(1))).matrix();
+    Matrix<T> out(n * H, kDv);
+    pool.step_into(0, q, k, v, linattn::log_gates(g), beta, out);
+    int differing = 0;
+    for (Eigen::Index s = 0; s < n; ++s) {
+      std::vector<State>& heads = alone.at(pool.keys()[static_cast<std::size_t>(s)])[0];
+      for (Eigen::Index h = 0; h < H; ++h) {
+        const Eigen::Index r = s * H + h, qr = s * Hqk + h / (H / Hqk);
+        const Vector<T> want =
+            heads[h].step(q.row(qr), k.row(qr), v.row(r), linattn::log_gates(g.row(r)), beta(r));
+        differing += out.row(r).transpose() == want ? 0 : 1;
+      }
+    }
+    return differing;
+  };
+  int differing = 0;
+  for (Key key : {1, 2, 3}) {
+    pool.add(key);
+    alone[key] = {std::vector<State>(H, fresh)};
+  }
+  for (std::uint64_t t = 0; t < 5; ++t) differing += step_all(100 + 10 * t);
+  pool.add(4);
+  pool.add(5);
+  alone[4] = {std::vector<State>(H, fresh)};
+  alone[5] = {std::vector<State>(H, fresh)};
+  pool.drop(1);
+  alone.erase(1);
+  // Prompts of 7 and 0 tokens for sessions 5 and 4 and of 3 for session 2 (already stepped),
+  // named out of position order, packed along N.
+  const std::vector<Key> prompted = {5, 4, 2};
+  const std::vector<std::int64_t> offsets = {0, 7, 7, 10};
+  const Eigen::Index tokens = offsets.back();
+  std::vector<T> qd(static_cast<std::size_t>(Hqk * tokens * kDk)), kd(qd.size()),
+      vd(static_cast<std::size_t>(H * tokens * kDv)), gd(static_cast<std::size_t>(Hqk * tokens)),
+      bd(gd.size());
+  std::mt19937_64 random(9);
+  std::normal_distribution<double> normal;
+  for (T& x : qd) x = static_cast<T>(normal(random));
+  for (T& x : kd) x = static_cast<T>(normal(random));
+  for (T& x : vd) x = static_cast<T>(normal(random));
+  for (T& x : gd) x = static_cast<T>(-0.1 * std::abs(normal(random)));
+  for (T& x : bd) x = static_cast<T>(0.2 + 0.5 * std::min(1.0, std::abs(normal(random))));
+  const auto q = HeadsView<const T>::bnhd(qd.data(), {1, Hqk, tokens, kDk});
+  const auto k = HeadsView<const T>::bnhd(kd.data(), {1, Hqk, tokens, kDk});
+  const auto v = HeadsView<const T>::bnhd(vd.data(), {1, H, tokens, kDv});
+  const auto g = HeadsView<const T>::bnhd(gd.data(), {1, Hqk, tokens, 1});
+  const auto beta = HeadsView<const T>::bnhd(bd.data(), {1, Hqk, tokens, 1});
+  std::vector<T> got(vd.size()), want(vd.size());
+  // The reference: the same states in a batch of their own.
+  Batch reference(static_cast<Eigen::Index>(prompted.size()) * H, kDk, kDv, options);
+  for (std::size_t s = 0; s < prompted.size(); ++s) {
+    for (Eigen::Index h = 0; h < H; ++h)
+      reference[static_cast<Eigen::Index>(s) * H + h] = alone.at(prompted[s])[0][h];
+  }
+  reference.prefill_varlen_into(q, k, v, linattn::log_gates(g), beta, offsets,
+                                HeadsView<T>::bnhd(want.data(), {1, H, tokens, kDv}));
+  const auto before = addresses(pool);
+  pool.prefill_varlen_into(0, prompted, q, k, v, linattn::log_gates(g), beta, offsets,
+                           HeadsView<T>::bnhd(got.data(), {1, H, tokens, kDv}));
+  CHECK(got == want);
+  for (std::size_t s = 0; s < prompted.size(); ++s) {
+    for (Eigen::Index h = 0; h < H; ++h) {
+      CHECK(same_state(pool.state(prompted[s], 0, h),
+                       reference[static_cast<Eigen::Index>(s) * H + h]));
+      alone.at(prompted[s])[0][h] = reference[static_cast<Eigen::Index>(s) * H + h];
+    }
+  }
+  CHECK(pool.keys() == std::vector<Key>{2, 3, 4, 5});
+  // Session 3, not named, is where and as it was.
+  std::map<std::tuple<Key, Eigen::Index, Eigen::Index>, const void*> untouched;
+  for (Eigen::Index h = 0; h < H; ++h) untouched[{3, 0, h}] = before.at({3, 0, h});
+  CHECK(differing_states(pool, alone, untouched) == 0);
+  // The states it prefilled decode on as the reference's.
+  for (std::uint64_t t = 0; t < 4; ++t) differing += step_all(300 + 10 * t);
+  CHECK(differing == 0);
+}
+
+TEMPLATE_TEST_CASE("pool: equal-length engine prefill of new sessions equals a batch of them",
+                   "[session_pool]", float, double) {
+  using T = TestType;
+  using Batch = RecurrentStateBatch<T>;
+  SessionPool<Batch> pool(1, decay_heads<T>());
+  for (Key key : {10, 20, 30}) pool.add(key);
+  const Eigen::Index B = 2, H = 3, N = 70;
+  std::vector<T> qd(static_cast<std::size_t>(B * H * N * kDk)), kd(qd.size()),
+      vd(static_cast<std::size_t>(B * H * N * kDv));
+  std::mt19937_64 random(5);
+  std::normal_distribution<double> normal;
+  for (T& x : qd) x = static_cast<T>(normal(random));
+  for (T& x : kd) x = static_cast<T>(normal(random));
+  for (T& x : vd) x = static_cast<T>(normal(random));
+  const auto q = HeadsView<const T>::bhnd(qd.data(), {B, H, N, kDk});
+  const auto k = HeadsView<const T>::bhnd(kd.data(), {B, H, N, kDk});
+  const auto v = HeadsView<const T>::bhnd(vd.data(), {B, H, N, kDv});
+  std::vector<T> got(vd.size()), want(vd.size());
+  Batch reference(B * H, kDk, kDv, linattn::HeadDecays{{0.9, 0.97, 1.0}});
+  reference.prefill_into(q, k, v, linattn::EluPlusOne{},
+                         HeadsView<T>::bhnd(want.data(), {B, H, N, kDv}));
+  const auto before = addresses(pool);
+  pool.prefill_into(0, {30, 10}, q, k, v, linattn::EluPlusOne{},
+                    HeadsView<T>::bhnd(got.data(), {B, H, N, kDv}));
+  CHECK(got == want);
+  int differing = 0;
+  for (Eigen::Index h = 0; h < H; ++h) {
+    differing += same_state(pool.state(30, 0, h), reference[h]) ? 0 : 1;
+    differing += same_state(pool.state(10, 0, h), reference[H + h]) ? 0 : 1;
+    differing += pool.state(20, 0, h).tokens() == 0 ? 0 : 1;
+    differing += pool.state(20, 0, h).s().data() == before.at({20, 0, h}) ? 0 : 1;
+  }
+  CHECK(differing == 0);
+}
+
+TEMPLATE_TEST_CASE("pool: a session saved and loaded continues bit for bit", "[session_pool][io]",
+                   float, double) {
+  using T = TestType;
+  using Batch = RecurrentStateBatch<T>;
+  SessionPool<Batch> pool(std::vector<Batch>{decay_heads<T>(), gated_heads<T>()});
+  pool.add(1);
+  pool.add(2);
+  for (std::uint64_t t = 0; t < 6; ++t) {
+    const Matrix<T> q = gaussian<T>(6, kDk, 40 + t), k = gaussian<T>(6, kDk, 50 + t);
+    const Matrix<T> v = gaussian<T>(6, kDv, 60 + t);
+    pool.step(0, q, k, v, linattn::EluPlusOne{});
+  }
+  std::stringstream saved;
+  pool.save(1, 0, saved, linattn::EluPlusOne{});
+  pool.save(1, 1, saved, linattn::Identity{});  // never stepped: its fresh states
+  pool.add(3);
+  pool.load(3, 0, saved, linattn::EluPlusOne{});
+  pool.load(3, 1, saved, linattn::Identity{});
+  int differing = 0;
+  for (Eigen::Index h = 0; h < 3; ++h)
+    differing += same_state(pool.state(1, 0, h), pool.state(3, 0, h)) ? 0 : 1;
+  for (Eigen::Index h = 0; h < 2; ++h)
+    differing += same_state(pool.state(1, 1, h), pool.state(3, 1, h)) ? 0 : 1;
+  CHECK(differing == 0);
+  // Sessions 1 and 3 take the same token and give the same outputs.
+  const Matrix<T> q = gaussian<T>(3, kDk, 70), k = gaussian<T>(3, kDk, 71),
+                  v = gaussian<T>(3, kDv, 72);
+  Matrix<T> qs(9, kDk), ks(9, kDk), vs(9, kDv);
+  qs << q, gaussian<T>(3, kDk, 73), q;
+  ks << k, gaussian<T>(3, kDk, 74), k;
+  vs << v, gaussian<T>(3, kDv, 75), v;
+  const Matrix<T> out = pool.step(0, qs, ks, vs, linattn::EluPlusOne{});
+  CHECK(out.topRows(3) == out.bottomRows(3));
+  // A layer's stream loaded into another layer (other heads' options) is refused whole.
+  std::stringstream layer0;
+  pool.save(2, 0, layer0, linattn::EluPlusOne{});
+  const auto before = pool.state(3, 1, 0).s();
+  CHECK_THROWS_AS(pool.load(3, 1, layer0, linattn::Identity{}), linattn::Error);
+  CHECK(pool.state(3, 1, 0).s() == before);
+  // A truncated stream is refused and changes nothing.
+  std::stringstream full;
+  pool.save(2, 0, full, linattn::EluPlusOne{});
+  std::stringstream cut(full.str().substr(0, full.str().size() - 3));
+  const auto s3 = pool.state(3, 0, 2).s();
+  CHECK_THROWS_AS(pool.load(3, 0, cut, linattn::EluPlusOne{}), linattn::Error);
+  CHECK(pool.state(3, 0, 2).s() == s3);
+}
+
+TEMPLATE_TEST_CASE("pool errors name what was wrong and change nothing", "[session_pool][errors]",
+                   float, double) {
+  using T = TestType;
+  using Batch = RecurrentStateBatch<T>;
+  using Catch::Matchers::Contains;
+  CHECK_THROWS_WITH(SessionPool<Batch>(std::vector<Batch>{}), Contains("no layers"));
+  CHECK_THROWS_WITH(SessionPool<Batch>(0, decay_heads<T>()), Contains("layers"));
+  SessionPool<Batch> pool(1, decay_heads<T>());
+  const Matrix<T> q = gaussian<T>(6, kDk, 1), k = gaussian<T>(6, kDk, 2),
+                  v = gaussian<T>(6, kDv, 3);
+  Matrix<T> out(6, kDv);
+  CHECK_THROWS_WITH(pool.step_into(0, q, k, v, linattn::EluPlusOne{}, out),
+                    Contains("no live session"));
+  pool.add(7);
+  pool.add(8);
+  CHECK_THROWS_WITH(pool.add(7), Contains("session 7 is already live"));
+  CHECK(pool.size() == 2);
+  CHECK_THROWS_WITH(pool.drop(9), Contains("no live session 9"));
+  CHECK_THROWS_WITH(pool.position(9), Contains("no live session 9"));
+  CHECK_THROWS_WITH(pool.state(7, 1, 0), Contains("layer 1"));
+  CHECK_THROWS_WITH(pool.state(7, 0, 3), Contains("head 3"));
+  CHECK_THROWS_WITH(pool.step_into(2, q, k, v, linattn::EluPlusOne{}, out), Contains("layer 2"));
+  CHECK_THROWS_WITH(pool.reorder({8, 8}), Contains("twice"));
+  CHECK_THROWS_WITH(pool.reorder({8}), Contains("each live session once"));
+  CHECK_THROWS_WITH(pool.reorder({8, 9}), Contains("no live session 9"));
+  CHECK(pool.keys() == std::vector<Key>{7, 8});
+  pool.step_into(0, q, k, v, linattn::EluPlusOne{}, out);
+  const auto before = addresses(pool);
+  std::vector<RecurrentState<T>> kept;
+  for (Key key : {7, 8}) {
+    for (Eigen::Index h = 0; h < 3; ++h) kept.push_back(pool.state(key, 0, h));
+  }
+  auto unchanged = [&] {
+    int differing = 0;
+    std::size_t i = 0;
+    for (Key key : {7, 8}) {
+      for (Eigen::Index h = 0; h < 3; ++h, ++i) {
+        differing += same_state(pool.state(key, 0, h), kept[i]) ? 0 : 1;
+        differing += pool.state(key, 0, h).s().data() == before.at({key, 0, h}) ? 0 : 1;
+      }
+    }
+    return differing;
+  };
+  // A step whose last row holds a NaN, a step with too few rows: nothing moves.
+  Matrix<T> bad = v;
+  bad(5, 0) = std::numeric_limits<T>::quiet_NaN();
+  CHECK_THROWS_AS(pool.step_into(0, q, k, bad, linattn::EluPlusOne{}, out), linattn::Error);
+  CHECK_THROWS_WITH(
+      pool.step_into(0, q.topRows(4), k.topRows(4), v.topRows(4), linattn::EluPlusOne{}, out),
+      Contains("4 x 6"));
+  CHECK(unchanged() == 0);
+  // A prefill with a view of the wrong width, and one naming an unknown or repeated session.
+  std::vector<T> data(static_cast<std::size_t>(3 * 4 * kDk)),
+      vdata(static_cast<std::size_t>(3 * 4 * kDv));
+  const auto qv = HeadsView<const T>::bhnd(data.data(), {1, 3, 4, kDk});
+  const auto vv = HeadsView<const T>::bhnd(vdata.data(), {1, 3, 4, kDv});
+  std::vector<T> od(vdata.size());
+  const auto ov = HeadsView<T>::bhnd(od.data(), {1, 3, 4, kDv});
+  CHECK_THROWS_AS(pool.prefill_into(0, {8}, qv, qv, qv, linattn::EluPlusOne{}, ov), linattn::Error);
+  CHECK_THROWS_WITH(pool.prefill_into(0, {8, 8}, qv, qv, vv, linattn::EluPlusOne{}, ov),
+                    Contains("twice"));
+  CHECK_THROWS_WITH(pool.prefill_into(0, {9}, qv, qv, vv, linattn::EluPlusOne{}, ov),
+                    Contains("no live session 9"));
+  CHECK_THROWS_WITH(pool.prefill_into(0, {}, qv, qv, vv, linattn::EluPlusOne{}, ov),
+                    Contains("empty"));
+  CHECK(unchanged() == 0);
+  CHECK(pool.keys() == std::vector<Key>{7, 8});
+  // The pool still works after every refusal.
+  pool.prefill_into(0, {8}, qv, qv, vv, linattn::EluPlusOne{}, ov);
+  CHECK(pool.state(8, 0, 0).tokens() == 5);
+  CHECK(pool.state(7, 0, 0).tokens() == 1);
+  pool.reset(8);
+  CHECK(pool.state(8, 0, 1).tokens() == 0);
+}
