@@ -15,7 +15,8 @@
 //     loaded copy steps to bit-identical outputs;
 //   * the delta rule (DeltaNet, Gated DeltaNet, KDA) with valid options, beta and bounded input
 //     never throws; with L2-normalised q and k its outputs are finite, the streamed and the
-//     chunked forms, the steps, prefill-then-step and the view agree, and a saved state continues
+//     chunked forms, the steps, prefill-then-step and the view agree, a session pool (beside a
+//     second session it drops) gives the batch's outputs bit for bit, and a saved state continues
 //     bit for bit;
 //   * softmax baselines on such inputs: finite, inside the range of v, and the tiled, the
 //     materialised, the sliding-window and both caches agree; truncate() rolls back exactly.
@@ -842,6 +843,46 @@ void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
       }
     }
   });
+  // The same through a session pool, beside a second session dropped half way through the
+  // steps (its states' handles move): bit for bit the batch of one.
+  Matrix<T> pooled(in.n, in.dv);
+  const bool pooled_ok = attempt("SessionPool<DeltaRuleStateBatch>", must, [&] {
+    using Batch = linattn::DeltaRuleStateBatch<T>;
+    linattn::SessionPool<Batch> pool(1, Batch(1, in.dk, in.dv, opt));
+    pool.add(7);
+    pool.add(3);
+    const Index s = in.split;
+    if (s > 0) {
+      const auto prefix = [&](const auto& view, Index dim) {
+        return std::decay_t<decltype(view)>::bhnd(view.data(), {1, 1, s, dim});
+      };
+      const auto out = linattn::HeadsView<T>::bhnd(pooled.data(), {1, 1, s, in.dv});
+      if (gated) {
+        pool.prefill_into(0, {3}, prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv),
+                          linattn::log_gates(prefix(gv, g.cols())), prefix(bv, 1), out);
+      } else {
+        pool.prefill_into(0, {3}, prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv),
+                          prefix(bv, 1), out);
+      }
+    }
+    for (Index i = s; i < in.n; ++i) {
+      if (i == (s + in.n) / 2) pool.drop(7);
+      const Index rows = pool.size();  // every live session takes token i
+      const Matrix<T> qi = q.row(i).replicate(rows, 1), ki = k.row(i).replicate(rows, 1),
+                      vi = v.row(i).replicate(rows, 1), gi = g.row(i).replicate(rows, 1);
+      const Vector<T> bi = beta.segment(i, 1).replicate(rows, 1);
+      Matrix<T> oi(rows, in.dv);
+      if (gated) {
+        pool.step_into(0, qi, ki, vi, linattn::log_gates(gi), bi, oi);
+      } else {
+        pool.step_into(0, qi, ki, vi, bi, oi);
+      }
+      pooled.row(i) = oi.row(pool.position(3));
+    }
+  });
+  if (batched_ok && pooled_ok && !bit_equal(batched, pooled)) {
+    fail("a session pool differs from a batch of one delta-rule state");
+  }
   // beta = 0 is never a learning rate: every form refuses it.
   Vector<T> zero_beta = beta;
   zero_beta(in.n - 1) = T(0);
