@@ -536,6 +536,279 @@ TEMPLATE_TEST_CASE("layer: HeadDecays and gates errors", "[layer][gated][errors]
   CHECK(states[0].tokens() == 0);
 }
 
+namespace {
+
+/// The engine's gated recurrence token by token in double, from log gates g (N x 1 or N x C):
+/// S <- diag(exp g_t) S + phi_k_t v_t^T, z alike, out_t = phi_q_t S / (phi_q_t . z + eps).
+Matrix<double> naive_gated_recurrence(const Matrix<double>& phi_q, const Matrix<double>& phi_k,
+                                      const Matrix<double>& v, const Matrix<double>& g,
+                                      double eps) {
+  Matrix<double> s = Matrix<double>::Zero(phi_k.cols(), v.cols());
+  Eigen::VectorXd z = Eigen::VectorXd::Zero(phi_k.cols());
+  Matrix<double> out(phi_q.rows(), v.cols());
+  for (Eigen::Index t = 0; t < phi_q.rows(); ++t) {
+    for (Eigen::Index c = 0; c < s.rows(); ++c) {
+      const double a = std::exp(g(t, g.cols() == 1 ? 0 : c));
+      s.row(c) *= a;
+      z(c) *= a;
+    }
+    s += phi_k.row(t).transpose() * v.row(t);
+    z += phi_k.row(t).transpose();
+    out.row(t) = phi_q.row(t) * s / (phi_q.row(t).dot(z) + eps);
+  }
+  return out;
+}
+
+/// Rows a, then b, then c, in double.
+template <class A, class B, class C>
+Matrix<double> stacked(const A& a, const B& b, const C& c) {
+  Matrix<double> m(a.rows() + b.rows() + c.rows(), a.cols());
+  m.topRows(a.rows()) = a.template cast<double>();
+  m.middleRows(a.rows(), b.rows()) = b.template cast<double>();  // b may have no rows
+  m.bottomRows(c.rows()) = c.template cast<double>();
+  return m;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("layer: varlen prefill continues each packed prompt's states, then steps",
+                   "[layer][varlen]", float, double) {
+  using T = TestType;
+  using Layer = LinearAttentionLayer<T, linattn::EluPlusOne>;
+  // Prompts of 5, 0, 17 and 1 tokens packed along N, H = 3 heads: state s * H + h. Every state
+  // takes a step before the prompts and one after.
+  const std::vector<std::int64_t> offsets{0, 5, 5, 22, 23};
+  const Eigen::Index H = 3, S = 4, total = 23, count = S * H;
+  const linattn::EluPlusOne elu;
+  const linattn::HeadDecays decays{{0.9, 0.95, 1.0}};
+  const char* names[] = {"Options::decay", "HeadDecays", "scalar log gates", "per-feature a_t",
+                         "RWKV-6's bonus"};
+  int differing = 0, compared = 0;
+  double worst = 0.0;
+  for (const int variant : {0, 1, 2, 3, 4}) {
+    INFO(names[variant]);
+    linattn::Options options;
+    options.chunk = 4;  // the 17-token prompt spans several chunks
+    options.threads = 2;
+    if (variant == 0) options.decay = 0.97;
+    if (variant == 4) {
+      options.normalize = false;
+      options.scale = 0.5;
+    }
+    const Layer layer =
+        variant == 1 ? Layer(elu, H, kDk, kDv, decays, options) : Layer(elu, H, kDk, kDv, options);
+    const bool gated = variant >= 2, log_space = variant != 3;
+    const Eigen::Index gate_dim = variant == 2 ? 1 : kDk;
+    const std::uint64_t seed = 1100 + 10 * static_cast<std::uint64_t>(variant);
+    const Matrix<T> u = gaussian<T>(H, kDk, seed);
+    // Packed rows, head h in columns h * D.. ([1, T, H, D] memory); log gates in [-0.3, 0],
+    // a reset at token 10 (sequence 2) of head 1 in log space.
+    const Matrix<T> q = gaussian<T>(total, H * kDk, seed + 1),
+                    k = gaussian<T>(total, H * kDk, seed + 2);
+    const Matrix<T> v = gaussian<T>(total, H * kDv, seed + 3);
+    Matrix<T> g =
+        (-T(0.1) * gaussian<T>(total, H * gate_dim, seed + 4).cwiseAbs()).cwiseMax(T(-0.3));
+    if (log_space) {
+      g.block(10, gate_dim, 1, gate_dim).setConstant(-std::numeric_limits<T>::infinity());
+    }
+    const Matrix<T> a = g.array().exp().matrix();
+    auto view = [&](const Matrix<T>& m) {
+      return HeadsView<const T>::bnhd(m.data(), {1, H, m.rows(), m.cols() / H});
+    };
+    // body(gates): the variant's gate argument over log gates or a_t.
+    auto with_gates = [&](const auto& log_values, const auto& a_values, const auto& body) {
+      if (variant == 2) body(linattn::log_gates(log_values));
+      if (variant == 3) body(a_values);
+      if (variant == 4) body(linattn::with_bonus(linattn::log_gates(log_values), u));
+    };
+    // One token of every state, (S * H) x D rows.
+    struct Token {
+      Matrix<T> q, k, v, g, a;
+    };
+    auto token = [&](std::uint64_t s) {
+      Token t{gaussian<T>(count, kDk, s),
+              gaussian<T>(count, kDk, s + 1),
+              gaussian<T>(count, kDv, s + 2),
+              (-T(0.1) * gaussian<T>(count, gate_dim, s + 3).cwiseAbs()).cwiseMax(T(-0.3)),
+              {}};
+      t.a = t.g.array().exp().matrix();
+      return t;
+    };
+    auto step = [&](typename Layer::States& states, const Token& t, Matrix<T>& out) {
+      if (!gated) {
+        layer.step_into(states, t.q, t.k, t.v, out);
+      } else {
+        with_gates(t.g, t.a,
+                   [&](const auto& gates) { layer.step_into(states, t.q, t.k, t.v, gates, out); });
+      }
+    };
+    auto states = layer.make_states(S);
+    const Token first = token(seed + 5), last = token(seed + 10);
+    Matrix<T> first_out(count, kDv), last_out(count, kDv);
+    step(states, first, first_out);
+    std::vector<linattn::RecurrentState<T>> before;
+    for (Eigen::Index i = 0; i < count; ++i) before.push_back(states[i]);
+
+    Matrix<T> out = Matrix<T>::Constant(total, H * kDv, T(-7));
+    const auto ov = HeadsView<T>::bnhd(out.data(), {1, H, total, kDv});
+    if (!gated) {
+      layer.prefill_varlen_into(states, view(q), view(k), view(v), offsets, ov);
+    } else {
+      with_gates(view(g), view(a), [&](const auto& gates) {
+        layer.prefill_varlen_into(states, view(q), view(k), view(v), gates, offsets, ov);
+      });
+    }
+    // Each prompt alone through prefill_into on its own states: bit for bit.
+    for (Eigen::Index s = 0; s < S; ++s) {
+      const Eigen::Index begin = offsets[std::size_t(s)], len = offsets[std::size_t(s) + 1] - begin;
+      INFO("sequence " << s);
+      if (len == 0) {
+        for (Eigen::Index h = 0; h < H; ++h) {
+          const auto& was = before[static_cast<std::size_t>(s * H + h)];
+          CHECK(states[s * H + h].s() == was.s());
+          CHECK(states[s * H + h].z() == was.z());
+          CHECK(states[s * H + h].tokens() == 1);
+        }
+        continue;
+      }
+      auto one = layer.make_states(1);
+      for (Eigen::Index h = 0; h < H; ++h) one[h] = before[static_cast<std::size_t>(s * H + h)];
+      Matrix<T> alone(len, H * kDv);
+      const auto av = HeadsView<T>::bnhd(alone.data(), {1, H, len, kDv});
+      if (!gated) {
+        layer.prefill_into(one, token_range(view(q), begin, len), token_range(view(k), begin, len),
+                           token_range(view(v), begin, len), av);
+      } else {
+        with_gates(token_range(view(g), begin, len), token_range(view(a), begin, len),
+                   [&](const auto& gates) {
+                     layer.prefill_into(one, token_range(view(q), begin, len),
+                                        token_range(view(k), begin, len),
+                                        token_range(view(v), begin, len), gates, av);
+                   });
+      }
+      const bool same = alone == Matrix<T>(out.middleRows(begin, len));
+      CHECK(same);
+      differing += same ? 0 : 1;
+      ++compared;
+      for (Eigen::Index h = 0; h < H; ++h) {
+        CHECK(states[s * H + h].s() == one[h].s());
+        CHECK(states[s * H + h].z() == one[h].z());
+        CHECK(states[s * H + h].tokens() == 1 + len);
+      }
+    }
+    // Then a step of every sequence, and the naive recurrence over step, prompt and step.
+    step(states, last, last_out);
+    for (Eigen::Index i = 0; i < count; ++i) {
+      const Eigen::Index s = i / H, h = i % H;
+      const Eigen::Index begin = offsets[std::size_t(s)], len = offsets[std::size_t(s) + 1] - begin;
+      INFO("sequence " << s << ", head " << h);
+      CHECK(states[i].tokens() == len + 2);
+      const Matrix<double> phi_q =
+          elu.queries(stacked(first.q.row(i), q.block(begin, h * kDk, len, kDk), last.q.row(i)));
+      const Matrix<double> phi_k =
+          elu.keys(stacked(first.k.row(i), k.block(begin, h * kDk, len, kDk), last.k.row(i)));
+      const Matrix<double> vn =
+          stacked(first.v.row(i), v.block(begin, h * kDv, len, kDv), last.v.row(i));
+      Matrix<double> gn =
+          stacked(first.g.row(i), g.block(begin, h * gate_dim, len, gate_dim), last.g.row(i));
+      if (!log_space) {  // the a_t the kernel saw, rounded to T
+        gn = stacked(first.a.row(i), a.block(begin, h * gate_dim, len, gate_dim), last.a.row(i))
+                 .array()
+                 .log()
+                 .matrix();
+      }
+      Matrix<double> naive;
+      if (variant == 0 || variant == 1) {
+        const double decay = variant == 0 ? options.decay : decays.values[std::size_t(h)];
+        naive = linattn_test::recurrent_linear_attention(phi_q, phi_k, vn, true, decay, options.eps,
+                                                         true);
+      } else if (variant == 4) {
+        Matrix<double> state = Matrix<double>::Zero(kDk, kDv);
+        naive = linattn_test::naive_rwkv6(phi_q, phi_k, vn, gn,
+                                          u.row(h).transpose().template cast<double>(),
+                                          options.scale, state);
+      } else {
+        naive = naive_gated_recurrence(phi_q, phi_k, vn, gn, options.eps);
+      }
+      Matrix<T> got(len + 1, kDv);
+      got.topRows(len) = out.block(begin, h * kDv, len, kDv);
+      got.row(len) = last_out.row(i);
+      const double error = relative_error(got, naive.bottomRows(len + 1));
+      CHECK(error <= tolerance<T>());
+      worst = std::max(worst, error);
+    }
+  }
+  CHECK(differing == 0);
+  CHECK(compared == 5 * 3);  // variants x non-empty prompts
+  WARN("layer varlen prefill: worst relative error against the naive recurrence " << worst);
+}
+
+TEMPLATE_TEST_CASE("layer: varlen prefill errors move no state", "[layer][varlen][errors]", float,
+                   double) {
+  using T = TestType;
+  using Catch::Contains;
+  using Layer = LinearAttentionLayer<T, linattn::EluPlusOne>;
+  const std::vector<std::int64_t> offsets{0, 5, 5, 22, 23};
+  const Eigen::Index H = 3, S = 4, total = 23;
+  const linattn::EluPlusOne elu;
+  const Layer layer(elu, H, kDk, kDv);
+  const Layer decaying(elu, H, kDk, kDv, linattn::HeadDecays{{0.9, 0.8, 0.7}});
+  const Matrix<T> q = gaussian<T>(total, H * kDk, 1200), v = gaussian<T>(total, H * kDv, 1201);
+  const Matrix<T> g = Matrix<T>::Constant(total, H, T(-0.1));
+  Matrix<T> out = Matrix<T>::Constant(total, H * kDv, T(3));
+  const Matrix<T> out_before = out;
+  auto view = [&](const Matrix<T>& m, Eigen::Index heads) {
+    return HeadsView<const T>::bnhd(m.data(), {1, heads, total, m.cols() / heads});
+  };
+  const auto qv = view(q, H), vv = view(v, H), gv = view(g, H);
+  const auto ov = HeadsView<T>::bnhd(out.data(), {1, H, total, kDv});
+  auto states = layer.make_states(S);
+  auto decay_states = decaying.make_states(S);
+  const std::string where = "LinearAttentionLayer::prefill_varlen";
+  // Heads that are not the layer's: q with 2 (not dividing H = 3), out with other than H.
+  const Matrix<T> q2 = q.leftCols(2 * kDk);
+  CHECK_THROWS_WITH(layer.prefill_varlen_into(states, view(q2, 2), view(q2, 2), vv, offsets, ov),
+                    Contains(where) && Contains("H = 3"));
+  const Matrix<T> v4 = gaussian<T>(total, 4 * kDv, 1202);
+  Matrix<T> out4(total, 4 * kDv);
+  CHECK_THROWS_WITH(layer.prefill_varlen_into(states, qv, qv, view(v4, 4), offsets,
+                                              HeadsView<T>::bnhd(out4.data(), {1, 4, total, kDv})),
+                    Contains(where) && Contains("H = 3"));
+  const Matrix<T> narrow = q.leftCols(H * (kDk - 1));
+  CHECK_THROWS_WITH(
+      layer.prefill_varlen_into(states, view(narrow, H), view(narrow, H), vv, offsets, ov),
+      Contains(where) && Contains("Dk = 8"));
+  // Offsets and states that do not match.
+  CHECK_THROWS_WITH(
+      layer.prefill_varlen_into(states, qv, qv, vv, {1, 5, 5, 22, 23}, ov),
+      Contains("RecurrentStateBatch::prefill_varlen") && Contains("offsets[0] must be 0"));
+  CHECK_THROWS_WITH(layer.prefill_varlen_into(states, qv, qv, vv, {0, 5, 6, 5, 23}, ov),
+                    Contains("offsets must not decrease"));
+  CHECK_THROWS_WITH(layer.prefill_varlen_into(states, qv, qv, vv, {0, 5, 5, 22}, ov),
+                    Contains("offsets.back() = 22"));
+  auto three = layer.make_states(3);
+  CHECK_THROWS_WITH(layer.prefill_varlen_into(three, qv, qv, vv, offsets, ov),
+                    Contains("S x H = 12 heads, but the batch holds 9 states"));
+  // Gates on a layer with HeadDecays, and gates of the wrong width.
+  CHECK_THROWS_WITH(
+      decaying.prefill_varlen_into(decay_states, qv, qv, vv, linattn::log_gates(gv), offsets, ov),
+      Contains(where) && Contains("HeadDecays"));
+  const Matrix<T> g2 = Matrix<T>::Constant(total, H * 2, T(-0.1));
+  CHECK_THROWS_WITH(
+      layer.prefill_varlen_into(states, qv, qv, vv, linattn::log_gates(view(g2, H)), offsets, ov),
+      Contains("gates is [1, 3, 23, 2]"));
+  CHECK(out == out_before);
+  for (Eigen::Index i = 0; i < S * H; ++i) {
+    CHECK(states[i].tokens() == 0);
+    CHECK(decay_states[i].tokens() == 0);
+  }
+  CHECK(three[0].tokens() == 0);
+  // And a good call after them.
+  decaying.prefill_varlen_into(decay_states, qv, qv, vv, offsets, ov);
+  CHECK(decay_states[H * 2].tokens() == 17);
+  CHECK(decay_states[H].tokens() == 0);
+}
+
 TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and prefill + steps",
                    "[layer][grouped]", float, double) {
   using T = TestType;

@@ -855,6 +855,543 @@ TEMPLATE_TEST_CASE("bonus batch: steps and a prefill from views equal per-state 
 }
 
 // ---------------------------------------------------------------------------------------------
+// RecurrentStateBatch::prefill_varlen_into: packed prompts of different lengths.
+
+namespace {
+
+/// Four prompts of 5, 0, 17 and 1 tokens packed along N (FLA's cu_seqlens).
+const std::vector<std::int64_t> kVarlenOffsets{0, 5, 5, 22, 23};
+constexpr Eigen::Index kVarlenSequences = 4, kVarlenTokens = 23;
+
+/// kVarlenTokens x (heads * dim) packed rows: head h in columns h * dim.., so that
+/// varlen_view gives the [1, T, H, D] view over it; each head from its own seed.
+template <class T, class Make>
+Matrix<T> varlen_rows(Eigen::Index heads, Eigen::Index dim, std::uint64_t seed, const Make& make) {
+  Matrix<T> rows(kVarlenTokens, heads * dim);
+  for (Eigen::Index h = 0; h < heads; ++h) {
+    rows.middleCols(h * dim, dim) = make(seed + 17 * static_cast<std::uint64_t>(h));
+  }
+  return rows;
+}
+
+/// The 1 x H x T x D view over packed rows of H heads.
+template <class T>
+HeadsView<const T> varlen_view(const Matrix<T>& rows, Eigen::Index heads) {
+  return HeadsView<const T>::bnhd(rows.data(), {1, heads, rows.rows(), rows.cols() / heads});
+}
+
+/// Sequence s's rows of head h of packed rows.
+template <class T>
+Matrix<T> varlen_head(const Matrix<T>& rows, Eigen::Index heads, Eigen::Index s, Eigen::Index h) {
+  const Eigen::Index dim = rows.cols() / heads;
+  const Eigen::Index begin = kVarlenOffsets[static_cast<std::size_t>(s)];
+  const Eigen::Index len = kVarlenOffsets[static_cast<std::size_t>(s) + 1] - begin;
+  return rows.block(begin, h * dim, len, dim);
+}
+
+/// Features of rows in double for the naive references: featurized rows are their own.
+Matrix<double> naive_features(Kind kind, const Matrix<double>& x) {
+  return kind == Kind::elu ? linattn::EluPlusOne{}.queries(x) : x;
+}
+
+/// The engine's gated recurrence token by token in double, from log gates g (N x 1 or N x C):
+/// S <- diag(exp g_t) S + phi_k_t v_t^T, z alike, out_t = phi_q_t S / (phi_q_t . z + eps).
+Matrix<double> naive_gated_recurrence(const Matrix<double>& phi_q, const Matrix<double>& phi_k,
+                                      const Matrix<double>& v, const Matrix<double>& g,
+                                      double eps) {
+  Matrix<double> s = Matrix<double>::Zero(phi_k.cols(), v.cols());
+  Eigen::VectorXd z = Eigen::VectorXd::Zero(phi_k.cols());
+  Matrix<double> out(phi_q.rows(), v.cols());
+  for (Eigen::Index t = 0; t < phi_q.rows(); ++t) {
+    for (Eigen::Index c = 0; c < s.rows(); ++c) {
+      const double a = std::exp(g(t, g.cols() == 1 ? 0 : c));
+      s.row(c) *= a;
+      z(c) *= a;
+    }
+    s += phi_k.row(t).transpose() * v.row(t);
+    z += phi_k.row(t).transpose();
+    out.row(t) = phi_q.row(t) * s / (phi_q.row(t).dot(z) + eps);
+  }
+  return out;
+}
+
+/// Rows `a` over rows `b`.
+Matrix<double> stacked(const Matrix<double>& a, const Matrix<double>& b) {
+  Matrix<double> m(a.rows() + b.rows(), a.cols());
+  m << a, b;
+  return m;
+}
+
+/// DESIGN.md's bound for the parallel against the recurrent form.
+template <class T>
+double engine_bound() {
+  return std::is_same_v<T, float> ? 2e-5 : 1e-12;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("varlen prefill continues each packed prompt's states as per-head prefills",
+                   "[state_batch][prefill][varlen]", float, double) {
+  using T = TestType;
+  // Prompts of 5, 0, 17 and 1 tokens, H = 3 heads each: state s * H + h. Every state first takes
+  // `pre` steps of its own, so that each prompt continues from a state of its own.
+  const Eigen::Index H = 3, count = kVarlenSequences * H, pre = 3;
+  const std::uint64_t step_seed = 7000;
+  int differing = 0, compared = 0;
+  double worst = 0.0;
+  for (const Kind kind : {Kind::featurized, Kind::elu, Kind::prf}) {
+    const Eigen::Index c = feature_dim(kind);
+    const Matrix<T> q = varlen_rows<T>(
+        H, kDk, 7100, [&](std::uint64_t s) { return inputs<T>(kind, kVarlenTokens, s); });
+    const Matrix<T> k = varlen_rows<T>(
+        H, kDk, 7200, [&](std::uint64_t s) { return inputs<T>(kind, kVarlenTokens, s); });
+    const Matrix<T> v = varlen_rows<T>(
+        H, kDv, 7300, [&](std::uint64_t s) { return gaussian<T>(kVarlenTokens, kDv, s); });
+    for (const double decay : {1.0, 0.95}) {
+      for (const int threads : {1, 2}) {
+        INFO(kind_name(kind) << ", decay = " << decay << ", threads = " << threads);
+        linattn::Options options;
+        options.decay = decay;
+        options.chunk = 4;  // the 17-token prompt spans several chunks
+        options.threads = threads;
+        RecurrentStateBatch<T> batch(count, c, kDv, options);
+        std::vector<RecurrentState<T>> single(static_cast<std::size_t>(count),
+                                              RecurrentState<T>(c, kDv, options));
+        REQUIRE(step_both(kind, batch, single, pre, step_seed) == 0);
+        const std::vector<RecurrentState<T>> before = snapshot(batch);
+        Matrix<T> out = Matrix<T>::Constant(kVarlenTokens, H * kDv, T(-7));
+        const auto ov = HeadsView<T>::bnhd(out.data(), {1, H, kVarlenTokens, kDv});
+        if (kind == Kind::featurized) {
+          batch.prefill_varlen_into(varlen_view(q, H), varlen_view(k, H), varlen_view(v, H),
+                                    linattn::Identity{}, kVarlenOffsets, ov);
+        } else if (kind == Kind::elu) {
+          batch.prefill_varlen_into(varlen_view(q, H), varlen_view(k, H), varlen_view(v, H),
+                                    linattn::EluPlusOne{}, kVarlenOffsets, ov);
+        } else {
+          batch.prefill_varlen_into(varlen_view(q, H), varlen_view(k, H), varlen_view(v, H),
+                                    prf_map(), kVarlenOffsets, ov);
+        }
+        CHECK(out.allFinite());  // every row is some prompt's
+        for (Eigen::Index s = 0; s < kVarlenSequences; ++s) {
+          const Eigen::Index len =
+              kVarlenOffsets[std::size_t(s) + 1] - kVarlenOffsets[std::size_t(s)];
+          for (Eigen::Index h = 0; h < H; ++h) {
+            const Eigen::Index i = s * H + h;
+            const std::size_t si = static_cast<std::size_t>(i);
+            INFO("sequence " << s << ", head " << h);
+            CHECK(batch[i].tokens() == pre + len);
+            if (len == 0) {
+              // The empty prompt leaves its states as the steps left them.
+              CHECK(same_state(batch[i], before[si]));
+              continue;
+            }
+            // The head's prompt through its own state's chunked prefill: bit for bit.
+            RecurrentState<T> state = before[si];
+            const Matrix<T> qs = varlen_head(q, H, s, h), ks = varlen_head(k, H, s, h);
+            const Matrix<T> vs = varlen_head(v, H, s, h);
+            Matrix<T> expected;
+            if (kind == Kind::featurized) {
+              expected = state.prefill(qs, ks, vs, linattn::Identity{});
+            } else if (kind == Kind::elu) {
+              expected = state.prefill(qs, ks, vs, linattn::EluPlusOne{});
+            } else {
+              expected = state.prefill(qs, ks, vs, prf_map());
+            }
+            const Matrix<T> got = varlen_head(out, H, s, h);
+            CHECK(got == expected);
+            CHECK(same_state(batch[i], state));
+            differing += got == expected ? 0 : 1;
+            ++compared;
+            if (kind == Kind::prf) continue;
+            // The naive recurrence over the state's steps and its prompt, in double.
+            Matrix<double> q0(pre, kDk), k0(pre, kDk), v0(pre, kDv);
+            for (Eigen::Index t = 0; t < pre; ++t) {
+              const std::uint64_t seed = step_seed + 3 * static_cast<std::uint64_t>(t);
+              q0.row(t) = inputs<T>(kind, count, seed).row(i).template cast<double>();
+              k0.row(t) = inputs<T>(kind, count, seed + 1).row(i).template cast<double>();
+              v0.row(t) = gaussian<T>(count, kDv, seed + 2).row(i).template cast<double>();
+            }
+            const Matrix<double> naive = linattn_test::recurrent_linear_attention(
+                naive_features(kind, stacked(q0, qs.template cast<double>())),
+                naive_features(kind, stacked(k0, ks.template cast<double>())),
+                stacked(v0, vs.template cast<double>()), true, decay, options.eps, true);
+            const double error = linattn_test::relative_error(got, naive.bottomRows(len));
+            CHECK(error <= engine_bound<T>());
+            worst = std::max(worst, error);
+          }
+        }
+        // Decoding continues from the prefilled states as from the per-head ones.
+        std::vector<RecurrentState<T>> prefilled = snapshot(batch);
+        CHECK(step_both(kind, batch, prefilled, 2, 7500) == 0);
+      }
+    }
+  }
+  CHECK(differing == 0);
+  CHECK(compared == 3 * 2 * 2 * 3 * H);  // kinds x decays x threads x non-empty prompts x heads
+  WARN("varlen prefill vs per-head prefill: "
+       << differing << " of " << compared << " heads differ; vs the naive recurrence " << worst);
+}
+
+TEMPLATE_TEST_CASE("gated varlen prefill continues each packed prompt's states",
+                   "[state_batch][gated][prefill][varlen]", float, double) {
+  using T = TestType;
+  const Eigen::Index H = 2, count = kVarlenSequences * H, pre = 2;
+  const std::uint64_t step_seed = 7600;
+  int differing = 0, compared = 0;
+  double worst = 0.0;
+  for (const Kind kind : {Kind::featurized, Kind::elu, Kind::prf}) {
+    const Eigen::Index c = feature_dim(kind);
+    const Matrix<T> q = varlen_rows<T>(
+        H, kDk, 7700, [&](std::uint64_t s) { return inputs<T>(kind, kVarlenTokens, s); });
+    const Matrix<T> k = varlen_rows<T>(
+        H, kDk, 7800, [&](std::uint64_t s) { return inputs<T>(kind, kVarlenTokens, s); });
+    const Matrix<T> v = varlen_rows<T>(
+        H, kDv, 7900, [&](std::uint64_t s) { return gaussian<T>(kVarlenTokens, kDv, s); });
+    for (const Eigen::Index gate_dim : {Eigen::Index(1), c}) {
+      for (const bool log_space : {true, false}) {
+        for (const int threads : {1, 2}) {
+          INFO(kind_name(kind) << ", gate_dim = " << gate_dim << ", log_space = " << log_space
+                               << ", threads = " << threads);
+          // Log gates in [-0.4, 0]; in log space, token 10 (sequence 2) of head 1 resets.
+          Matrix<T> g = varlen_rows<T>(H, gate_dim, 8000, [&](std::uint64_t s) {
+            return log_gate_rows<T>(kVarlenTokens, gate_dim, s);
+          });
+          if (log_space) {
+            g.block(10, gate_dim, 1, gate_dim).setConstant(-std::numeric_limits<T>::infinity());
+          }
+          const Matrix<T> a = g.array().exp().matrix();
+          linattn::Options options;
+          options.chunk = 4;
+          options.threads = threads;
+          RecurrentStateBatch<T> batch(count, c, kDv, options);
+          std::vector<RecurrentState<T>> single(static_cast<std::size_t>(count),
+                                                RecurrentState<T>(c, kDv, options));
+          std::vector<Matrix<T>> step_gates;
+          for (Eigen::Index t = 0; t < pre; ++t) {
+            step_gates.push_back(log_gate_rows<T>(count, gate_dim, 8100 + std::uint64_t(t)));
+            REQUIRE(gated_step_both(kind, batch, single, step_gates.back(), log_space,
+                                    step_seed + 3 * std::uint64_t(t)) == 0);
+          }
+          const std::vector<RecurrentState<T>> before = snapshot(batch);
+          Matrix<T> out = Matrix<T>::Constant(kVarlenTokens, H * kDv, T(-7));
+          const auto ov = HeadsView<T>::bnhd(out.data(), {1, H, kVarlenTokens, kDv});
+          const HeadsView<const T> qv = varlen_view(q, H), kv = varlen_view(k, H),
+                                   vv = varlen_view(v, H);
+          auto run = [&](const auto& map) {
+            if (log_space) {
+              batch.prefill_varlen_into(qv, kv, vv, linattn::log_gates(varlen_view(g, H)), map,
+                                        kVarlenOffsets, ov);
+            } else {
+              batch.prefill_varlen_into(qv, kv, vv, varlen_view(a, H), map, kVarlenOffsets, ov);
+            }
+            for (Eigen::Index s = 0; s < kVarlenSequences; ++s) {
+              const Eigen::Index len =
+                  kVarlenOffsets[std::size_t(s) + 1] - kVarlenOffsets[std::size_t(s)];
+              for (Eigen::Index h = 0; h < H; ++h) {
+                const Eigen::Index i = s * H + h;
+                const std::size_t si = static_cast<std::size_t>(i);
+                INFO("sequence " << s << ", head " << h);
+                CHECK(batch[i].tokens() == pre + len);
+                if (len == 0) {
+                  CHECK(same_gated_state(batch[i], before[si]));
+                  continue;
+                }
+                RecurrentState<T> state = before[si];
+                const Matrix<T> qs = varlen_head(q, H, s, h), ks = varlen_head(k, H, s, h);
+                const Matrix<T> vs = varlen_head(v, H, s, h);
+                const Matrix<T> gs = varlen_head(g, H, s, h), as = varlen_head(a, H, s, h);
+                const Matrix<T> expected =
+                    log_space ? state.prefill(qs, ks, vs, linattn::log_gates(gs), map)
+                              : state.prefill(qs, ks, vs, as, map);
+                const Matrix<T> got = varlen_head(out, H, s, h);
+                CHECK(got == expected);
+                CHECK(same_gated_state(batch[i], state));
+                differing += got == expected ? 0 : 1;
+                ++compared;
+                if (kind == Kind::prf) continue;
+                // The naive recurrence over the steps and the prompt; a_t as the kernel saw it.
+                Matrix<double> q0(pre, kDk), k0(pre, kDk), v0(pre, kDv), g0(pre, gate_dim);
+                for (Eigen::Index t = 0; t < pre; ++t) {
+                  const std::uint64_t seed = step_seed + 3 * static_cast<std::uint64_t>(t);
+                  q0.row(t) = inputs<T>(kind, count, seed).row(i).template cast<double>();
+                  k0.row(t) = inputs<T>(kind, count, seed + 1).row(i).template cast<double>();
+                  v0.row(t) = gaussian<T>(count, kDv, seed + 2).row(i).template cast<double>();
+                  const Matrix<T> gt = step_gates[std::size_t(t)].row(i);
+                  g0.row(t) = log_space ? gt.template cast<double>()
+                                        : Matrix<double>(Matrix<T>(gt.array().exp().matrix())
+                                                             .template cast<double>()
+                                                             .array()
+                                                             .log()
+                                                             .matrix());
+                }
+                const Matrix<double> gn =
+                    log_space ? Matrix<double>(gs.template cast<double>())
+                              : Matrix<double>(as.template cast<double>().array().log().matrix());
+                const Matrix<double> naive = naive_gated_recurrence(
+                    naive_features(kind, stacked(q0, qs.template cast<double>())),
+                    naive_features(kind, stacked(k0, ks.template cast<double>())),
+                    stacked(v0, vs.template cast<double>()), stacked(g0, gn), options.eps);
+                const double error = linattn_test::relative_error(got, naive.bottomRows(len));
+                CHECK(error <= engine_bound<T>());
+                worst = std::max(worst, error);
+              }
+            }
+          };
+          if (kind == Kind::featurized) run(linattn::Identity{});
+          if (kind == Kind::elu) run(linattn::EluPlusOne{});
+          if (kind == Kind::prf) run(prf_map());
+          // Gated decoding continues from the prefilled states as from the per-head ones.
+          std::vector<RecurrentState<T>> prefilled = snapshot(batch);
+          CHECK(gated_step_both(kind, batch, prefilled, log_gate_rows<T>(count, gate_dim, 8200),
+                                log_space, 8300) == 0);
+        }
+      }
+    }
+  }
+  CHECK(differing == 0);
+  CHECK(compared == 3 * 2 * 2 * 2 * 3 * H);  // kinds x gate widths x spaces x threads x prompts
+  WARN("gated varlen prefill vs per-head prefill: "
+       << differing << " of " << compared << " heads differ; vs the naive recurrence " << worst);
+}
+
+TEMPLATE_TEST_CASE("bonus varlen prefill continues each packed prompt's states",
+                   "[state_batch][gated][bonus][varlen]", float, double) {
+  using T = TestType;
+  // RWKV-6: state s * H + h reads row h of u; two bonus steps first, then the packed prompts.
+  const Eigen::Index H = 2, count = kVarlenSequences * H, pre = 2;
+  const Matrix<T> u = gaussian<T>(H, kDk, 8400);
+  int differing = 0, compared = 0;
+  double worst = 0.0;
+  for (const Kind kind : {Kind::featurized, Kind::elu}) {
+    const Matrix<T> q = varlen_rows<T>(
+        H, kDk, 8500, [&](std::uint64_t s) { return inputs<T>(kind, kVarlenTokens, s); });
+    const Matrix<T> k = varlen_rows<T>(
+        H, kDk, 8600, [&](std::uint64_t s) { return inputs<T>(kind, kVarlenTokens, s); });
+    const Matrix<T> v = varlen_rows<T>(
+        H, kDv, 8700, [&](std::uint64_t s) { return gaussian<T>(kVarlenTokens, kDv, s); });
+    for (const Eigen::Index gate_dim : {Eigen::Index(1), kDk}) {
+      INFO(kind_name(kind) << ", gate_dim = " << gate_dim);
+      Matrix<T> g = varlen_rows<T>(H, gate_dim, 8800, [&](std::uint64_t s) {
+        return log_gate_rows<T>(kVarlenTokens, gate_dim, s);
+      });
+      g.block(12, 0, 1, gate_dim).setConstant(-std::numeric_limits<T>::infinity());  // a reset
+      linattn::Options options;
+      options.normalize = false;
+      options.scale = 0.5;
+      options.chunk = 4;
+      options.threads = 2;
+      RecurrentStateBatch<T> batch(count, kDk, kDv, options);
+      std::vector<RecurrentState<T>> single(static_cast<std::size_t>(count),
+                                            RecurrentState<T>(kDk, kDv, options));
+      auto run = [&](const auto& map) {
+        // The steps' inputs, kept for the naive recurrence.
+        std::vector<Matrix<T>> q0, k0, v0, g0;
+        for (Eigen::Index t = 0; t < pre; ++t) {
+          const std::uint64_t seed = 8900 + 5 * static_cast<std::uint64_t>(t);
+          q0.push_back(inputs<T>(kind, count, seed));
+          k0.push_back(inputs<T>(kind, count, seed + 1));
+          v0.push_back(gaussian<T>(count, kDv, seed + 2));
+          g0.push_back(log_gate_rows<T>(count, gate_dim, seed + 3));
+          Matrix<T> out0(count, kDv);
+          batch.step_into(q0.back(), k0.back(), v0.back(),
+                          linattn::with_bonus(linattn::log_gates(g0.back()), u), map, out0);
+          for (Eigen::Index i = 0; i < count; ++i) {
+            const Matrix<T> uh = u.row(i % H);
+            const Vector<T> expected = single[static_cast<std::size_t>(i)].step(
+                q0.back().row(i), k0.back().row(i), v0.back().row(i),
+                linattn::with_bonus(linattn::log_gates(g0.back().row(i)), uh), map);
+            differing += out0.row(i).transpose() == expected ? 0 : 1;
+          }
+        }
+        const std::vector<RecurrentState<T>> before = snapshot(batch);
+        Matrix<T> out = Matrix<T>::Constant(kVarlenTokens, H * kDv, T(-7));
+        batch.prefill_varlen_into(varlen_view(q, H), varlen_view(k, H), varlen_view(v, H),
+                                  linattn::with_bonus(linattn::log_gates(varlen_view(g, H)), u),
+                                  map, kVarlenOffsets,
+                                  HeadsView<T>::bnhd(out.data(), {1, H, kVarlenTokens, kDv}));
+        for (Eigen::Index s = 0; s < kVarlenSequences; ++s) {
+          const Eigen::Index len =
+              kVarlenOffsets[std::size_t(s) + 1] - kVarlenOffsets[std::size_t(s)];
+          for (Eigen::Index h = 0; h < H; ++h) {
+            const Eigen::Index i = s * H + h;
+            const std::size_t si = static_cast<std::size_t>(i);
+            INFO("sequence " << s << ", head " << h);
+            CHECK(batch[i].tokens() == pre + len);
+            if (len == 0) {
+              CHECK(same_gated_state(batch[i], before[si]));
+              continue;
+            }
+            RecurrentState<T> state = before[si];
+            const Matrix<T> qs = varlen_head(q, H, s, h), ks = varlen_head(k, H, s, h);
+            const Matrix<T> vs = varlen_head(v, H, s, h), gs = varlen_head(g, H, s, h);
+            const Matrix<T> uh = u.row(h);
+            const Matrix<T> expected =
+                state.prefill(qs, ks, vs, linattn::with_bonus(linattn::log_gates(gs), uh), map);
+            const Matrix<T> got = varlen_head(out, H, s, h);
+            CHECK(got == expected);
+            CHECK(same_gated_state(batch[i], state));
+            differing += got == expected ? 0 : 1;
+            ++compared;
+            // FLA's naive_recurrent_rwkv6 over the steps and the prompt, from a zero state.
+            Matrix<double> qn(pre, kDk), kn(pre, kDk), vn(pre, kDv), gn(pre, gate_dim);
+            for (Eigen::Index t = 0; t < pre; ++t) {
+              const std::size_t ti = static_cast<std::size_t>(t);
+              qn.row(t) = q0[ti].row(i).template cast<double>();
+              kn.row(t) = k0[ti].row(i).template cast<double>();
+              vn.row(t) = v0[ti].row(i).template cast<double>();
+              gn.row(t) = g0[ti].row(i).template cast<double>();
+            }
+            Matrix<double> state_h = Matrix<double>::Zero(kDk, kDv);
+            const Matrix<double> naive = linattn_test::naive_rwkv6(
+                naive_features(kind, stacked(qn, qs.template cast<double>())),
+                naive_features(kind, stacked(kn, ks.template cast<double>())),
+                stacked(vn, vs.template cast<double>()), stacked(gn, gs.template cast<double>()),
+                u.row(h).transpose().template cast<double>(), options.scale, state_h);
+            const double error = linattn_test::relative_error(got, naive.bottomRows(len));
+            CHECK(error <= engine_bound<T>());
+            worst = std::max(worst, error);
+          }
+        }
+      };
+      if (kind == Kind::featurized) run(linattn::Identity{});
+      if (kind == Kind::elu) run(linattn::EluPlusOne{});
+    }
+  }
+  CHECK(differing == 0);
+  CHECK(compared == 2 * 2 * 3 * H);  // kinds x gate widths x non-empty prompts x heads
+  WARN("bonus varlen prefill: worst relative error against the naive recurrence " << worst);
+}
+
+TEMPLATE_TEST_CASE("a varlen prefill that throws moves no state", "[state_batch][varlen][errors]",
+                   float, double) {
+  using T = TestType;
+  using Catch::Contains;
+  const Eigen::Index H = 2, count = kVarlenSequences * H, c = kDk;
+  linattn::Options options;
+  options.threads = 2;
+  RecurrentStateBatch<T> batch(count, c, kDv, options);
+  std::vector<RecurrentState<T>> single(static_cast<std::size_t>(count),
+                                        RecurrentState<T>(c, kDv, options));
+  REQUIRE(step_both(Kind::featurized, batch, single, 2, 8950) == 0);
+  const std::vector<RecurrentState<T>> before = snapshot(batch);
+  const auto make_inputs = [](std::uint64_t s) {
+    return inputs<T>(Kind::featurized, kVarlenTokens, s);
+  };
+  const Matrix<T> q = varlen_rows<T>(H, kDk, 9000, make_inputs);
+  const Matrix<T> k = varlen_rows<T>(H, kDk, 9010, make_inputs);
+  const Matrix<T> v = varlen_rows<T>(
+      H, kDv, 9020, [](std::uint64_t s) { return gaussian<T>(kVarlenTokens, kDv, s); });
+  const Matrix<T> g = varlen_rows<T>(
+      H, 1, 9030, [](std::uint64_t s) { return log_gate_rows<T>(kVarlenTokens, 1, s); });
+  Matrix<T> out = Matrix<T>::Constant(kVarlenTokens, H * kDv, T(4));
+  const Matrix<T> out_before = out;
+  const auto qv = varlen_view(q, H), kv = varlen_view(k, H), vv = varlen_view(v, H);
+  const auto ov = HeadsView<T>::bnhd(out.data(), {1, H, kVarlenTokens, kDv});
+  const linattn::Identity id;
+  using Offsets = std::vector<std::int64_t>;
+  const std::string where = "RecurrentStateBatch::prefill_varlen";
+
+  // Offsets that do not split the T = 23 tokens into S = size() / H sequences.
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(qv, kv, vv, id, Offsets{1, 5, 5, 22, 23}, ov),
+                    Contains(where) && Contains("offsets[0] must be 0, got 1"));
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(qv, kv, vv, id, Offsets{0, 5, 4, 22, 23}, ov),
+                    Contains("offsets must not decrease, but offsets[2] = 4 < offsets[1] = 5"));
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(qv, kv, vv, id, Offsets{0, 5, 5, 22, 22}, ov),
+                    Contains("offsets.back() = 22 but the views hold 23 tokens"));
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(qv, kv, vv, id, Offsets{0, 5, 5, 22, 24}, ov),
+                    Contains("offsets.back() = 24"));
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(qv, kv, vv, id, Offsets{0}, ov),
+                    Contains("offsets needs at least 2 entries"));
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(qv, kv, vv, id, Offsets{0, 5, 22, 23}, ov),
+                    Contains(where) &&
+                        Contains("S = 3 sequences, S x H = 6 heads, but the batch holds 8 states"));
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(qv, kv, vv, id, Offsets{0, 1, 2, 5, 5, 22, 23}, ov),
+                    Contains("S x H = 12 heads, but the batch holds 8 states"));
+  // Mismatched views: tokens, widths, features, and a padded batch with offsets.
+  const auto short_k = HeadsView<const T>::bnhd(k.data(), {1, H, kVarlenTokens - 1, kDk});
+  CHECK_THROWS_WITH(
+      batch.prefill_varlen_into(qv, short_k, vv, id, kVarlenOffsets, ov),
+      Contains(where) && Contains("phi_k is [1, 2, 22, 8]") && Contains("B, H and N must match"));
+  const Matrix<T> narrow_v = v.leftCols(H * (kDv - 1));
+  CHECK_THROWS_WITH(
+      batch.prefill_varlen_into(qv, kv, varlen_view(narrow_v, H), id, kVarlenOffsets, ov),
+      Contains("v is [1, 2, 23, 4]"));
+  CHECK_THROWS_WITH(
+      batch.prefill_varlen_into(qv, kv, vv, id, kVarlenOffsets,
+                                HeadsView<T>::bnhd(out.data(), {1, H, kVarlenTokens, kDv - 1})),
+      Contains("out is [1, 2, 23, 4]"));
+  const Matrix<T> narrow_q = q.leftCols(H * (kDk - 1)), narrow_k = k.leftCols(H * (kDk - 1));
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(varlen_view(narrow_q, H), varlen_view(narrow_k, H),
+                                              vv, id, kVarlenOffsets, ov),
+                    Contains("phi_q gives 7 features per token but the states hold 8"));
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(qv, kv, vv, prf_map(), kVarlenOffsets, ov),
+                    Contains("q gives 16 features per token but the states hold 8"));
+  const Eigen::Index half = kVarlenTokens / 2;  // [2, 2, 11, D] views over the same memory
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(HeadsView<const T>::bhnd(q.data(), {2, H, half, kDk}),
+                                              HeadsView<const T>::bhnd(k.data(), {2, H, half, kDk}),
+                                              HeadsView<const T>::bhnd(v.data(), {2, H, half, kDv}),
+                                              id, Offsets{0, 5, 5, 20, 22},
+                                              HeadsView<T>::bhnd(out.data(), {2, H, half, kDv})),
+                    Contains("B must be 1"));
+  // Gates: of the wrong shape, out of range, or on states moved by Options::decay.
+  const Matrix<T> wide_g = Matrix<T>::Constant(kVarlenTokens, H * 3, T(-0.1));
+  CHECK_THROWS_WITH(
+      batch.prefill_varlen_into(qv, kv, vv, linattn::log_gates(varlen_view(wide_g, H)), id,
+                                kVarlenOffsets, ov),
+      Contains(where) && Contains("gates is [1, 2, 23, 3]"));
+  CHECK_THROWS_WITH(batch.prefill_varlen_into(qv, kv, vv, linattn::log_gates(varlen_view(g, H)), id,
+                                              kVarlenOffsets, ov),
+                    Contains("state 0 is moved by Options::decay"));
+  Matrix<T> bad_g = g;
+  bad_g(20, 1) = T(0.5);  // log gate > 0: sequence 2, head 1
+  RecurrentStateBatch<T> fresh(count, c, kDv, options);
+  CHECK_THROWS_WITH(fresh.prefill_varlen_into(qv, kv, vv, linattn::log_gates(varlen_view(bad_g, H)),
+                                              id, kVarlenOffsets, ov),
+                    Contains("gates[b=0, h=1]"));
+  CHECK_THROWS_WITH(
+      fresh.prefill_varlen_into(
+          qv, kv, vv,
+          linattn::with_bonus(linattn::log_gates(varlen_view(g, H)), gaussian<T>(H, c, 9040)), id,
+          kVarlenOffsets, ov),
+      Contains("normalize = false"));
+  linattn::HeadDecays decays{{0.9, 0.8}};
+  RecurrentStateBatch<T> decaying(count, c, kDv, decays);
+  CHECK_THROWS_WITH(decaying.prefill_varlen_into(qv, kv, vv, linattn::log_gates(varlen_view(g, H)),
+                                                 id, kVarlenOffsets, ov),
+                    Contains("Options::decay"));
+  // A NaN in the last token (sequence 3, head 1) and one in the first: found before any work.
+  for (const T poison : {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity()}) {
+    Matrix<T> bad_v = v;
+    bad_v(kVarlenTokens - 1, H * kDv - 1) = poison;
+    CHECK_THROWS_WITH(
+        batch.prefill_varlen_into(qv, kv, varlen_view(bad_v, H), id, kVarlenOffsets, ov),
+        Contains("v[b=0, h=1]") && Contains("row 22, column 4"));
+    Matrix<T> bad_k = k;
+    bad_k(0, 2) = -poison;
+    CHECK_THROWS_WITH(
+        batch.prefill_varlen_into(qv, varlen_view(bad_k, H), vv, id, kVarlenOffsets, ov),
+        Contains("phi_k[b=0, h=0]") && Contains("row 0, column 2"));
+  }
+  // A state of other dimensions, assigned through operator[], stops the whole batch.
+  RecurrentStateBatch<T> odd = batch;
+  odd[5] = RecurrentState<T>(c, kDv + 1, options);
+  CHECK_THROWS_WITH(odd.prefill_varlen_into(qv, kv, vv, id, kVarlenOffsets, ov),
+                    Contains("state 5 is 8 x 6 (C x Dv) but state 0 is 8 x 5"));
+  CHECK(same_state(odd[0], before[0]));
+  CHECK(same_state(odd[7], before[7]));
+
+  CHECK(states_moved(batch, before) == 0);
+  CHECK(fresh[0].tokens() == 0);
+  CHECK(fresh[count - 1].tokens() == 0);
+  CHECK(decaying[0].tokens() == 0);
+  CHECK(out == out_before);
+  // The batch goes on as if nothing had happened.
+  batch.prefill_varlen_into(qv, kv, vv, id, kVarlenOffsets, ov);
+  CHECK(batch[2].tokens() == 2);  // sequence 1 is empty
+  CHECK(batch[4].tokens() == 2 + 17);
+}
+
+// ---------------------------------------------------------------------------------------------
 // DeltaRuleStateBatch: the delta rule's batch of states.
 
 namespace {

@@ -3,6 +3,7 @@
 // delta rule, each in both forms (parallel over whole sequences, recurrent over a batch of states).
 #pragma once
 
+#include <cstdint>
 #include <linattn/config.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/detail/validate.hpp>
@@ -191,6 +192,42 @@ class LinearAttentionLayer {
     check_heads(q, k, v, out, where);
     require_no_decays<Gates>(where);
     states.prefill_into(q, k, v, gates, map_, out);
+  }
+
+  /// Prompts of different lengths packed along N (FLA's cu_seqlens) through the parallel
+  /// form, leaving the states of sequence s (s * H + h) ready to step; an empty prompt leaves
+  /// its states as they are.
+  /// @param states   from make_states(S) for S sequences
+  /// @param q        1 x H x T x Dk queries, T = offsets.back(); k likewise; v 1 x H x T x Dv
+  /// @param offsets  S + 1 nondecreasing offsets from 0 to T
+  /// @param out      1 x H x T x Dv outputs
+  template <class Q, class K, class V, class O>
+  void prefill_varlen_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
+                           const HeadsView<V>& v, const std::vector<std::int64_t>& offsets,
+                           const HeadsView<O>& out) const {
+    check_heads(q, k, v, out, "LinearAttentionLayer::prefill_varlen");
+    states.prefill_varlen_into(q, k, v, map_, offsets, out);
+  }
+
+  /// Gated prompts of different lengths packed along N, as the plain varlen prefill, leaving
+  /// the states ready for gated steps.
+  /// @param states   from make_states(S) for S sequences
+  /// @param q        1 x H x T x Dk queries, T = offsets.back(); k likewise; v 1 x H x T x Dv
+  /// @param gates    1 x H x T x 1 or 1 x H x T x C gates a_t in (0, 1], or log_gates(view); or
+  ///                 with_bonus(either, u) with u H x C (RWKV-6)
+  /// @param offsets  S + 1 nondecreasing offsets from 0 to T
+  /// @param out      1 x H x T x Dv outputs
+  template <class Q, class K, class V, class Gates, class O,
+            class = std::enable_if_t<detail::head_transition<Gates, O>::valid &&
+                                     !std::is_same_v<Gates, HeadDecays>>>
+  void prefill_varlen_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
+                           const HeadsView<V>& v, const Gates& gates,
+                           const std::vector<std::int64_t>& offsets,
+                           const HeadsView<O>& out) const {
+    constexpr const char* where = "LinearAttentionLayer::prefill_varlen";
+    check_heads(q, k, v, out, where);
+    require_no_decays<Gates>(where);
+    states.prefill_varlen_into(q, k, v, gates, map_, offsets, out);
   }
 
   /// One token for each of B sequences; row b * H + h holds head h of sequence b (a [B, H, D]

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <linattn/config.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/detail/parallel.hpp>
@@ -254,7 +255,7 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
             class = detail::enable_if_heads_scalars<Q, K, V, O>>
   void prefill_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const Map& map, const HeadsView<O>& out) {
-    prefill_dispatch(q, k, v, map, out, detail::UniformDecay{});
+    prefill_dispatch(q, k, v, map, out, detail::UniformDecay{}, nullptr);
   }
 
   /// A gated prompt for every state from multi-head views: state b * H + h takes head h of
@@ -272,7 +273,45 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
                                      !std::is_same_v<Gates, HeadDecays>>>
   void prefill_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const Gates& gates, const Map& map, const HeadsView<O>& out) {
-    prefill_dispatch(q, k, v, map, out, detail::head_transition<Gates, O>::read(gates));
+    prefill_dispatch(q, k, v, map, out, detail::head_transition<Gates, O>::read(gates), nullptr);
+  }
+
+  /// Prompts of different lengths packed along N (FLA's cu_seqlens), one per sequence: state
+  /// s * H + h takes head h of sequence s (rows offsets[s] to offsets[s + 1]) and continues
+  /// from where it is, as prefill_into; an empty sequence leaves its states as they are.
+  /// @param q        1 x H x T x Dk queries, T = offsets.back() (features, with Identity)
+  /// @param k        1 x H x T x Dk keys
+  /// @param v        1 x H x T x Dv values
+  /// @param map      feature map (Identity{} for precomputed features)
+  /// @param offsets  S + 1 nondecreasing offsets from 0 to T
+  /// @param out      1 x H x T x Dv outputs, S * H == size() for S sequences
+  template <class Q, class K, class V, class Map, class O,
+            class = detail::enable_if_heads_scalars<Q, K, V, O>>
+  void prefill_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                           const Map& map, const std::vector<std::int64_t>& offsets,
+                           const HeadsView<O>& out) {
+    prefill_dispatch(q, k, v, map, out, detail::UniformDecay{}, &offsets);
+  }
+
+  /// Gated prompts of different lengths packed along N, as the plain varlen prefill: state
+  /// s * H + h takes head h of sequence s with its rows of gates' head h (Options::decay must
+  /// be 1).
+  /// @param q        1 x H x T x Dk queries, T = offsets.back() (features, with Identity)
+  /// @param k        1 x H x T x Dk keys
+  /// @param v        1 x H x T x Dv values
+  /// @param gates    1 x H x T x 1 or 1 x H x T x C gates a_t in (0, 1], or log_gates(view); or
+  ///                 with_bonus(either, u) with u H x C (RWKV-6; normalize false, a plain map)
+  /// @param map      feature map (Identity{} for precomputed features)
+  /// @param offsets  S + 1 nondecreasing offsets from 0 to T
+  /// @param out      1 x H x T x Dv outputs, S * H == size() for S sequences
+  template <class Q, class K, class V, class Gates, class Map, class O,
+            class = detail::enable_if_heads_scalars<Q, K, V, O>,
+            class = std::enable_if_t<detail::head_transition<Gates, O>::valid &&
+                                     !std::is_same_v<Gates, HeadDecays>>>
+  void prefill_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                           const Gates& gates, const Map& map,
+                           const std::vector<std::int64_t>& offsets, const HeadsView<O>& out) {
+    prefill_dispatch(q, k, v, map, out, detail::head_transition<Gates, O>::read(gates), &offsets);
   }
 
  private:
@@ -331,15 +370,18 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
     Base::for_each_state(detail::resolve_threads(options()), body);
   }
 
+  /// The view prefills: checks the map concept, then reads Identity inputs in place as
+  /// features and featurizes any other map chunk by chunk (`offsets` for packed sequences).
   template <class Q, class K, class V, class Map, class O, class Transition>
   void prefill_dispatch(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                        const Map& map, const HeadsView<O>& out, const Transition& transition) {
+                        const Map& map, const HeadsView<O>& out, const Transition& transition,
+                        const std::vector<std::int64_t>* offsets) {
     if constexpr (detail::check_feature_map<Map, Acc>()) {
       if constexpr (detail::is_identity_map<Map>) {
-        prefill_heads(q, k, v, static_cast<const void*>(nullptr), out, transition, "phi_q",
+        prefill_heads(q, k, v, static_cast<const void*>(nullptr), out, transition, offsets, "phi_q",
                       "phi_k");
       } else {
-        prefill_heads(q, k, v, &map, out, transition, "q", "k");
+        prefill_heads(q, k, v, &map, out, transition, offsets, "q", "k");
       }
     }
   }
@@ -347,18 +389,24 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
   template <class Q, class K, class V, class Map, class O, class Transition>
   void prefill_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                      const Map* map, const HeadsView<O>& out, const Transition& transition,
-                     const char* q_name, const char* k_name) {
-    constexpr const char* where = "RecurrentStateBatch::prefill";
+                     const std::vector<std::int64_t>* offsets, const char* q_name,
+                     const char* k_name) {
+    const char* where =
+        offsets ? "RecurrentStateBatch::prefill_varlen" : "RecurrentStateBatch::prefill";
     static_assert(std::is_same_v<O, T>, "RecurrentStateBatch<T>: views must hold T");
     detail::validate_heads(q, k, v, out, value_dim(), options(), where, q_name, k_name);
     if (v.dim() != value_dim()) {
       throw Error(std::string(where) + ": v is " + v.sizes_string() +
                   " but the states hold Dv = " + std::to_string(value_dim()));
     }
-    if (out.batch() * out.heads() != size()) {
+    // B sequences of N tokens, or (offsets, checked) the packed sequences of a B = 1 view.
+    const detail::SequenceRows sequences = detail::sequence_rows(q, offsets, where, q_name);
+    if (sequences.count * out.heads() != size()) {
       throw Error(std::string(where) + ": out is " + out.sizes_string() +
-                  ", B x H = " + std::to_string(out.batch() * out.heads()) +
-                  " heads, but the batch holds " + std::to_string(size()) + " states");
+                  (offsets ? " over S = " + std::to_string(sequences.count) + " sequences, S x H = "
+                           : ", B x H = ") +
+                  std::to_string(sequences.count * out.heads()) + " heads, but the batch holds " +
+                  std::to_string(size()) + " states");
     }
     Eigen::Index features = q.dim();
     if constexpr (!std::is_same_v<Map, void>) features = map->feature_dim(q.dim());
@@ -375,20 +423,24 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
     require_uniform_states(where);
     if constexpr (!std::is_same_v<Transition, detail::UniformDecay>) require_unit_decays(where);
     require_transitions(detail::transition_kind(transition), where);
-    for (const State& state : states_) state.require_token_room(q.tokens(), where);
+    for (Eigen::Index i = 0; i < size(); ++i) {
+      states_[static_cast<std::size_t>(i)].require_token_room(sequences.rows(i / out.heads()),
+                                                              where);
+    }
     detail::scan_transition(transition, detail::resolve_threads(options()), where);
     detail::scan_heads(q, k, v, options(), where, q_name, k_name);
-    // Each state works on a copy and is replaced only when every head succeeded.
+    // Each state works on a copy and is replaced only when every head succeeded; an empty
+    // sequence's heads are not run, so their states stay as they were.
     std::vector<State> next = states_;
-    const detail::SequenceRows sequences{q.batch(), q.tokens(), nullptr};
     detail::for_each_sequence_head(
         q, k, v, out, sequences, options(),
-        [&](Eigen::Index b, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
+        [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
             int threads) {
-          State& state = next[static_cast<std::size_t>(b * out.heads() + h)];
+          State& state = next[static_cast<std::size_t>(s * out.heads() + h)];
+          const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
           detail::with_map(map, [&](const auto& head_map) {
             if constexpr (detail::is_head_bonus<Transition>) {
-              const auto gates = transition.gates.view.head(b, h);
+              const auto gates = transition.gates.view.head(b, h).middleRows(begin, qs.rows());
               if constexpr (Transition::log_space) {
                 state.prefill_bonus(qs, ks, vs, LogGates<std::decay_t<decltype(gates)>>(gates),
                                     transition.u.row(h), head_map, os, threads, where);
@@ -398,7 +450,7 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
               }
             } else {
               Options head_options = options();
-              detail::with_transition(transition, b, h, 0, head_options,
+              detail::with_transition(transition, b, h, begin, head_options,
                                       [&](const detail::GateRows* gates, const Options&) {
                                         detail::with_source<Acc>(
                                             qs, ks, vs, head_map, gates, options().check_finite,
