@@ -429,3 +429,53 @@ TEMPLATE_TEST_CASE("pool errors name what was wrong and change nothing", "[sessi
   pool.reset(8);
   CHECK(pool.state(8, 0, 1).tokens() == 0);
 }
+
+TEMPLATE_TEST_CASE("pool: a packed engine prefill of some sessions equals a batch of them",
+                   "[session_pool][varlen]", float, double) {
+  using T = TestType;
+  using Batch = RecurrentStateBatch<T>;
+  SessionPool<Batch> pool(std::vector<Batch>{gated_heads<T>()});
+  for (Key key : {10, 20, 30}) pool.add(key);
+  // Every session steps once; then prompts of 4 tokens for 20 and 9 for 10, in that order.
+  const Matrix<T> q0 = gaussian<T>(6, kDk, 11).cwiseAbs(), k0 = gaussian<T>(6, kDk, 12).cwiseAbs();
+  const Matrix<T> g0 = (-0.2 * gaussian<T>(6, 1, 13).array().abs()).matrix();
+  pool.step(0, q0, k0, gaussian<T>(6, kDv, 14), linattn::log_gates(g0), linattn::Identity{});
+  const std::vector<std::int64_t> offsets = {0, 4, 13};
+  const Eigen::Index H = 2, tokens = offsets.back();
+  std::vector<T> qd(static_cast<std::size_t>(H * tokens * kDk)), kd(qd.size()),
+      vd(static_cast<std::size_t>(H * tokens * kDv)), gd(static_cast<std::size_t>(H * tokens));
+  std::mt19937_64 random(15);
+  std::normal_distribution<double> normal;
+  for (T& x : qd) x = static_cast<T>(std::abs(normal(random)));
+  for (T& x : kd) x = static_cast<T>(std::abs(normal(random)));
+  for (T& x : vd) x = static_cast<T>(normal(random));
+  for (T& x : gd) x = static_cast<T>(-0.2 * std::abs(normal(random)));
+  const auto q = HeadsView<const T>::bnhd(qd.data(), {1, H, tokens, kDk});
+  const auto k = HeadsView<const T>::bnhd(kd.data(), {1, H, tokens, kDk});
+  const auto v = HeadsView<const T>::bnhd(vd.data(), {1, H, tokens, kDv});
+  const auto g = HeadsView<const T>::bnhd(gd.data(), {1, H, tokens, 1});
+  Batch reference(2 * H, kDk, kDv, gated_heads<T>().options());
+  for (Eigen::Index h = 0; h < H; ++h) {
+    reference[h] = pool.state(20, 0, h);
+    reference[H + h] = pool.state(10, 0, h);
+  }
+  std::vector<T> got(vd.size()), want(vd.size());
+  reference.prefill_varlen_into(q, k, v, linattn::log_gates(g), linattn::Identity{}, offsets,
+                                HeadsView<T>::bnhd(want.data(), {1, H, tokens, kDv}));
+  const auto before = addresses(pool);
+  const RecurrentState<T> untouched = pool.state(30, 0, 1);
+  pool.prefill_varlen_into(0, {20, 10}, q, k, v, linattn::log_gates(g), linattn::Identity{},
+                           offsets, HeadsView<T>::bnhd(got.data(), {1, H, tokens, kDv}));
+  CHECK(got == want);
+  int differing = 0;
+  for (Eigen::Index h = 0; h < H; ++h) {
+    differing += same_state(pool.state(20, 0, h), reference[h]) ? 0 : 1;
+    differing += same_state(pool.state(10, 0, h), reference[H + h]) ? 0 : 1;
+    differing += pool.state(30, 0, h).s().data() == before.at({30, 0, h}) ? 0 : 1;
+  }
+  CHECK(differing == 0);
+  CHECK(same_state(pool.state(30, 0, 1), untouched));
+  CHECK(pool.state(10, 0, 0).tokens() == 10);
+  CHECK(pool.state(20, 0, 0).tokens() == 5);
+  CHECK(pool.state(30, 0, 0).tokens() == 1);
+}
