@@ -479,3 +479,100 @@ TEMPLATE_TEST_CASE("pool: a packed engine prefill of some sessions equals a batc
   CHECK(pool.state(20, 0, 0).tokens() == 5);
   CHECK(pool.state(30, 0, 0).tokens() == 1);
 }
+
+TEMPLATE_TEST_CASE("pool: a whole session as one blob, added back in place or refused whole",
+                   "[session_pool][io]", float, double) {
+  using T = TestType;
+  using Batch = RecurrentStateBatch<T>;
+  using Catch::Matchers::Contains;
+  SessionPool<Batch> pool(std::vector<Batch>{decay_heads<T>(), decay_heads<T>()});
+  pool.add(1);
+  for (std::uint64_t t = 0; t < 4; ++t) {
+    for (Eigen::Index l = 0; l < 2; ++l) {
+      pool.step(l, gaussian<T>(3, kDk, 80 + t), gaussian<T>(3, kDk, 90 + t),
+                gaussian<T>(3, kDv, 100 + t), linattn::EluPlusOne{});
+    }
+  }
+  const std::vector<std::uint8_t> blob = pool.save_bytes(1, linattn::EluPlusOne{});
+  std::stringstream stream;
+  pool.save(1, stream, linattn::EluPlusOne{});
+  CHECK(stream.str() == std::string(blob.begin(), blob.end()));
+  // Another server (a fresh pool of the same model) takes the session from the blob.
+  SessionPool<Batch> other(std::vector<Batch>{decay_heads<T>(), decay_heads<T>()});
+  other.add(5);
+  CHECK(other.add_bytes(1, blob.data(), blob.size(), linattn::EluPlusOne{}) == 1);
+  SessionPool<Batch> third(std::vector<Batch>{decay_heads<T>(), decay_heads<T>()});
+  CHECK(third.add(1, stream, linattn::EluPlusOne{}) == 0);
+  int differing = 0;
+  for (Eigen::Index l = 0; l < 2; ++l) {
+    for (Eigen::Index h = 0; h < 3; ++h) {
+      differing += same_state(other.state(1, l, h), pool.state(1, l, h)) ? 0 : 1;
+      differing += same_state(third.state(1, l, h), pool.state(1, l, h)) ? 0 : 1;
+    }
+  }
+  CHECK(differing == 0);
+  // It steps on as the original, bit for bit, through the named-session step.
+  const Matrix<T> q = gaussian<T>(3, kDk, 110), k = gaussian<T>(3, kDk, 111);
+  const Matrix<T> v = gaussian<T>(3, kDv, 112);
+  Matrix<T> a(3, kDv), b(3, kDv);
+  pool.step_into(0, q, k, v, linattn::EluPlusOne{}, a);
+  other.step_sessions_into(0, {1}, q, k, v, linattn::EluPlusOne{}, b);
+  CHECK(a == b);
+  CHECK(other.state(5, 0, 0).tokens() == 0);  // the session not named did not move
+  // Refused whole, nothing added: a byte more, a byte less, a flipped byte, another model.
+  std::vector<std::uint8_t> longer = blob;
+  longer.push_back(0);
+  CHECK_THROWS_WITH(third.add_bytes(2, longer.data(), longer.size(), linattn::EluPlusOne{}),
+                    Contains("1 bytes after"));
+  CHECK_THROWS_AS(third.add_bytes(2, blob.data(), blob.size() - 1, linattn::EluPlusOne{}),
+                  linattn::Error);
+  std::vector<std::uint8_t> flipped = blob;
+  flipped[blob.size() / 2] ^= 0x10;
+  CHECK_THROWS_AS(third.add_bytes(2, flipped.data(), flipped.size(), linattn::EluPlusOne{}),
+                  linattn::Error);
+  SessionPool<Batch> gated(std::vector<Batch>{decay_heads<T>(), gated_heads<T>()});
+  CHECK_THROWS_AS(gated.add_bytes(2, blob.data(), blob.size(), linattn::EluPlusOne{}),
+                  linattn::Error);
+  CHECK_THROWS_WITH(third.add_bytes(1, blob.data(), blob.size(), linattn::EluPlusOne{}),
+                    Contains("already live"));
+  CHECK(third.keys() == std::vector<Key>{1});
+  CHECK(gated.size() == 0);
+  CHECK_FALSE(third.contains(2));
+}
+
+TEMPLATE_TEST_CASE("pool: a step of named sessions moves only them", "[session_pool]", float,
+                   double) {
+  using T = TestType;
+  using Batch = DeltaRuleStateBatch<T>;
+  using State = DeltaRuleState<T>;
+  DeltaOptions options;
+  options.l2_normalize = true;
+  SessionPool<Batch> pool(1, Batch(2, kDk, kDv, options));
+  for (Key key : {4, 5, 6}) pool.add(key);
+  const State fresh(kDk, kDv, options);
+  std::map<Key, std::vector<State>> alone;
+  for (Key key : {4, 5, 6}) alone[key] = std::vector<State>(2, fresh);
+  int differing = 0;
+  for (std::uint64_t t = 0; t < 5; ++t) {
+    // Sessions 6 and 4 (in that order) take a token; session 5 waits.
+    const Matrix<T> q = gaussian<T>(4, kDk, 120 + t), k = gaussian<T>(4, kDk, 130 + t);
+    const Matrix<T> v = gaussian<T>(4, kDv, 140 + t);
+    const Vector<T> beta = Vector<T>::Constant(4, T(0.5));
+    Matrix<T> out(4, kDv);
+    pool.step_sessions_into(0, {6, 4}, q, k, v, beta, out);
+    const Key order[2] = {6, 4};
+    for (Eigen::Index r = 0; r < 4; ++r) {
+      const Vector<T> want = alone[order[r / 2]][static_cast<std::size_t>(r % 2)].step(
+          q.row(r), k.row(r), v.row(r), T(0.5));
+      differing += out.row(r).transpose() == want ? 0 : 1;
+    }
+  }
+  CHECK(differing == 0);
+  for (Key key : {4, 5, 6}) {
+    for (Eigen::Index h = 0; h < 2; ++h) {
+      CHECK(same_state(pool.state(key, 0, h), alone[key][static_cast<std::size_t>(h)]));
+    }
+  }
+  CHECK(pool.state(5, 0, 1).tokens() == 0);
+  CHECK(pool.state(4, 0, 1).tokens() == 5);
+}

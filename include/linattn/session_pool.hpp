@@ -3,11 +3,13 @@
 // dropped and reordered without copying the others, stepped one layer at a time in one call.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <istream>
 #include <linattn/config.hpp>
 #include <linattn/detail/state_batch.hpp>
 #include <linattn/state_batch.hpp>
+#include <linattn/state_io.hpp>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -93,26 +95,44 @@ class SessionPool {
   /// Adds a new session at the end, with each layer's fresh states; throws if `key` is live.
   /// @return its position, size() - 1
   Eigen::Index add(Key key) {
+    require_new(key, "SessionPool::add");
+    std::vector<std::vector<State>> states;
+    states.reserve(fresh_.size());
+    for (const Batch& layer : fresh_) states.push_back(states_of(layer));
+    return insert(key, states);
+  }
+
+  /// Adds session `key` at the end with the states save(key, os, args...) wrote, every layer's
+  /// heads read (and checked, as `load` checks them) before the session is added: a throwing
+  /// call changes nothing.
+  /// @param is    a stream positioned at the session; read up to its last state's last byte
+  /// @param args  what State::load takes before the options (RecurrentState: the map)
+  /// @return      its position, size() - 1
+  template <class... Args>
+  Eigen::Index add(Key key, std::istream& is, const Args&... args) {
     constexpr const char* where = "SessionPool::add";
-    if (contains(key)) {
-      throw Error(std::string(where) + ": session " + std::to_string(key) + " is already live");
+    require_new(key, where);
+    std::vector<std::vector<State>> states = read_session(is, args...);
+    return insert(key, states);
+  }
+
+  /// As add(key, is, args...) from a blob in caller memory (a database column), read in place
+  /// and refused unless it holds the session's states and nothing after them.
+  /// @param data  the blob's first byte, as save_bytes(key, args...) wrote it
+  /// @param size  its length in bytes
+  template <class... Args>
+  Eigen::Index add_bytes(Key key, const void* data, std::size_t size, const Args&... args) {
+    constexpr const char* where = "SessionPool::add_bytes";
+    require_new(key, where);
+    detail::ByteSource source(data, size);
+    std::istream is(&source);
+    std::vector<std::vector<State>> states = read_session(is, args...);
+    if (source.left() != 0) {
+      throw Error(std::string(where) + ": the blob holds " + std::to_string(source.left()) +
+                  " bytes after the session's states (" + std::to_string(size) +
+                  " in all): not one saved session of this pool's layers and heads");
     }
-    const std::size_t count = keys_.size();
-    std::size_t grown = 0;
-    try {
-      for (; grown < live_.size(); ++grown) {
-        const std::vector<State>& heads = states_of(fresh_[grown]);
-        live_[grown].insert(live_[grown].end(), heads.begin(), heads.end());
-      }
-      keys_.push_back(key);
-      positions_.emplace(key, static_cast<Eigen::Index>(count));
-    } catch (...) {
-      // Out of memory part way: every layer back to the sessions it had.
-      for (std::size_t l = 0; l < live_.size(); ++l) truncate(l, count);
-      keys_.resize(count);
-      throw;
-    }
-    return static_cast<Eigen::Index>(count);
+    return insert(key, states);
   }
 
   /// Removes session `key`; the sessions after it move up one position, their states where
@@ -181,6 +201,24 @@ class SessionPool {
     for (std::size_t j = 0; j < heads_of(l); ++j) live_[l][at * heads_of(l) + j].save(os, args...);
   }
 
+  /// Writes every layer's states of session `key`, layer by layer, head by head: what
+  /// add(key, is, args...) reads back.
+  /// @param args  what State::save takes after the stream (RecurrentState: the map)
+  template <class... Args>
+  void save(Key key, std::ostream& os, const Args&... args) const {
+    for (Eigen::Index l = 0; l < layers(); ++l) save(key, l, os, args...);
+  }
+
+  /// The bytes save(key, os, args...) writes: a session as one database blob.
+  template <class... Args>
+  std::vector<std::uint8_t> save_bytes(Key key, const Args&... args) const {
+    std::vector<std::uint8_t> bytes;
+    detail::ByteSink sink(bytes);
+    std::ostream os(&sink);
+    save(key, os, args...);
+    return bytes;
+  }
+
   /// Replaces session `key`'s H states of layer `layer` with ones `save` wrote. Each head loads
   /// as State::load(is, args..., options) with that head's fresh options, which checks them
   /// (and the feature map, for a RecurrentState); every head is read before any is replaced.
@@ -216,6 +254,16 @@ class SessionPool {
     Matrix<Scalar> out(size() * heads(layer), states_of(fresh_[l]).front().value_dim());
     step_into(layer, std::forward<Args>(args)..., out);
     return out;
+  }
+
+  /// One token for the sessions named only (the others stay as they are): the batch's
+  /// step_into(args...) on their states, session sessions[b]'s heads at rows b * H + h.
+  /// @param sessions  B distinct live keys
+  /// @param args      as the batch's step_into, with B * H rows (or grouped)
+  template <class... Args>
+  void step_sessions_into(Eigen::Index layer, const std::vector<Key>& sessions, Args&&... args) {
+    lend_some(layer, sessions, "SessionPool::step_sessions",
+              [&](Batch& batch) { batch.step_into(std::forward<Args>(args)...); });
   }
 
   /// Prompts of equal length for the sessions named, through the chunked form: the batch's
@@ -295,12 +343,43 @@ class SessionPool {
     return at;
   }
 
-  /// Layer `layer` back to its first `count` sessions.
-  void truncate(std::size_t layer, std::size_t count) {
-    std::vector<State>& states = live_[layer];
-    const std::size_t keep = count * heads_of(layer);
-    if (states.size() > keep)
-      states.erase(states.begin() + static_cast<std::ptrdiff_t>(keep), states.end());
+  void require_new(Key key, const char* where) const {
+    if (contains(key)) {
+      throw Error(std::string(where) + ": session " + std::to_string(key) + " is already live");
+    }
+  }
+
+  /// Every layer's heads of one session as save(key, os, args...) wrote them, each loaded with
+  /// its head's fresh options.
+  template <class... Args>
+  std::vector<std::vector<State>> read_session(std::istream& is, const Args&... args) const {
+    std::vector<std::vector<State>> states(fresh_.size());
+    for (std::size_t l = 0; l < fresh_.size(); ++l) {
+      states[l].reserve(heads_of(l));
+      for (const State& head : states_of(fresh_[l])) {
+        states[l].push_back(State::load(is, args..., head.options()));
+      }
+    }
+    return states;
+  }
+
+  /// Appends session `key` with `states` (per layer, its H states), moved in. Everything that
+  /// can throw (allocations) happens before the first change.
+  Eigen::Index insert(Key key, std::vector<std::vector<State>>& states) {
+    const std::size_t count = keys_.size();
+    // Room grows geometrically; a reallocation moves the states' handles, never S or z.
+    const auto make_room = [](auto& v, std::size_t more) {
+      if (v.capacity() < v.size() + more) v.reserve(std::max(v.size() + more, 2 * v.capacity()));
+    };
+    for (std::size_t l = 0; l < live_.size(); ++l) make_room(live_[l], heads_of(l));
+    make_room(keys_, 1);
+    positions_.emplace(key, static_cast<Eigen::Index>(count));
+    // Nothing below throws: moves into reserved room.
+    for (std::size_t l = 0; l < live_.size(); ++l) {
+      for (State& state : states[l]) live_[l].push_back(std::move(state));
+    }
+    keys_.push_back(key);
+    return static_cast<Eigen::Index>(count);
   }
 
   /// Swaps `states` into layer `layer`'s batch for body(batch), and back whatever happens.
