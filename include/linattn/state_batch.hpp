@@ -679,10 +679,14 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
                        [](const State& state) { return state.options().check_finite; });
   }
 
-  /// body(i) for every state, the states split in equal blocks across the threads.
+  /// body(i) for every state, the states split in equal blocks across the threads; past
+  /// kPrefetchBytes of states, each fetching the next one's S while it runs (which costs up to
+  /// a tenth of a step whose states are in cache, and saves a quarter past the L3).
   template <class Body>
   void for_each_state(const Body& body) {
-    Base::for_each_state(detail::resolve_threads(detail::engine_options(options())), body);
+    constexpr std::size_t kPrefetchBytes = std::size_t(16) << 20;
+    Base::for_each_state(detail::resolve_threads(detail::engine_options(options())), body,
+                         this->state_bytes() > kPrefetchBytes);
   }
 
   /// The view prefills (`gates` null for DeltaNet, `offsets` for packed sequences).
