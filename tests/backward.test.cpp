@@ -250,7 +250,9 @@ TEMPLATE_TEST_CASE("chunked backward matches a naive reverse-mode reference", "[
     const Matrix<double> qd = q.template cast<double>(), kd = k.template cast<double>();
     const Matrix<double> vd = v.template cast<double>(), gd = grad_out.template cast<double>();
     for (const bool causal : {true, false}) {
-      for (const double decay : {1.0, 0.97}) {
+      // Strong decays split each chunk into pieces whose weights stay in range (0.3: about
+      // 33 tokens in float; 1e-3: 5 in float, 43 in double).
+      for (const double decay : {1.0, 0.97, 0.3, 1e-3}) {
         if (!causal && decay != 1.0) continue;
         for (const bool normalize : {true, false}) {
           // The reference is O(N^2): at N = 4096 only the default settings.
@@ -273,7 +275,12 @@ TEMPLATE_TEST_CASE("chunked backward matches a naive reverse-mode reference", "[
                 n == 1 ? scaled_error(got, want, magnitude) : worst_error(got, want);
             INFO("N = " << n << ", causal = " << causal << ", decay = " << decay
                         << ", normalize = " << normalize << ", chunk = " << chunk);
-            CHECK(error <= reference_tolerance<T>());
+            // With decay 1e-3 each output is nearly its own token's v, so d phi_q's two terms
+            // (S_t G_t / d_t and z_t g_t) cancel to about 1e-3 of their size: float keeps
+            // fewer correct digits of the difference (double passes the plain bound).
+            const double tolerance = normalize && decay < 0.01 ? 50 * reference_tolerance<T>()
+                                                               : reference_tolerance<T>();
+            CHECK(error <= tolerance);
             worst = std::max(worst, error);
           }
         }

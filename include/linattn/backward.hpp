@@ -7,6 +7,7 @@
 #include <limits>
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
+#include <linattn/detail/gradient_stream.hpp>
 #include <linattn/detail/openmp.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
@@ -18,21 +19,21 @@
 #include <type_traits>
 #include <utility>
 
-/// The backward pass reuses the forward kernel. With V' = [v, 1] and G' the gradient of the
-/// loss with respect to [numerator, denominator] of every row,
+/// The causal backward is two streamed passes (detail/gradient_stream.hpp). With
+/// G'_i = d loss / d [numerator, denominator] of row i and V' = [v, 1],
 ///
-///     d phi_q_i = sum_{j<=i} g^(i-j) (G'_i . V'_j) phi_k_j     a causal pass (G', V', phi_k)
-///     d phi_k_j = sum_{i>=j} g^(i-j) (G'_i . V'_j) phi_q_i     a reversed pass (V', G', phi_q)
-///     d v_j     = sum_{i>=j} g^(i-j) (phi_q_i . phi_k_j) G_i   a reversed pass (phi_k, phi_q, G)
+///     d phi_q_i = sum_{j<=i} A_ij (G'_i . V'_j) phi_k_j     the forward pass (state S recomputed)
+///     d phi_k_j = sum_{i>=j} A_ij (G'_i . V'_j) phi_q_i     the reversed pass (state dS)
+///     d v_j     = sum_{i>=j} A_ij (phi_q_i . phi_k_j) G_i   the reversed pass
 ///
-/// so it runs in O(N C Dv) time on the chunked kernel (four passes in all, with the forward
-/// recomputed) and keeps no per-token state: each pass carries one state across its chunks.
+/// A_ij the transition from token j to i, so it runs in O(N C Dv) time, 6 C Dv FMAs a token in
+/// all (5 without normalize) against the forward's 2, and keeps no per-token state but G'.
 namespace linattn {
 
 namespace detail {
 
 /// The gates of a whole sequence as log a_t in double, N x G: what the gated backward's
-/// passes read forwards and, through reversed(), backwards.
+/// passes read.
 class SequenceGates final : public GateRows {
  public:
   /// Reads every gate of `gates` (a_t, or log_gates(g)).
@@ -43,16 +44,6 @@ class SequenceGates final : public GateRows {
     GateMatrix<G>(gates).log_rows(0, logs_.rows(), logs_);
   }
 
-  /// The gates of the anti-causal passes, which run over the reversed sequence:
-  /// dS_t = ... + diag(a_{t+1}) dS_{t+1}, so reversed token r is moved by a_{N-r}, the first by 1.
-  SequenceGates reversed() const {
-    const Eigen::Index n = logs_.rows();
-    LogRows logs(n, cols());
-    logs.row(0).setZero();
-    logs.bottomRows(n - 1) = logs_.bottomRows(n - 1).colwise().reverse();
-    return SequenceGates(std::move(logs));
-  }
-
   /// N x G: log a_t of every token.
   const LogRows& logs() const { return logs_; }
 
@@ -61,103 +52,8 @@ class SequenceGates final : public GateRows {
   }
 
  private:
-  explicit SequenceGates(LogRows logs) : GateRows(logs.cols()), logs_(std::move(logs)) {}
-
   LogRows logs_;
 };
-
-/// One unnormalized causal pass, out_i = sum_{j<=i} A_ij (q_i . k_j) v_j, or with `reversed`
-/// the anti-causal one, out_j = sum_{i>=j} A_ij (q_i . k_j) v_i, where A_ij is the transition
-/// from token j to token i: g^(i-j) for Options::decay, or the product of the gates between
-/// them (given, with `reversed`, as the reversed gates). The arguments are expressions that
-/// live for the whole call.
-template <class Acc, class DQ, class DK, class DV, class Out>
-void causal_pass(const DQ& q, const DK& k, const DV& v, Out out, const Options& inner,
-                 bool reversed, const GateRows* gates = nullptr) {
-  auto run = [&](ChunkSource<Acc>& source) {
-    if (gates != nullptr) source.attach_gates(*gates);
-    run_attention<true>(source, out, inner);
-  };
-  if (!reversed) {
-    FeaturizedSource<Acc, DQ, DK, DV> source(q, k, v);
-    run(source);
-    return;
-  }
-  using RQ = Eigen::Reverse<const DQ, Eigen::Vertical>;
-  using RK = Eigen::Reverse<const DK, Eigen::Vertical>;
-  using RV = Eigen::Reverse<const DV, Eigen::Vertical>;
-  const RQ rq(q);
-  const RK rk(k);
-  const RV rv(v);
-  FeaturizedSource<Acc, RQ, RK, RV> source(rq, rk, rv);
-  run(source);
-  out.colwise().reverseInPlace();
-}
-
-/// out_t = sum_{j<=t} (q_t . k_j) diag(a_{j+1} ... a_t) v_j: per-feature gates on the output
-/// index (the backward's d phi_q and d phi_k), which the forward's kernel does not have. The
-/// engine's plain stream runs over pieces within which every feature's log gates sum to at
-/// least -kStreamLogRange: with e_t the sum since the piece's first token, v_j is weighted by
-/// exp(-e_j) and output t by exp(e_t), and the carried state's columns move between pieces.
-template <class Acc, class DQ, class DK, class DV>
-void value_gated_causal(const DQ& q, const DK& k, const DV& v, const LogRows& logs,
-                        Eigen::Ref<Matrix<Acc>> out, const Options& inner) {
-  const Eigen::Index n = q.rows();
-  const Eigen::Index c = v.cols();
-  const Eigen::Index most = std::min(n, 8 * std::max<Eigen::Index>(1, inner.chunk));
-  ChunkedKernel<Acc, Acc> kernel(q.cols(), c, most, inner);
-  CarriedState<Acc> state(q.cols(), c);
-  Matrix<Acc> weighted(most, c);
-  LogRows rise(most, c);  // e_t, rows of the piece
-  Eigen::Array<Acc, 1, Eigen::Dynamic> factor(c);
-  auto move_state = [&](const auto& log_factor) {
-    factor = log_factor.exp().template cast<Acc>();  // a reset, -infinity, gives 0
-    state.s.array().rowwise() *= factor;
-  };
-  for (Eigen::Index first = 0, len = 0; first < n; first += len) {
-    move_state(logs.row(first));
-    rise.row(0).setZero();
-    for (len = 1; first + len < n && len < most; ++len) {
-      rise.row(len) = rise.row(len - 1) + logs.row(first + len);
-      if (!(rise.row(len).minCoeff() >= -kStreamLogRange<Acc>)) break;
-    }
-    weighted.topRows(len) = (v.middleRows(first, len).template cast<Acc>().array() *
-                             (-rise.topRows(len)).exp().template cast<Acc>())
-                                .matrix();
-    using Weighted = Eigen::Block<Matrix<Acc>, Eigen::Dynamic, Eigen::Dynamic, true>;
-    using RowsQ = decltype(q.middleRows(first, len));
-    using RowsK = decltype(k.middleRows(first, len));
-    const RowsQ rows_q = q.middleRows(first, len);
-    const RowsK rows_k = k.middleRows(first, len);
-    const Weighted rows_v = weighted.topRows(len);
-    const FeaturizedSource<Acc, RowsQ, RowsK, Weighted> source(rows_q, rows_k, rows_v);
-    kernel.causal(source, state, OutRows<Acc>(out.middleRows(first, len)));
-    out.middleRows(first, len).array() *= rise.topRows(len).exp().template cast<Acc>();
-    move_state(rise.row(len - 1));
-  }
-}
-
-/// One pass of the backward: causal_pass, or value_gated_causal where per-feature gates scale
-/// the output index (`gate_on_output`: d phi_q and d phi_k), reversed alike.
-template <class Acc, class DQ, class DK, class DV, class Out>
-void gradient_pass(const DQ& q, const DK& k, const DV& v, Out out, const Options& inner,
-                   bool reversed, const SequenceGates* gates, bool gate_on_output) {
-  if (gates == nullptr || gates->cols() == 1 || !gate_on_output) {
-    causal_pass<Acc>(q, k, v, out, inner, reversed, gates);
-    return;
-  }
-  if constexpr (std::is_same_v<typename Out::Scalar, Acc>) {
-    if (!reversed) {
-      value_gated_causal<Acc>(q, k, v, gates->logs(), out, inner);
-      return;
-    }
-    value_gated_causal<Acc>(q.colwise().reverse(), k.colwise().reverse(), v.colwise().reverse(),
-                            gates->logs(), out, inner);
-    out.colwise().reverseInPlace();
-  } else {
-    LINATTN_ASSERT(false && "the gated backward computes its gradients in the accumulation type");
-  }
-}
 
 /// Turns the rows [num, den] of the unnormalized forward over [v, 1] into G' = [d num, d den]
 /// for grad_out, mirroring the forward's denominator guard: where it clamped d, or eps = 0
@@ -208,51 +104,26 @@ void require_gradient_shape(const Out& grad, Eigen::Index rows, Eigen::Index col
   }
 }
 
-/// The causal backward on validated inputs, every pass in Acc. Options::scale s multiplies
-/// phi_q, so it multiplies every pass's output: each gradient is linear in s. With gates
-/// (`gates` and `reversed_gates`, its reversed()) the outputs must be in Acc.
-template <class Acc, class DQ, class DK, class DV, class DG, class T>
-void causal_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<DK>& phi_k,
+/// The causal backward on validated inputs: the fused two-pass stream (GradientStream), in
+/// Acc, over q and k as features (Identity) or through `map` chunk by chunk, with `gates`
+/// (their log rows) or Options::decay moving the state, and `scratch` (or buffers of its own)
+/// as its workspace. Options::scale s multiplies phi_q.
+template <class Acc, class DQ, class DK, class DV, class DG, class OutQ, class OutK, class OutV,
+          class Map = Identity>
+void causal_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                      const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& grad_out,
-                     Eigen::Ref<Matrix<T>> grad_phi_q, Eigen::Ref<Matrix<T>> grad_phi_k,
-                     Eigen::Ref<Matrix<T>> grad_v, const Options& options,
-                     const SequenceGates* gates = nullptr,
-                     const SequenceGates* reversed_gates = nullptr) {
-  Options inner = options;
-  inner.normalize = false;
-  inner.check_finite = false;
-  if (!options.normalize) {
-    gradient_pass<Acc>(grad_out.template cast<Acc>(), v.template cast<Acc>(),
-                       phi_k.template cast<Acc>(), grad_phi_q, inner, false, gates, true);
-    gradient_pass<Acc>(v.template cast<Acc>(), grad_out.template cast<Acc>(),
-                       phi_q.template cast<Acc>(), grad_phi_k, inner, true, reversed_gates, true);
-    gradient_pass<Acc>(phi_k.template cast<Acc>(), phi_q.template cast<Acc>(),
-                       grad_out.template cast<Acc>(), grad_v, inner, true, reversed_gates, false);
-    return;
-  }
-  const Eigen::Index n = v.rows();
-  const Eigen::Index dv = v.cols();
-  // Rows padded to whole cache lines: the kernel streams [v, 1] and G' by rows, and a row
-  // stride of Dv + 1 puts most rows across line boundaries.
-  constexpr Eigen::Index kLine = 64 / sizeof(Acc);
-  const Eigen::Index stride = (dv + 1 + kLine - 1) / kLine * kLine;
-  using Rows = Eigen::Block<Matrix<Acc>, Eigen::Dynamic, Eigen::Dynamic, false>;
-  Matrix<Acc> values_storage(n, stride);
-  Matrix<Acc> grads_storage(n, stride);
-  const Rows values(values_storage, 0, 0, n, dv + 1);
-  const Rows grads(grads_storage, 0, 0, n, dv + 1);
-  values_storage.leftCols(dv) = v.template cast<Acc>();
-  values_storage.col(dv).setOnes();
-  causal_pass<Acc>(phi_q.template cast<Acc>(), phi_k.template cast<Acc>(), values,
-                   Eigen::Ref<Matrix<Acc>>(grads_storage.leftCols(dv + 1)), inner, false, gates);
-  normalization_gradients<Acc>(grads_storage.leftCols(dv + 1), grad_out, options.eps);
-  gradient_pass<Acc>(grads, values, phi_k.template cast<Acc>(), grad_phi_q, inner, false, gates,
-                     true);
-  gradient_pass<Acc>(values, grads, phi_q.template cast<Acc>(), grad_phi_k, inner, true,
-                     reversed_gates, true);
-  const Rows grad_num(grads_storage, 0, 0, n, dv);
-  gradient_pass<Acc>(phi_k.template cast<Acc>(), phi_q.template cast<Acc>(), grad_num, grad_v,
-                     inner, true, reversed_gates, false);
+                     OutQ&& grad_q, OutK&& grad_k, OutV&& grad_v, const Options& options,
+                     const SequenceGates* gates = nullptr, GradientScratch<Acc>* scratch = nullptr,
+                     const Map& map = {}, const char* where = "") {
+  const FeatureChunks<Acc, DQ, DK, Map> features(q.derived(), k.derived(), map);
+  const Eigen::Index feature_dim = is_identity_map<Map> ? q.cols() : map.feature_dim(q.cols());
+  GradientScratch<Acc> own;
+  GradientStream<Acc> stream(feature_dim, v.cols(), options,
+                             gates != nullptr ? &gates->logs() : nullptr,
+                             scratch != nullptr ? *scratch : own, v.rows());
+  features.require_finite(stream.chunk(), where);
+  stream.forward_pass(features, v, grad_out, grad_q);
+  stream.reversed_pass(features, v, grad_out, grad_k, grad_v);
 }
 
 /// The non-causal backward on validated inputs: five GEMMs through C x (Dv + 1) sums.
@@ -308,8 +179,7 @@ void featurized_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matrix
   require_gradient_shape(grad_phi_k, phi_k.rows(), phi_k.cols(), where, "grad_phi_k");
   require_gradient_shape(grad_v, v.rows(), v.cols(), where, "grad_v");
   if (causal) {
-    causal_backward<A, DQ, DK, DV, DG, T>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k, grad_v,
-                                          options);
+    causal_backward<A>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k, grad_v, options);
   } else {
     non_causal_backward<A, DQ, DK, DV, DG, T>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k,
                                               grad_v, options);
@@ -347,6 +217,12 @@ void mapped_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   require_gradient_shape(grad_q, q.rows(), q.cols(), where, "grad_q");
   require_gradient_shape(grad_k, k.rows(), k.cols(), where, "grad_k");
   require_gradient_shape(grad_v, v.rows(), v.cols(), where, "grad_v");
+  if (causal) {
+    // Featurized, and carried back through the map, a chunk at a time: no N-row temporaries.
+    causal_backward<A>(q, k, v, grad_out, grad_q, grad_k, grad_v, options, nullptr, nullptr, map,
+                       where);
+    return;
+  }
   const Matrix<A> raw_q = q.template cast<A>();
   const Matrix<A> raw_k = k.template cast<A>();
   const Matrix<A> phi_q = backward_features(map, raw_q, false, where);
@@ -354,13 +230,8 @@ void mapped_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   Matrix<A> grad_phi_q(phi_q.rows(), phi_q.cols());
   Matrix<A> grad_phi_k(phi_k.rows(), phi_k.cols());
   Matrix<A> grad_values(v.rows(), v.cols());
-  if (causal) {
-    causal_backward<A, Matrix<A>, Matrix<A>, DV, DG, A>(phi_q, phi_k, v, grad_out, grad_phi_q,
-                                                        grad_phi_k, grad_values, options);
-  } else {
-    non_causal_backward<A, Matrix<A>, Matrix<A>, DV, DG, A>(phi_q, phi_k, v, grad_out, grad_phi_q,
-                                                            grad_phi_k, grad_values, options);
-  }
+  non_causal_backward<A, Matrix<A>, Matrix<A>, DV, DG, A>(phi_q, phi_k, v, grad_out, grad_phi_q,
+                                                          grad_phi_k, grad_values, options);
   grad_q = map.backward(raw_q, grad_phi_q).template cast<T>();
   grad_k = map.backward(raw_k, grad_phi_k).template cast<T>();
   grad_v = grad_values.template cast<T>();
@@ -429,18 +300,14 @@ void gated_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>&
     validate_gates(gates, q.rows(), features ? q.cols() : map.feature_dim(q.cols()), options,
                    where);
     const SequenceGates forward(gates);
-    const SequenceGates backward = forward.reversed();
     GatedAttentionGradients<T> result;
     Matrix<A> dq;  // the feature gradients in A: the gate gradients are sums of their products
     Matrix<A> dk;
     auto run = [&](const auto& phi_q, const auto& phi_k) {
-      using PQ = std::decay_t<decltype(phi_q)>;
-      using PK = std::decay_t<decltype(phi_k)>;
       dq.resize(q.rows(), phi_q.cols());
       dk.resize(k.rows(), phi_k.cols());
       Matrix<A> dv(v.rows(), v.cols());
-      causal_backward<A, PQ, PK, DV, DO, A>(phi_q, phi_k, v, grad_out, dq, dk, dv, options,
-                                            &forward, &backward);
+      causal_backward<A>(phi_q, phi_k, v, grad_out, dq, dk, dv, options, &forward);
       gate_gradients<gate_traits<Gates>::log_space>(phi_q, phi_k, dq, dk, forward.logs(),
                                                     result.gates);
       result.v = dv.template cast<T>();

@@ -88,21 +88,16 @@ void bonus_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>&
         const Eigen::Index m = n - 1;
         with_gate_block(gates.gates(), 0, m, [&](const auto& ahead) {
           const SequenceGates forward(ahead);
-          const SequenceGates backward = forward.reversed();
           const auto ahead_q = phi_q.bottomRows(m);
           const auto behind_k = phi_k.topRows(m);
           const auto behind_v = v.topRows(m);
           const auto ahead_grad = grad_out.bottomRows(m);
-          using PQ = std::decay_t<decltype(ahead_q)>;
-          using PK = std::decay_t<decltype(behind_k)>;
-          using PV = std::decay_t<decltype(behind_v)>;
-          using PG = std::decay_t<decltype(ahead_grad)>;
           // Whole matrices: gate_gradients reads the feature gradients as Matrix<A>.
           Matrix<A> shifted_q(m, c);
           Matrix<A> shifted_k(m, c);
           Matrix<A> shifted_v(m, v.cols());
-          causal_backward<A, PQ, PK, PV, PG, A>(ahead_q, behind_k, behind_v, ahead_grad, shifted_q,
-                                                shifted_k, shifted_v, options, &forward, &backward);
+          causal_backward<A>(ahead_q, behind_k, behind_v, ahead_grad, shifted_q, shifted_k,
+                             shifted_v, options, &forward);
           Matrix<T> shifted_gates;
           gate_gradients<gate_traits<Gates>::log_space>(ahead_q, behind_k, shifted_q, shifted_k,
                                                         forward.logs(), shifted_gates);
