@@ -15,6 +15,7 @@
 #include <linattn/layer.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/multi_head.hpp>
+#include <linattn/multi_head_backward.hpp>
 #include <linattn/recurrent_state.hpp>
 #include <linattn/session_pool.hpp>
 #include <linattn/softmax.hpp>

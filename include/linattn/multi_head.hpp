@@ -141,21 +141,25 @@ SequenceRows sequence_rows(const HeadsView<Q>& q, const std::vector<std::int64_t
   return sequences;
 }
 
+/// The shape checks of a view call (described above sequence_rows); `out_name` is how messages
+/// name out (the view backward's grad_out plays its part).
 template <class Q, class K, class V, class O>
 void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const HeadsView<O>& out, Eigen::Index out_dim, const Options& options,
-                    const char* where, const char* q_name, const char* k_name, bool cross = false) {
+                    const char* where, const char* q_name, const char* k_name, bool cross = false,
+                    const char* out_name = "out") {
   validate_options(options, where);
   // Grouped heads: an input may have fewer heads than out, a divisor of its H (FLA's grouping).
   auto same_bhn = [&](auto& view, const char* name, Eigen::Index tokens) {
     if (view.batch() != out.batch() || view.tokens() != tokens || out.heads() % view.heads() != 0) {
-      throw Error(std::string(where) + ": " + name + " is " + view.sizes_string() + " but out is " +
-                  out.sizes_string() +
-                  (cross
-                       ? std::string("; B and H must match (or H divide out's), and v's N be ") +
-                             k_name + "'s (cross-attention: N_k keys and values, N_q queries)"
-                       : "; B, H and N must match (or H divide out's: out head h reads head h / (" +
-                             std::to_string(out.heads()) + " / H) of " + name + ")"));
+      throw Error(std::string(where) + ": " + name + " is " + view.sizes_string() + " but " +
+                  out_name + " is " + out.sizes_string() +
+                  (cross ? std::string("; B and H must match (or H divide ") + out_name +
+                               "'s), and v's N be " + k_name +
+                               "'s (cross-attention: N_k keys and values, N_q queries)"
+                         : std::string("; B, H and N must match (or H divide ") + out_name +
+                               "'s: " + out_name + " head h reads head h / (" +
+                               std::to_string(out.heads()) + " / H) of " + name + ")"));
     }
   };
   same_bhn(q, q_name, out.tokens());
@@ -166,7 +170,7 @@ void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVie
                 " is " + q.sizes_string() + "; D must match");
   }
   if (out.dim() != out_dim) {
-    throw Error(std::string(where) + ": out is " + out.sizes_string() +
+    throw Error(std::string(where) + ": " + out_name + " is " + out.sizes_string() +
                 " but the result has D = " + std::to_string(out_dim));
   }
 }
