@@ -439,3 +439,40 @@ TEST_CASE("mapped backward says when exponential features overflow the accumulat
   CHECK(wide.k.allFinite());
   CHECK(wide.v.allFinite());
 }
+
+TEMPLATE_TEST_CASE("backward with a workspace gives the allocating call's gradients, bit for bit",
+                   "[backward][workspace]", float, double) {
+  using T = TestType;
+  constexpr Eigen::Index c = 16, dv = 12;
+  linattn::BackwardWorkspace<T> workspace;
+  // Lengths that grow, shrink and grow again: the workspace serves each one.
+  for (const Eigen::Index n : {700, 64, 1, 1500}) {
+    const auto seed = static_cast<std::uint64_t>(900 + n);
+    const Matrix<T> q = positive_features(n, c, seed).template cast<T>();
+    const Matrix<T> k = positive_features(n, c, seed + 1).template cast<T>();
+    const Matrix<T> v = gaussian<T>(n, dv, seed + 2);
+    const Matrix<T> grad_out = gaussian<T>(n, dv, seed + 3);
+    for (const double decay : {1.0, 0.9}) {
+      linattn::Options options;
+      options.decay = decay;
+      options.threads = 1;
+      auto check = [&](const auto& map) {
+        const AttentionGradients<T> want =
+            linattn::causal_linear_attention_backward(q, k, v, grad_out, map, options);
+        Matrix<T> gq(n, c), gk(n, c), gv(n, dv);
+        linattn::causal_linear_attention_backward_into(q, k, v, grad_out, map, gq, gk, gv, options,
+                                                       workspace);
+        INFO("N = " << n << ", decay = " << decay);
+        CHECK(gq == want.q);
+        CHECK(gk == want.k);
+        CHECK(gv == want.v);
+      };
+      check(linattn::Identity{});
+      check(linattn::EluPlusOne{});
+    }
+  }
+  // The documented size bounds what the buffers hold for the longest call.
+  const std::size_t bytes = linattn::BackwardWorkspace<T>::bytes(1500, c, dv, 1);
+  CHECK(bytes >= sizeof(T) * (2 * 1500 + 64 * (c + 2 * dv)));
+  CHECK(bytes <= sizeof(T) * (2 * 1500 + 64 * (5 * c + 4 * dv + 2)) + sizeof(double) * 2 * 64);
+}

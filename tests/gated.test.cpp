@@ -1297,3 +1297,28 @@ TEMPLATE_TEST_CASE("gated bonus backward: one token is the bonus term alone",
     CHECK(g.gates.isZero(0));
   }
 }
+
+TEMPLATE_TEST_CASE("gated backward: a workspace gives the allocating call's gradients, bit for bit",
+                   "[gated][backward][workspace]", float, double) {
+  using T = TestType;
+  linattn::BackwardWorkspace<T> workspace;
+  for (const Eigen::Index n : {300, 17, 600}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
+      // Gates down to 0.05: pieces shorter than the chunk in float.
+      const Problem<T> p(n, gate_cols, 950 + static_cast<std::uint64_t>(n) + gate_cols, 0.05);
+      const Matrix<T> grad_out = gaussian<T>(n, kDv, 951 + static_cast<std::uint64_t>(n));
+      linattn::Options options;
+      options.threads = 1;
+      const auto want = linattn::causal_gated_linear_attention_backward(
+          p.q, p.k, p.v, p.gates, grad_out, linattn::Identity{}, options);
+      linattn::GatedAttentionGradients<T> got;
+      linattn::causal_gated_linear_attention_backward_into(
+          p.q, p.k, p.v, p.gates, grad_out, linattn::Identity{}, got, options, workspace);
+      INFO("N = " << n << ", gate columns = " << gate_cols);
+      CHECK(got.q == want.q);
+      CHECK(got.k == want.k);
+      CHECK(got.v == want.v);
+      CHECK(got.gates == want.gates);
+    }
+  }
+}

@@ -169,7 +169,8 @@ void featurized_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matrix
                          Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_q,
                          Eigen::Ref<Matrix<typename DQ::Scalar>> grad_phi_k,
                          Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v, const Options& options,
-                         bool causal, const char* where) {
+                         bool causal, const char* where,
+                         GradientScratch<accumulator_t<Acc, typename DQ::Scalar>>* scratch) {
   using T = typename DQ::Scalar;
   using A = accumulator_t<Acc, T>;
   static_assert(is_supported_scalar<T> && is_supported_scalar<A>,
@@ -179,7 +180,8 @@ void featurized_backward(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::Matrix
   require_gradient_shape(grad_phi_k, phi_k.rows(), phi_k.cols(), where, "grad_phi_k");
   require_gradient_shape(grad_v, v.rows(), v.cols(), where, "grad_v");
   if (causal) {
-    causal_backward<A>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k, grad_v, options);
+    causal_backward<A>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k, grad_v, options, nullptr,
+                       scratch);
   } else {
     non_causal_backward<A, DQ, DK, DV, DG, T>(phi_q, phi_k, v, grad_out, grad_phi_q, grad_phi_k,
                                               grad_v, options);
@@ -207,7 +209,8 @@ void mapped_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
                      const Map& map, Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q,
                      Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
                      Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v, const Options& options,
-                     bool causal, const char* where) {
+                     bool causal, const char* where,
+                     GradientScratch<accumulator_t<Acc, typename DQ::Scalar>>* scratch) {
   using T = typename DQ::Scalar;
   using A = accumulator_t<Acc, T>;
   static_assert(has_map_backward<Map, A>::value,
@@ -219,7 +222,7 @@ void mapped_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   require_gradient_shape(grad_v, v.rows(), v.cols(), where, "grad_v");
   if (causal) {
     // Featurized, and carried back through the map, a chunk at a time: no N-row temporaries.
-    causal_backward<A>(q, k, v, grad_out, grad_q, grad_k, grad_v, options, nullptr, nullptr, map,
+    causal_backward<A>(q, k, v, grad_out, grad_q, grad_k, grad_v, options, nullptr, scratch, map,
                        where);
     return;
   }
@@ -289,7 +292,8 @@ void gated_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>&
                     const Eigen::MatrixBase<DV>& v, const Gates& gates,
                     const Eigen::MatrixBase<DO>& grad_out, const Map& map,
                     GatedAttentionGradients<typename DQ::Scalar>& grads, const Options& options,
-                    const char* where) {
+                    const char* where,
+                    GradientScratch<accumulator_t<Acc, typename DQ::Scalar>>* scratch = nullptr) {
   using T = typename DQ::Scalar;
   using A = accumulator_t<Acc, T>;
   require_gated_backward_scalars<T, A, Gates, DO>();
@@ -307,7 +311,7 @@ void gated_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>&
       dq.resize(q.rows(), phi_q.cols());
       dk.resize(k.rows(), phi_k.cols());
       Matrix<A> dv(v.rows(), v.cols());
-      causal_backward<A>(phi_q, phi_k, v, grad_out, dq, dk, dv, options, &forward);
+      causal_backward<A>(phi_q, phi_k, v, grad_out, dq, dk, dv, options, &forward, scratch);
       gate_gradients<gate_traits<Gates>::log_space>(phi_q, phi_k, dq, dk, forward.logs(),
                                                     result.gates);
       result.v = dv.template cast<T>();
@@ -338,17 +342,56 @@ void backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
               Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q,
               Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
               Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v, const Options& options, bool causal,
-              const char* where) {
+              const char* where,
+              GradientScratch<accumulator_t<Acc, typename DQ::Scalar>>* scratch = nullptr) {
   if constexpr (check_feature_map<Map, accumulator_t<Acc, typename DQ::Scalar>>()) {
     if constexpr (is_identity_map<Map>) {
-      featurized_backward<Acc>(q, k, v, grad_out, grad_q, grad_k, grad_v, options, causal, where);
+      featurized_backward<Acc>(q, k, v, grad_out, grad_q, grad_k, grad_v, options, causal, where,
+                               scratch);
     } else {
-      mapped_backward<Acc>(q, k, v, grad_out, map, grad_q, grad_k, grad_v, options, causal, where);
+      mapped_backward<Acc>(q, k, v, grad_out, map, grad_q, grad_k, grad_v, options, causal, where,
+                           scratch);
     }
   }
 }
 
 }  // namespace detail
+
+/// Scratch memory of the causal backward, kept by the caller between calls so that a training
+/// loop allocates it once (the calls without one allocate their own every time). It holds the
+/// 2 N per-token factors the reversed pass reads from the forward one and chunk buffers of
+/// L = max(Options::chunk, 64) rows; it grows to the longest N it has served. One workspace
+/// serves one call at a time.
+template <class Acc>
+class BackwardWorkspace {
+ public:
+  static_assert(detail::is_supported_scalar<Acc>,
+                "BackwardWorkspace<Acc> takes the accumulation type: float or double (the inputs' "
+                "scalar for float and double inputs, float for Eigen::half and bfloat16)");
+
+  /// Bytes a causal backward of N tokens needs at most: 2 N factors, L x (5 C + 4 Dv) chunk
+  /// buffers, and 4 L x G for gates (G = 1 or C), all of Acc.
+  /// @param n            N, tokens
+  /// @param feature_dim  C, the feature width (Dk with Identity)
+  /// @param value_dim    Dv
+  /// @param gate_width   0 without gates or decay, 1 for scalar gates or a decay, C per feature
+  /// @param options      the call's options (its chunk)
+  static std::size_t bytes(Eigen::Index n, Eigen::Index feature_dim, Eigen::Index value_dim,
+                           Eigen::Index gate_width = 0, const Options& options = {}) {
+    const auto l = static_cast<std::size_t>(std::max<Eigen::Index>(options.chunk, 64));
+    const auto c = static_cast<std::size_t>(feature_dim);
+    const auto dv = static_cast<std::size_t>(value_dim);
+    const auto g = static_cast<std::size_t>(gate_width);
+    return sizeof(Acc) * (2 * static_cast<std::size_t>(n) + l * (5 * c + 4 * dv) + 2 * l * g) +
+           sizeof(double) * 2 * l * g;
+  }
+
+  /// The buffers, for the backward calls.
+  detail::GradientScratch<Acc>& scratch() { return scratch_; }
+
+ private:
+  detail::GradientScratch<Acc> scratch_;
+};
 
 /// Backward of causal_linear_attention, into caller-provided gradients. Time O(N C Dv) (four
 /// chunked passes, the forward recomputed), workspace O(N Dv) when normalizing (none
@@ -374,6 +417,24 @@ void causal_linear_attention_backward_into(
     Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v, const Options& options = {}) {
   detail::backward<Acc>(q, k, v, grad_out, map, grad_q, grad_k, grad_v, options, true,
                         "causal_linear_attention_backward");
+}
+
+/// causal_linear_attention_backward_into with the caller's workspace: no allocation once the
+/// workspace has served a call of N tokens (a feature map other than Identity still allocates
+/// its chunk's features and their backward: L rows at a time).
+/// @param workspace  BackwardWorkspace of the accumulation type (float for float, half and
+///                   bfloat16 inputs; double for double, or with Acc = double)
+/// (other arguments as above)
+template <class Acc = void, class DQ, class DK, class DV, class DG, class Map,
+          class = detail::enable_if_same_scalar4<DQ, DK, DV, DG>>
+void causal_linear_attention_backward_into(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DG>& grad_out, const Map& map,
+    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q, Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
+    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v, const Options& options,
+    BackwardWorkspace<detail::accumulator_t<Acc, typename DQ::Scalar>>& workspace) {
+  detail::backward<Acc>(q, k, v, grad_out, map, grad_q, grad_k, grad_v, options, true,
+                        "causal_linear_attention_backward", &workspace.scratch());
 }
 
 /// Backward of causal_linear_attention. See causal_linear_attention_backward_into.

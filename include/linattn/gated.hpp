@@ -204,6 +204,21 @@ void causal_gated_linear_attention_backward_into(
                               "causal_gated_linear_attention_backward");
 }
 
+/// causal_gated_linear_attention_backward_into with the caller's workspace for the streamed
+/// passes (the feature and gate gradients are still N-row matrices of the call's own).
+/// @param workspace  BackwardWorkspace of the accumulation type
+/// (other arguments as above)
+template <class Acc = void, class DQ, class DK, class DV, class Gates, class DO, class Map,
+          class = detail::enable_if_gates<DQ, DK, DV, Gates>>
+void causal_gated_linear_attention_backward_into(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Gates& gates, const Eigen::MatrixBase<DO>& grad_out, const Map& map,
+    GatedAttentionGradients<typename DQ::Scalar>& grads, const Options& options,
+    BackwardWorkspace<detail::accumulator_t<Acc, typename DQ::Scalar>>& workspace) {
+  detail::gated_backward<Acc>(q, k, v, gates, grad_out, map, grads, options,
+                              "causal_gated_linear_attention_backward", &workspace.scratch());
+}
+
 /// Backward pass of causal_gated_linear_attention; returns the four gradients.
 /// See causal_gated_linear_attention_backward_into.
 /// @param q         N x Dk queries
