@@ -369,7 +369,7 @@ class BackwardWorkspace {
                 "BackwardWorkspace<Acc> takes the accumulation type: float or double (the inputs' "
                 "scalar for float and double inputs, float for Eigen::half and bfloat16)");
 
-  /// Bytes a causal backward of N tokens needs at most: 2 N factors, L x (5 C + 4 Dv) chunk
+  /// Bytes a causal backward of N tokens needs at most: 2 N factors, L x (5 C + 3 Dv) chunk
   /// buffers, and 4 L x G for gates (G = 1 or C), all of Acc.
   /// @param n            N, tokens
   /// @param feature_dim  C, the feature width (Dk with Identity)
@@ -382,7 +382,7 @@ class BackwardWorkspace {
     const auto c = static_cast<std::size_t>(feature_dim);
     const auto dv = static_cast<std::size_t>(value_dim);
     const auto g = static_cast<std::size_t>(gate_width);
-    return sizeof(Acc) * (2 * static_cast<std::size_t>(n) + l * (5 * c + 4 * dv) + 2 * l * g) +
+    return sizeof(Acc) * (2 * static_cast<std::size_t>(n) + l * (5 * c + 3 * dv) + 2 * l * g) +
            sizeof(double) * 2 * l * g;
   }
 

@@ -27,6 +27,8 @@
 ///   the backward overloads.
 /// - `std::uint64_t fingerprint() const`: saved with a state and compared on load, so a state
 ///   is never stepped with another map's weights.
+/// - `static constexpr bool finite_features = true`: finite inputs always give finite
+///   features, so the backward need not featurize q and k once more to check them first.
 /// - `static constexpr bool log_scaled = true` with `scaled_features(x, log_scale)` (rows
 ///   divided by exp(log_scale(r))): exponential maps, carried in log space so nothing
 ///   overflows (see PositiveRandomFeatures).
@@ -150,6 +152,12 @@ struct has_scaled_features_into<
     std::void_t<decltype(std::declval<const Map&>().scaled_features_into(
         std::declval<const Matrix<Scalar>&>(), std::declval<Eigen::Ref<Matrix<Scalar>>>(),
         std::declval<Eigen::Ref<Vector<double>>>()))>> : std::true_type {};
+
+/// True for a map that declares finite features for finite inputs (finite_features).
+template <class Map, class = void>
+struct has_finite_features : std::false_type {};
+template <class Map>
+struct has_finite_features<Map, std::enable_if_t<Map::finite_features>> : std::true_type {};
 
 /// Detects a feature map with a `backward(x, grad_phi)` member.
 template <class Map, class Scalar, class = void>

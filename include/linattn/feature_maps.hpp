@@ -80,6 +80,9 @@ void require_out_shape(const DO& out, Eigen::Index rows, Eigen::Index cols, cons
 /// phi(x) = elu(x) + 1 (x + 1 for x > 0, exp(x) otherwise), C = Dk. Positive, the map of
 /// "Transformers are RNNs".
 struct EluPlusOne {
+  /// x + 1 or exp(x <= 0): finite for finite x.
+  static constexpr bool finite_features = true;
+
   /// @return C = input_dim
   Eigen::Index feature_dim(Eigen::Index input_dim) const { return input_dim; }
 
@@ -154,6 +157,9 @@ struct EluPlusOne {
 /// phi(x) = max(x, 0), C = Dk. A row of non-positive inputs maps to zeros; the denominator
 /// guard then gives a zero output for that query (see Options::eps).
 struct Relu {
+  /// max(x, 0): finite for finite x.
+  static constexpr bool finite_features = true;
+
   /// @return C = input_dim
   Eigen::Index feature_dim(Eigen::Index input_dim) const { return input_dim; }
 

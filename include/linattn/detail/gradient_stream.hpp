@@ -80,10 +80,10 @@ class FeatureChunks {
   }
 
   /// Throws unless every feature is finite (unscaled exponential features can overflow where
-  /// the forward's stabiliser does not); a map's features only, chunk by chunk, before any
-  /// gradient is written.
+  /// the forward's stabiliser does not): a map's features, chunk by chunk, before any gradient
+  /// is written, unless the map declares finite_features.
   void require_finite(Eigen::Index chunk, const char* where) const {
-    if constexpr (!is_identity_map<Map>) {
+    if constexpr (!is_identity_map<Map> && !has_finite_features<Map>::value) {
       Matrix<Acc> buffer;
       for (int keys = 0; keys < 2; ++keys) {
         for (Eigen::Index begin = 0; begin < q_.rows(); begin += chunk) {
@@ -114,7 +114,15 @@ class FeatureChunks {
     } else {
       fit_buffer(buffer, chunk, map_.feature_dim(x.cols()));
       raw_ = x.middleRows(begin, len).template cast<Acc>();
-      buffer.topRows(len) = keys ? map_.keys(raw_) : map_.queries(raw_);
+      if constexpr (has_queries_into<Map, Acc>::value && has_keys_into<Map, Acc>::value) {
+        if (keys) {
+          map_.keys_into(raw_, buffer.topRows(len));
+        } else {
+          map_.queries_into(raw_, buffer.topRows(len));
+        }
+      } else {
+        buffer.topRows(len) = keys ? map_.keys(raw_) : map_.queries(raw_);
+      }
       return {buffer.data(), buffer.cols()};
     }
   }
@@ -139,7 +147,7 @@ class FeatureChunks {
 };
 
 /// Scratch memory of the fused backward: the per-token factors the reversed pass reads from
-/// the forward one (2 N scalars) and chunk buffers (L x (C + 2 Dv) scalars, and L x C more for
+/// the forward one (2 N scalars) and chunk buffers (L x (C + Dv) scalars, and L x C more for
 /// each input not read in place and each weighted operand of a transition; L the chunk).
 /// Kept between calls, it is allocated once by a training loop of equal lengths.
 template <class Acc>
@@ -149,7 +157,6 @@ struct GradientScratch {
   Matrix<Acc> q, k, v, g;  ///< L x C, L x C, L x Dv, L x Dv: input rows not read in place
   Matrix<Acc> weighted_a;  ///< L x C: the update's broadcast operand, weighted (transitions)
   Matrix<Acc> weighted_c;  ///< L x C: the column readout's operand, weighted (per feature)
-  Matrix<Acc> scaled_b;    ///< L x Dv: the reversed pass's grad_out rows times inv
   Matrix<Acc> vert;        ///< L x Dv: column readouts
   Matrix<Acc> horiz;       ///< L x C: row readouts
   LogRows lambda;          ///< L x G: log transitions in processing order (G = 1 or C)
@@ -164,7 +171,6 @@ struct GradientScratch {
       inv.resize(n);
       gden.resize(n);
     }
-    fit_buffer(scaled_b, chunk, dv);
     fit_buffer(vert, chunk, dv);
     fit_buffer(horiz, chunk, c);
     if (gate_width > 0) {
@@ -228,7 +234,7 @@ class GradientStream {
         const InputRows<Acc> c =
             width_ > 1 ? weighted(rq, p, 1, m, buf_.lift, buf_.weighted_c) : rq;
         // No column readout: grad_out . num_t is q_t . (S_t grad_out_t), a row readout's dot.
-        run(at(a, p), at(rv, p), InputRows<Acc>{nullptr, 0}, at(rg, p), p, m, 1);
+        run(at(a, p), {&one_, 0}, at(rv, p), InputRows<Acc>{nullptr, 0}, at(rg, p), p, m, 1);
         for (Eigen::Index u = p; u < p + m; ++u) finish_query_row(u, begin + u, a, c, rq);
       });
       features.store_queries(buf_.horiz, begin, len, grad_q);
@@ -250,11 +256,6 @@ class GradientStream {
       const InputRows<Acc> rk = features.keys(begin, len, chunk_, buf_.k);
       const InputRows<Acc> rv = input_rows<Acc>(v, begin, len, chunk_, buf_.v);
       const InputRows<Acc> rg = input_rows<Acc>(grad_out, begin, len, chunk_, buf_.g);
-      for (Eigen::Index i = 0; i < len; ++i) {
-        buf_.scaled_b.row(i) =
-            Eigen::Map<const Eigen::Matrix<Acc, 1, Eigen::Dynamic>>(rg.data + i * rg.ld, dv_) *
-            buf_.inv(begin + i);
-      }
       // Processing order u runs from the chunk's last row; token t is moved by A_{t+1}.
       for (Eigen::Index u = 0; u < len; ++u) {
         const Eigen::Index t = begin + len - 1 - u;
@@ -262,14 +263,15 @@ class GradientStream {
       }
       buf_.horiz.topRows(len).setZero();
       buf_.vert.topRows(len).setZero();
-      const InputRows<Acc> rb{buf_.scaled_b.data(), buf_.scaled_b.cols()};
       for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
         // Processing steps p..p+m-1 are the chunk's rows len-1-p down to len-p-m.
         const Eigen::Index top = len - 1 - p;
         const InputRows<Acc> a = weighted(rq, top, -1, m, buf_.weight, buf_.weighted_a, p);
         const InputRows<Acc> c =
             width_ > 1 ? weighted(rk, top, -1, m, buf_.lift, buf_.weighted_c, p) : rk;
-        run(at(a, top), at(rb, top), at(c, top), at(rv, top), top, m, -1);
+        // The update's factor s / d_t of each token: G_t = s grad_out_t / d_t, read in place.
+        run(at(a, top), {buf_.inv.data() + begin + top, 1}, at(rg, top), at(c, top), at(rv, top),
+            top, m, -1);
         for (Eigen::Index u = p; u < p + m; ++u) {
           finish_key_row(u, len - 1 - u, begin + len - 1 - u, a);
         }
@@ -365,12 +367,16 @@ class GradientStream {
     return {out.data(), out.cols()};
   }
 
-  /// The streamed product over m rows from `row` (walking dir): a, b, c (data null: no column
-  /// readout) and d point at that row; the readouts go to the same rows of vert and horiz.
-  void run(const InputRows<Acc>& a, const InputRows<Acc>& b, const InputRows<Acc>& c,
-           const InputRows<Acc>& d, Eigen::Index row, Eigen::Index m, int dir) {
+  /// The streamed product over m rows from `row` (walking dir): a, the factors f (ld 0: one
+  /// for all), b, c (data null: no column readout) and d point at that row; the readouts go to the
+  /// same rows of vert and horiz.
+  void run(const InputRows<Acc>& a, const InputRows<Acc>& f, const InputRows<Acc>& b,
+           const InputRows<Acc>& c, const InputRows<Acc>& d, Eigen::Index row, Eigen::Index m,
+           int dir) {
     const GradientOperands<Acc> operands{a.data,
                                          dir * a.ld,
+                                         f.data,
+                                         dir * f.ld,
                                          b.data,
                                          dir * b.ld,
                                          c.data,
@@ -448,6 +454,7 @@ class GradientStream {
   const LogRows* logs_;
   double log_decay_;
   Eigen::Index width_;  ///< 0: no transition, 1: one log per token, C: per feature
+  Acc one_ = Acc(1);    ///< the forward pass's update factor
   Matrix<Acc> x_;       ///< C x Dv: S, or dS in the reversed pass
   Vector<Acc> z_;       ///< C: z, or dz
   GradientScratch<Acc>& buf_;

@@ -215,12 +215,15 @@ void stream_product(const StreamOperands<T>& a) {
 
 /// Operands of one streamed block of the backward: row-major with leading dimensions (ld*) in
 /// elements, which may be negative (the reversed pass walks its rows from the last one).
-/// For t = 0..tokens-1:  X += a_t b_t^T;  vert_t += X^T c_t (unless c is null);  horiz_t += X d_t
-/// (X: C x Dv, vert: tokens x Dv, horiz: tokens x C). Both readouts see X after token t.
+/// For t = 0..tokens-1:  X += f_t a_t b_t^T;  vert_t += X^T c_t (unless c is null);
+/// horiz_t += X d_t (X: C x Dv, vert: tokens x Dv, horiz: tokens x C, f_t a factor per token,
+/// ldf = 0 for one factor). Both readouts see X after token t.
 template <class T>
 struct GradientOperands {
   const T* a;
   Eigen::Index lda;
+  const T* f;
+  Eigen::Index ldf;
   const T* b;
   Eigen::Index ldb;
   const T* c;
@@ -295,6 +298,8 @@ void gradient_tile(const GradientOperands<T>& o, Eigen::Index row, Eigen::Index 
     for (int w = 0; w < WP; ++w) acc[r][w] = ploadu<Packet>(x + r * ldx + w * P);
   }
   const T* a = o.a + row;
+  const T* f = o.f;
+  const Eigen::Index ldf = o.ldf;
   const T* b = o.b + col;
   const T* c = Vert ? o.c + row : nullptr;
   const T* d = o.d + col;
@@ -310,8 +315,9 @@ void gradient_tile(const GradientOperands<T>& o, Eigen::Index row, Eigen::Index 
       grad[w] = ploadu<Packet>(d + w * P);
       if constexpr (Vert) out[w] = ploadu<Packet>(vert + w * P);
     }
+    const T factor = *f;
     for (int r = 0; r < R; ++r) {
-      const Packet key = pset1<Packet>(a[r]);
+      const Packet key = pset1<Packet>(a[r] * factor);
       for (int w = 0; w < WP; ++w) acc[r][w] = pmadd(key, value[w], acc[r][w]);
       if constexpr (Vert) {
         const Packet query = pset1<Packet>(c[r]);
@@ -327,6 +333,7 @@ void gradient_tile(const GradientOperands<T>& o, Eigen::Index row, Eigen::Index 
       vert += ldvert;
     }
     a += lda;
+    f += ldf;
     b += ldb;
     d += ldd;
     horiz += ldhoriz;
@@ -354,6 +361,7 @@ void gradient_product(const GradientOperands<T>& o) {
     GradientOperands<T> block = o;
     for (Eigen::Index t = 0; t < o.tokens; t += kTokenBlock) {
       block.a = o.a + t * o.lda;
+      block.f = o.f + t * o.ldf;
       block.b = o.b + t * o.ldb;
       block.c = o.c == nullptr ? nullptr : o.c + t * o.ldc;
       block.d = o.d + t * o.ldd;
