@@ -330,20 +330,29 @@ TEMPLATE_TEST_CASE("backward on several threads matches one thread", "[backward]
   const Matrix<T> k = positive_features(n, c, 52).template cast<T>();
   const Matrix<T> v = gaussian<T>(n, dv, 53);
   const Matrix<T> grad_out = gaussian<T>(n, dv, 54);
-  linattn::Options one;
-  one.threads = 1;
-  one.decay = 0.999;
-  linattn::Options two = one;
-  two.threads = 2;
-  const AttentionGradients<T> serial =
-      linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{}, one);
-  const AttentionGradients<T> parallel =
-      linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{}, two);
-  const double error =
-      std::max({relative_error(parallel.q, serial.q), relative_error(parallel.k, serial.k),
-                relative_error(parallel.v, serial.v)});
-  WARN("backward, 2 threads vs 1: " << error);
-  CHECK(error <= (std::is_same_v<T, float> ? 1e-5 : 1e-13));
+  // Segments of at least 1024 tokens: 2 and 3 threads split N = 5000 in 2 and 3.
+  for (const int threads : {2, 3}) {
+    for (const double decay : {0.999, 1.0}) {
+      for (const bool normalize : {true, false}) {
+        linattn::Options one;
+        one.threads = 1;
+        one.decay = decay;
+        one.normalize = normalize;
+        linattn::Options many = one;
+        many.threads = threads;
+        const AttentionGradients<T> serial =
+            linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{}, one);
+        const AttentionGradients<T> parallel =
+            linattn::causal_linear_attention_backward(q, k, v, grad_out, linattn::Identity{}, many);
+        const double error =
+            std::max({relative_error(parallel.q, serial.q), relative_error(parallel.k, serial.k),
+                      relative_error(parallel.v, serial.v)});
+        WARN("backward, " << threads << " threads vs 1 (decay " << decay << ", normalize "
+                          << normalize << "): " << error);
+        CHECK(error <= (std::is_same_v<T, float> ? 1e-5 : 1e-13));
+      }
+    }
+  }
 }
 #endif
 

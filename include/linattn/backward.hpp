@@ -18,6 +18,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 /// The causal backward is two streamed passes (detail/gradient_stream.hpp). With
 /// G'_i = d loss / d [numerator, denominator] of row i and V' = [v, 1],
@@ -107,7 +108,8 @@ void require_gradient_shape(const Out& grad, Eigen::Index rows, Eigen::Index col
 /// The causal backward on validated inputs: the fused two-pass stream (GradientStream), in
 /// Acc, over q and k as features (Identity) or through `map` chunk by chunk, with `gates`
 /// (their log rows) or Options::decay moving the state, and `scratch` (or buffers of its own)
-/// as its workspace. Options::scale s multiplies phi_q.
+/// as its workspace; a long sequence is split across Options::threads. Options::scale s
+/// multiplies phi_q.
 template <class Acc, class DQ, class DK, class DV, class DG, class OutQ, class OutK, class OutV,
           class Map = Identity>
 void causal_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -115,15 +117,113 @@ void causal_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
                      OutQ&& grad_q, OutK&& grad_k, OutV&& grad_v, const Options& options,
                      const SequenceGates* gates = nullptr, GradientScratch<Acc>* scratch = nullptr,
                      const Map& map = {}, const char* where = "") {
-  const FeatureChunks<Acc, DQ, DK, Map> features(q.derived(), k.derived(), map);
+  using Features = FeatureChunks<Acc, DQ, DK, Map>;
+  const Eigen::Index n = v.rows();
   const Eigen::Index feature_dim = is_identity_map<Map> ? q.cols() : map.feature_dim(q.cols());
+  const LogRows* logs = gates != nullptr ? &gates->logs() : nullptr;
   GradientScratch<Acc> own;
-  GradientStream<Acc> stream(feature_dim, v.cols(), options,
-                             gates != nullptr ? &gates->logs() : nullptr,
-                             scratch != nullptr ? *scratch : own, v.rows());
-  features.require_finite(stream.chunk(), where);
-  stream.forward_pass(features, v, grad_out, grad_q);
-  stream.reversed_pass(features, v, grad_out, grad_k, grad_v);
+  GradientScratch<Acc>& first = scratch != nullptr ? *scratch : own;
+  const Features features(q.derived(), k.derived(), map);
+  const int threads = resolve_threads(options);
+  const Eigen::Index parts = std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
+  if (parts < 2) {
+    GradientStream<Acc> stream(feature_dim, v.cols(), options, logs, first, first, n);
+    features.require_finite(stream.chunk(), where);
+    stream.forward_pass(features, v, grad_out, grad_q, 0, n);
+    stream.state().setZero();
+    stream.z().setZero();
+    stream.reversed_pass(features, v, grad_out, grad_k, grad_v, 0, n);
+    return;
+  }
+  // One long sequence on several threads: each segment's starting state is the sum of the
+  // states absorbed by the segments before it (after it, for the reversed pass), each moved
+  // on by the transitions between, so every segment streams on a thread of its own.
+  const SerialEigenScope serial_eigen;
+  std::vector<GradientScratch<Acc>> scratches(static_cast<std::size_t>(parts - 1));
+  std::vector<GradientStream<Acc>> streams;
+  streams.reserve(static_cast<std::size_t>(parts));
+  for (Eigen::Index s = 0; s < parts; ++s) {
+    streams.emplace_back(feature_dim, v.cols(), options, logs,
+                         s == 0 ? first : scratches[static_cast<std::size_t>(s - 1)], first, n);
+  }
+  const Eigen::Index chunk = streams.front().chunk();
+  features.require_finite(chunk, where);
+  std::vector<Eigen::Index> bounds(static_cast<std::size_t>(parts + 1));
+  for (Eigen::Index s = 0; s <= parts; ++s) {
+    bounds[static_cast<std::size_t>(s)] = s == parts ? n : (n * s / parts) / chunk * chunk;
+  }
+  auto stream_of = [&](Eigen::Index s) -> GradientStream<Acc>& {
+    return streams[static_cast<std::size_t>(s)];
+  };
+  auto begin_of = [&](Eigen::Index s) { return bounds[static_cast<std::size_t>(s)]; };
+  auto end_of = [&](Eigen::Index s) { return bounds[static_cast<std::size_t>(s + 1)]; };
+  // carry(s, from): stream s starts from stream `from`'s state moved by `from`'s transition
+  // plus the state absorbed there (held in stream `local`).
+  auto combine = [&](GradientStream<Acc>& into, const Matrix<Acc>& x, const Vector<Acc>& z,
+                     const Eigen::Array<double, 1, Eigen::Dynamic>& log_moved,
+                     const Matrix<Acc>& local_x, const Vector<Acc>& local_z) {
+    if (log_moved.size() == 1) {
+      const Acc factor = static_cast<Acc>(std::exp(log_moved(0)));
+      into.state() = x * factor + local_x;
+      into.z() = z * factor + local_z;
+    } else {
+      const Eigen::Array<Acc, Eigen::Dynamic, 1> factor =
+          log_moved.transpose().exp().template cast<Acc>();
+      into.state() = (x.array().colwise() * factor).matrix() + local_x;
+      into.z() = (z.array() * factor).matrix() + local_z;
+    }
+  };
+  // Forward: absorb segments 0..parts-2, prefix, then stream every segment.
+  parallel_for(parts - 1, static_cast<int>(parts - 1), [&](Eigen::Index s) {
+    const Features own_features(q.derived(), k.derived(), map);
+    stream_of(s).forward_pass(own_features, v, grad_out, grad_q, begin_of(s), end_of(s), true);
+  });
+  std::vector<Matrix<Acc>> xs(static_cast<std::size_t>(parts));
+  std::vector<Vector<Acc>> zs(static_cast<std::size_t>(parts));
+  std::vector<Eigen::Array<double, 1, Eigen::Dynamic>> moved(static_cast<std::size_t>(parts));
+  for (Eigen::Index s = 0; s < parts; ++s) {
+    const auto i = static_cast<std::size_t>(s);
+    xs[i] = stream_of(s).state();
+    zs[i] = stream_of(s).z();
+    moved[i] = stream_of(s).total();
+  }
+  stream_of(0).state().setZero();
+  stream_of(0).z().setZero();
+  for (Eigen::Index s = 1; s < parts; ++s) {
+    const auto i = static_cast<std::size_t>(s - 1);
+    combine(stream_of(s), stream_of(s - 1).state(), stream_of(s - 1).z(), moved[i], xs[i], zs[i]);
+  }
+  parallel_for(parts, static_cast<int>(parts), [&](Eigen::Index s) {
+    const Features own_features(q.derived(), k.derived(), map);
+    stream_of(s).forward_pass(own_features, v, grad_out, grad_q, begin_of(s), end_of(s));
+  });
+  // Reversed: absorb segments 1..parts-1 from zero, suffix, then stream every segment.
+  for (Eigen::Index s = 0; s < parts; ++s) {
+    stream_of(s).state().setZero();
+    stream_of(s).z().setZero();
+  }
+  parallel_for(parts - 1, static_cast<int>(parts - 1), [&](Eigen::Index i) {
+    const Eigen::Index s = i + 1;
+    const Features own_features(q.derived(), k.derived(), map);
+    stream_of(s).reversed_pass(own_features, v, grad_out, grad_k, grad_v, begin_of(s), end_of(s),
+                               true);
+  });
+  for (Eigen::Index s = 1; s < parts; ++s) {
+    const auto i = static_cast<std::size_t>(s);
+    xs[i] = stream_of(s).state();
+    zs[i] = stream_of(s).z();
+    moved[i] = stream_of(s).total();
+  }
+  stream_of(parts - 1).state().setZero();
+  stream_of(parts - 1).z().setZero();
+  for (Eigen::Index s = parts - 2; s >= 0; --s) {
+    const auto i = static_cast<std::size_t>(s + 1);
+    combine(stream_of(s), stream_of(s + 1).state(), stream_of(s + 1).z(), moved[i], xs[i], zs[i]);
+  }
+  parallel_for(parts, static_cast<int>(parts), [&](Eigen::Index s) {
+    const Features own_features(q.derived(), k.derived(), map);
+    stream_of(s).reversed_pass(own_features, v, grad_out, grad_k, grad_v, begin_of(s), end_of(s));
+  });
 }
 
 /// The non-causal backward on validated inputs: five GEMMs through C x (Dv + 1) sums.

@@ -164,13 +164,8 @@ struct GradientScratch {
   Eigen::Array<Acc, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> weight;  ///< L x G
   Eigen::Array<Acc, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> lift;    ///< L x G
 
-  /// Sizes the buffers every call needs (gate_width: 0 without a transition, else G).
-  void reserve(Eigen::Index n, Eigen::Index c, Eigen::Index dv, Eigen::Index chunk,
-               Eigen::Index gate_width) {
-    if (inv.size() < n) {
-      inv.resize(n);
-      gden.resize(n);
-    }
+  /// Sizes the chunk buffers every call needs (gate_width: 0 without a transition, else G).
+  void reserve(Eigen::Index c, Eigen::Index dv, Eigen::Index chunk, Eigen::Index gate_width) {
     fit_buffer(vert, chunk, dv);
     fit_buffer(horiz, chunk, c);
     if (gate_width > 0) {
@@ -193,9 +188,12 @@ struct GradientScratch {
 template <class Acc>
 class GradientStream {
  public:
-  /// @param logs  N x 1 or N x C log gates, or null (then Options::decay moves the state)
+  /// @param logs     N x 1 or N x C log gates, or null (then Options::decay moves the state)
+  /// @param scratch  this stream's chunk buffers
+  /// @param factors  the scratch whose inv and gden (N each) all streams of the call share
   GradientStream(Eigen::Index feature_dim, Eigen::Index value_dim, const Options& options,
-                 const LogRows* logs, GradientScratch<Acc>& scratch, Eigen::Index n)
+                 const LogRows* logs, GradientScratch<Acc>& scratch, GradientScratch<Acc>& factors,
+                 Eigen::Index n)
       : c_(feature_dim),
         dv_(value_dim),
         n_(n),
@@ -205,29 +203,51 @@ class GradientStream {
         logs_(logs),
         log_decay_(std::log(options.decay)),
         width_(logs != nullptr ? logs->cols() : (options.decay != 1.0 ? 1 : 0)),
-        x_(feature_dim, value_dim),
-        z_(feature_dim),
-        buf_(scratch) {
-    buf_.reserve(n, feature_dim, value_dim, chunk_, width_);
+        x_(Matrix<Acc>::Zero(feature_dim, value_dim)),
+        z_(Vector<Acc>::Zero(feature_dim)),
+        total_(Eigen::Array<double, 1, Eigen::Dynamic>::Zero(std::max<Eigen::Index>(1, width_))),
+        buf_(scratch),
+        factors_(factors) {
+    buf_.reserve(feature_dim, value_dim, chunk_, width_);
+    if (factors_.inv.size() < n) {
+      factors_.inv.resize(n);
+      factors_.gden.resize(n);
+    }
   }
 
   /// Tokens per chunk: what the passes load, featurize and write at a time.
   Eigen::Index chunk() const { return chunk_; }
+  /// C x Dv: the carried state (S, or dS in the reversed pass).
+  Matrix<Acc>& state() { return x_; }
+  /// C: the carried z (or dz).
+  Vector<Acc>& z() { return z_; }
+  /// The log transition of the last absorb over all its tokens (1 or G entries; 0 without a
+  /// transition, -infinity where a reset cleared the state).
+  const Eigen::Array<double, 1, Eigen::Dynamic>& total() const { return total_; }
 
-  /// The forward pass: grad_q = d loss / d q (through `features`), and the factors of the
-  /// reversed pass.
+  /// The forward pass over tokens [first, last) from the carried state: grad_q rows = d loss /
+  /// d q (through `features`), and the factors of the reversed pass. With `absorb_only`, the
+  /// state moves over the tokens (one product a piece) and nothing is written; total() is
+  /// their log transition.
   template <class Features, class DV, class DG, class Out>
   void forward_pass(const Features& features, const Eigen::MatrixBase<DV>& v,
-                    const Eigen::MatrixBase<DG>& grad_out, Out& grad_q) {
-    x_.setZero();
-    z_.setZero();
-    for (Eigen::Index begin = 0; begin < n_; begin += chunk_) {
-      const Eigen::Index len = std::min(chunk_, n_ - begin);
-      const InputRows<Acc> rq = features.queries(begin, len, chunk_, buf_.q);
+                    const Eigen::MatrixBase<DG>& grad_out, Out& grad_q, Eigen::Index first,
+                    Eigen::Index last, bool absorb_only = false) {
+    total_.setZero();
+    for (Eigen::Index begin = first; begin < last; begin += chunk_) {
+      const Eigen::Index len = std::min(chunk_, last - begin);
       const InputRows<Acc> rk = features.keys(begin, len, chunk_, buf_.k);
       const InputRows<Acc> rv = input_rows<Acc>(v, begin, len, chunk_, buf_.v);
-      const InputRows<Acc> rg = input_rows<Acc>(grad_out, begin, len, chunk_, buf_.g);
       for (Eigen::Index u = 0; u < len; ++u) load_lambda(u, begin + u);
+      if (absorb_only) {
+        for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
+          const InputRows<Acc> a = weighted(rk, p, 1, m, buf_.weight, buf_.weighted_a);
+          absorb_rows(at(a, p), nullptr, at(rv, p), nullptr, m);
+        });
+        continue;
+      }
+      const InputRows<Acc> rq = features.queries(begin, len, chunk_, buf_.q);
+      const InputRows<Acc> rg = input_rows<Acc>(grad_out, begin, len, chunk_, buf_.g);
       buf_.horiz.topRows(len).setZero();
       for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
         const InputRows<Acc> a = weighted(rk, p, 1, m, buf_.weight, buf_.weighted_a);
@@ -241,26 +261,38 @@ class GradientStream {
     }
   }
 
-  /// The reversed pass: grad_k = d loss / d k (through `features`) and grad_v, after
-  /// forward_pass.
+  /// The reversed pass over tokens [first, last), from the last, from the carried state (dS
+  /// after token last - 1 moved on, 0 at the sequence's end): grad_k (through `features`) and
+  /// grad_v rows, after forward_pass wrote the tokens' factors. `absorb_only` as above.
   template <class Features, class DV, class DG, class OutK, class OutV>
   void reversed_pass(const Features& features, const Eigen::MatrixBase<DV>& v,
-                     const Eigen::MatrixBase<DG>& grad_out, OutK& grad_k, OutV& grad_v) {
-    x_.setZero();
-    z_.setZero();
-    const Eigen::Index chunks = (n_ + chunk_ - 1) / chunk_;
+                     const Eigen::MatrixBase<DG>& grad_out, OutK& grad_k, OutV& grad_v,
+                     Eigen::Index first, Eigen::Index last, bool absorb_only = false) {
+    total_.setZero();
+    const Eigen::Index chunks = (last - first + chunk_ - 1) / chunk_;
     for (Eigen::Index chunk = chunks - 1; chunk >= 0; --chunk) {
-      const Eigen::Index begin = chunk * chunk_;
-      const Eigen::Index len = std::min(chunk_, n_ - begin);
+      const Eigen::Index begin = first + chunk * chunk_;
+      const Eigen::Index len = std::min(chunk_, last - begin);
       const InputRows<Acc> rq = features.queries(begin, len, chunk_, buf_.q);
-      const InputRows<Acc> rk = features.keys(begin, len, chunk_, buf_.k);
-      const InputRows<Acc> rv = input_rows<Acc>(v, begin, len, chunk_, buf_.v);
       const InputRows<Acc> rg = input_rows<Acc>(grad_out, begin, len, chunk_, buf_.g);
       // Processing order u runs from the chunk's last row; token t is moved by A_{t+1}.
       for (Eigen::Index u = 0; u < len; ++u) {
         const Eigen::Index t = begin + len - 1 - u;
         load_lambda(u, t + 1);
       }
+      const Acc* inv = factors_.inv.data() + begin;
+      if (absorb_only) {
+        for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
+          const Eigen::Index top = len - 1 - p;
+          const InputRows<Acc> a = weighted(rq, top, -1, m, buf_.weight, buf_.weighted_a, p);
+          const Eigen::Index low = top - m + 1;  // the piece's rows are [low, top]
+          absorb_rows(at(a, low), inv + low, at(rg, low),
+                      options_.normalize ? factors_.gden.data() + begin + low : nullptr, m);
+        });
+        continue;
+      }
+      const InputRows<Acc> rk = features.keys(begin, len, chunk_, buf_.k);
+      const InputRows<Acc> rv = input_rows<Acc>(v, begin, len, chunk_, buf_.v);
       buf_.horiz.topRows(len).setZero();
       buf_.vert.topRows(len).setZero();
       for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
@@ -270,8 +302,7 @@ class GradientStream {
         const InputRows<Acc> c =
             width_ > 1 ? weighted(rk, top, -1, m, buf_.lift, buf_.weighted_c, p) : rk;
         // The update's factor s / d_t of each token: G_t = s grad_out_t / d_t, read in place.
-        run(at(a, top), {buf_.inv.data() + begin + top, 1}, at(rg, top), at(c, top), at(rv, top),
-            top, m, -1);
+        run(at(a, top), {inv + top, 1}, at(rg, top), at(c, top), at(rv, top), top, m, -1);
         for (Eigen::Index u = p; u < p + m; ++u) {
           finish_key_row(u, len - 1 - u, begin + len - 1 - u, a);
         }
@@ -307,6 +338,7 @@ class GradientStream {
       body(0, len);
       return;
     }
+    total_ += buf_.lambda.topRows(len).colwise().sum();
     for (Eigen::Index p = 0; p < len;) {
       move_state(buf_.lambda.row(p));
       buf_.rise.row(p).setZero();
@@ -340,6 +372,26 @@ class GradientStream {
         log_factor.transpose().exp().template cast<Acc>();
     x_.array().colwise() *= factor;
     z_.array() *= factor;
+  }
+
+  /// The state over m rows from `a` and `b` without readouts: x += sum_i a_i b_i^T and
+  /// z += sum_i a_i, or with per-row factors f (the reversed pass) x += sum_i f_i a_i b_i^T and
+  /// z += sum_i e_i a_i (no z update when e is null).
+  void absorb_rows(const InputRows<Acc>& a, const Acc* f, const InputRows<Acc>& b, const Acc* e,
+                   Eigen::Index m) {
+    using Rows = Eigen::Map<const Matrix<Acc>, 0, Eigen::OuterStride<>>;
+    const Rows keys(a.data, m, c_, Eigen::OuterStride<>(a.ld));
+    const Rows values(b.data, m, dv_, Eigen::OuterStride<>(b.ld));
+    if (f == nullptr) {
+      x_.noalias() += keys.transpose() * values;
+      z_ += keys.colwise().sum().transpose();
+      return;
+    }
+    fit_buffer(buf_.weighted_c, chunk_, c_);
+    auto scaled = buf_.weighted_c.topRows(m);
+    scaled = keys.array().colwise() * Eigen::Map<const Eigen::Array<Acc, Eigen::Dynamic, 1>>(f, m);
+    x_.noalias() += scaled.transpose() * values;
+    if (e != nullptr) z_.noalias() += keys.transpose() * Eigen::Map<const Vector<Acc>>(e, m);
   }
 
   /// Row `row` of `rows`.
@@ -413,8 +465,8 @@ class GradientStream {
       const Acc d = guard_denominator<Acc>(raw, eps);
       if (d == Acc(0)) {
         dq.setZero();
-        buf_.inv(t) = Acc(0);
-        buf_.gden(t) = Acc(0);
+        factors_.inv(t) = Acc(0);
+        factors_.gden(t) = Acc(0);
         return;
       }
       const Acc num_dot = width_ > 1 ? RowMap(c.data + u * c.ld, c_).dot(dq) * scale_
@@ -428,8 +480,8 @@ class GradientStream {
     } else {
       dq *= scale_ * lift;
     }
-    buf_.inv(t) = inv;
-    buf_.gden(t) = scale_ * gden;
+    factors_.inv(t) = inv;
+    factors_.gden(t) = scale_ * gden;
   }
 
   /// Step u of the reversed pass (chunk row i, token t): d phi_k_t and d v_t from the readouts.
@@ -437,7 +489,7 @@ class GradientStream {
     using RowMap = Eigen::Map<const Eigen::Matrix<Acc, 1, Eigen::Dynamic>>;
     Eigen::Ref<Eigen::Matrix<Acc, 1, Eigen::Dynamic>> dk = buf_.horiz.row(i);
     if (options_.normalize) {
-      z_.transpose() += RowMap(a.data + i * a.ld, c_) * buf_.gden(t);
+      z_.transpose() += RowMap(a.data + i * a.ld, c_) * factors_.gden(t);
       dk += z_.transpose();
     }
     if (width_ > 1) {
@@ -457,7 +509,9 @@ class GradientStream {
   Acc one_ = Acc(1);    ///< the forward pass's update factor
   Matrix<Acc> x_;       ///< C x Dv: S, or dS in the reversed pass
   Vector<Acc> z_;       ///< C: z, or dz
+  Eigen::Array<double, 1, Eigen::Dynamic> total_;  ///< the last absorb's log transition
   GradientScratch<Acc>& buf_;
+  GradientScratch<Acc>& factors_;
 };
 
 }  // namespace linattn::detail
