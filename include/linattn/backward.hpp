@@ -493,12 +493,14 @@ class BackwardWorkspace {
   detail::GradientScratch<Acc> scratch_;
 };
 
-/// Backward of causal_linear_attention, into caller-provided gradients. Time O(N C Dv) (four
-/// chunked passes, the forward recomputed), workspace O(N Dv) when normalizing (none
-/// otherwise), no per-token state. Honours eps, decay, normalize, chunk, check_finite (which
-/// also scans grad_out) and threads. With a map other than Identity the map's features are
-/// recomputed in the accumulation type and its `backward` carries the gradients to q and k;
-/// the features must be finite there (exponential maps on large inputs: use Acc = double).
+/// Backward of causal_linear_attention, into caller-provided gradients. Time 10 N C Dv FLOPs
+/// (two fused streamed passes, the forward's state recomputed; the forward is 4 N C Dv),
+/// workspace 2 N factors and one chunk of buffers (allocated per call; the overload with a
+/// BackwardWorkspace keeps them), no per-token state. Honours eps, decay, normalize, chunk,
+/// check_finite (which also scans grad_out) and threads (a long sequence is split across
+/// them). With a map other than Identity the map's features are recomputed in the accumulation
+/// type a chunk at a time and its `backward` carries the gradients to q and k; the features
+/// must be finite there (exponential maps on large inputs: use Acc = double).
 /// @param q         N x Dk queries, as given to the forward (features, with Identity)
 /// @param k         N x Dk keys
 /// @param v         N x Dv values
