@@ -641,6 +641,26 @@ TEST_CASE("gated backward: threads give the one-thread gradients", "[gated][back
     CHECK(relative_error(b.k, a.k) <= 1e-12);
     CHECK(relative_error(b.v, a.v) <= 1e-12);
     CHECK(relative_error(b.gates, a.gates) <= 1e-10);
+    // Log gates with resets in every segment (and strong gates that split pieces), on two and
+    // three threads: the states absorbed per segment carry the resets across.
+    Matrix<double> g = p.gates.array().log().matrix();
+    for (const Eigen::Index t : {100, 2047, 2048, 3000, 5000, 8191}) {
+      g.row(t).setConstant(-std::numeric_limits<double>::infinity());
+    }
+    g.middleRows(6000, 50).setConstant(-3.0);
+    const auto serial = linattn::causal_gated_linear_attention_backward(
+        p.q, p.k, p.v, linattn::log_gates(g), grad_out, linattn::Identity{}, one);
+    for (const int threads : {2, 3}) {
+      linattn::Options many;
+      many.threads = threads;
+      const auto parallel = linattn::causal_gated_linear_attention_backward(
+          p.q, p.k, p.v, linattn::log_gates(g), grad_out, linattn::Identity{}, many);
+      INFO(threads << " threads, log gates with resets");
+      CHECK(relative_error(parallel.q, serial.q) <= 1e-12);
+      CHECK(relative_error(parallel.k, serial.k) <= 1e-12);
+      CHECK(relative_error(parallel.v, serial.v) <= 1e-12);
+      CHECK(relative_error(parallel.gates, serial.gates) <= 1e-10);
+    }
   }
 }
 

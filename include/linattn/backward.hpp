@@ -135,95 +135,87 @@ void causal_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
     stream.reversed_pass(features, v, grad_out, grad_k, grad_v, 0, n);
     return;
   }
-  // One long sequence on several threads: each segment's starting state is the sum of the
-  // states absorbed by the segments before it (after it, for the reversed pass), each moved
-  // on by the transitions between, so every segment streams on a thread of its own.
+  // One long sequence on several threads, each pass as the forward's driver does it: a short
+  // first segment (the last, for the reversed pass) streams while the others are absorbed
+  // (one product a piece); a prefix (suffix) through each segment's transition gives every
+  // later segment its starting state; then they stream, a thread each.
   const SerialEigenScope serial_eigen;
-  std::vector<GradientScratch<Acc>> scratches(static_cast<std::size_t>(parts - 1));
+  const Eigen::Index chunk =
+      GradientStream<Acc>(feature_dim, v.cols(), options, logs, first, first, n).chunk();
+  features.require_finite(chunk, where);
+  const std::vector<Eigen::Index> bounds = segment_bounds(n, static_cast<int>(parts), chunk);
+  const Eigen::Index segments = static_cast<Eigen::Index>(bounds.size()) - 1;
+  std::vector<GradientScratch<Acc>> scratches(static_cast<std::size_t>(segments - 1));
   std::vector<GradientStream<Acc>> streams;
-  streams.reserve(static_cast<std::size_t>(parts));
-  for (Eigen::Index s = 0; s < parts; ++s) {
+  streams.reserve(static_cast<std::size_t>(segments));
+  for (Eigen::Index s = 0; s < segments; ++s) {
     streams.emplace_back(feature_dim, v.cols(), options, logs,
                          s == 0 ? first : scratches[static_cast<std::size_t>(s - 1)], first, n);
   }
-  const Eigen::Index chunk = streams.front().chunk();
-  features.require_finite(chunk, where);
-  std::vector<Eigen::Index> bounds(static_cast<std::size_t>(parts + 1));
-  for (Eigen::Index s = 0; s <= parts; ++s) {
-    bounds[static_cast<std::size_t>(s)] = s == parts ? n : (n * s / parts) / chunk * chunk;
-  }
-  auto stream_of = [&](Eigen::Index s) -> GradientStream<Acc>& {
-    return streams[static_cast<std::size_t>(s)];
-  };
-  auto begin_of = [&](Eigen::Index s) { return bounds[static_cast<std::size_t>(s)]; };
-  auto end_of = [&](Eigen::Index s) { return bounds[static_cast<std::size_t>(s + 1)]; };
-  // carry(s, from): stream s starts from stream `from`'s state moved by `from`'s transition
-  // plus the state absorbed there (held in stream `local`).
-  auto combine = [&](GradientStream<Acc>& into, const Matrix<Acc>& x, const Vector<Acc>& z,
-                     const Eigen::Array<double, 1, Eigen::Dynamic>& log_moved,
-                     const Matrix<Acc>& local_x, const Vector<Acc>& local_z) {
-    if (log_moved.size() == 1) {
-      const Acc factor = static_cast<Acc>(std::exp(log_moved(0)));
-      into.state() = x * factor + local_x;
-      into.z() = z * factor + local_z;
-    } else {
-      const Eigen::Array<Acc, Eigen::Dynamic, 1> factor =
-          log_moved.transpose().exp().template cast<Acc>();
-      into.state() = (x.array().colwise() * factor).matrix() + local_x;
-      into.z() = (z.array() * factor).matrix() + local_z;
+  std::vector<Matrix<Acc>> xs(static_cast<std::size_t>(segments));
+  std::vector<Vector<Acc>> zs(static_cast<std::size_t>(segments));
+  std::vector<Eigen::Array<double, 1, Eigen::Dynamic>> moved(static_cast<std::size_t>(segments));
+  // Segments are counted in streaming order i (the reversed pass from the last): segment(i)
+  // is the stream that runs it, [begin_of(i), end_of(i)) its rows (bounds mirrored).
+  auto run_pass = [&](bool reversed) {
+    auto segment = [&](Eigen::Index i) { return reversed ? segments - 1 - i : i; };
+    auto begin_of = [&](Eigen::Index i) {
+      return reversed ? n - bounds[static_cast<std::size_t>(i + 1)]
+                      : bounds[static_cast<std::size_t>(i)];
+    };
+    auto end_of = [&](Eigen::Index i) {
+      return reversed ? n - bounds[static_cast<std::size_t>(i)]
+                      : bounds[static_cast<std::size_t>(i + 1)];
+    };
+    auto pass = [&](Eigen::Index i, bool absorb_only) {
+      const Features own(q.derived(), k.derived(), map);
+      GradientStream<Acc>& stream = streams[static_cast<std::size_t>(segment(i))];
+      if (reversed) {
+        stream.reversed_pass(own, v, grad_out, grad_k, grad_v, begin_of(i), end_of(i), absorb_only);
+      } else {
+        stream.forward_pass(own, v, grad_out, grad_q, begin_of(i), end_of(i), absorb_only);
+      }
+    };
+    for (GradientStream<Acc>& stream : streams) {
+      stream.state().setZero();
+      stream.z().setZero();
     }
+    parallel_for(segments - 1, static_cast<int>(segments - 1),
+                 [&](Eigen::Index i) { pass(i, i > 0); });
+    for (Eigen::Index i = 1; i + 1 < segments; ++i) {
+      GradientStream<Acc>& local = streams[static_cast<std::size_t>(segment(i))];
+      const auto at = static_cast<std::size_t>(i);
+      xs[at] = local.state();
+      zs[at] = local.z();
+      moved[at] = local.total();
+    }
+    for (Eigen::Index i = 1; i + 1 < segments; ++i) {
+      // The state entering segment i + 1: segment i's start moved across it, plus its sums.
+      const GradientStream<Acc>& before = streams[static_cast<std::size_t>(segment(i - 1))];
+      GradientStream<Acc>& into = streams[static_cast<std::size_t>(segment(i))];
+      const auto at = static_cast<std::size_t>(i);
+      if (i == 1) {
+        into.state() = before.state();  // segment 0 streamed: its final state
+        into.z() = before.z();
+      }
+      GradientStream<Acc>& next = streams[static_cast<std::size_t>(segment(i + 1))];
+      const Eigen::Array<double, 1, Eigen::Dynamic>& log_moved = moved[at];
+      if (log_moved.size() == 1) {
+        const Acc factor = static_cast<Acc>(std::exp(log_moved(0)));
+        next.state() = into.state() * factor + xs[at];
+        next.z() = into.z() * factor + zs[at];
+      } else {
+        const Eigen::Array<Acc, Eigen::Dynamic, 1> factor =
+            log_moved.transpose().exp().template cast<Acc>();
+        next.state() = (into.state().array().colwise() * factor).matrix() + xs[at];
+        next.z() = (into.z().array() * factor).matrix() + zs[at];
+      }
+    }
+    parallel_for(segments - 1, static_cast<int>(segments - 1),
+                 [&](Eigen::Index i) { pass(i + 1, false); });
   };
-  // Forward: absorb segments 0..parts-2, prefix, then stream every segment.
-  parallel_for(parts - 1, static_cast<int>(parts - 1), [&](Eigen::Index s) {
-    const Features own_features(q.derived(), k.derived(), map);
-    stream_of(s).forward_pass(own_features, v, grad_out, grad_q, begin_of(s), end_of(s), true);
-  });
-  std::vector<Matrix<Acc>> xs(static_cast<std::size_t>(parts));
-  std::vector<Vector<Acc>> zs(static_cast<std::size_t>(parts));
-  std::vector<Eigen::Array<double, 1, Eigen::Dynamic>> moved(static_cast<std::size_t>(parts));
-  for (Eigen::Index s = 0; s < parts; ++s) {
-    const auto i = static_cast<std::size_t>(s);
-    xs[i] = stream_of(s).state();
-    zs[i] = stream_of(s).z();
-    moved[i] = stream_of(s).total();
-  }
-  stream_of(0).state().setZero();
-  stream_of(0).z().setZero();
-  for (Eigen::Index s = 1; s < parts; ++s) {
-    const auto i = static_cast<std::size_t>(s - 1);
-    combine(stream_of(s), stream_of(s - 1).state(), stream_of(s - 1).z(), moved[i], xs[i], zs[i]);
-  }
-  parallel_for(parts, static_cast<int>(parts), [&](Eigen::Index s) {
-    const Features own_features(q.derived(), k.derived(), map);
-    stream_of(s).forward_pass(own_features, v, grad_out, grad_q, begin_of(s), end_of(s));
-  });
-  // Reversed: absorb segments 1..parts-1 from zero, suffix, then stream every segment.
-  for (Eigen::Index s = 0; s < parts; ++s) {
-    stream_of(s).state().setZero();
-    stream_of(s).z().setZero();
-  }
-  parallel_for(parts - 1, static_cast<int>(parts - 1), [&](Eigen::Index i) {
-    const Eigen::Index s = i + 1;
-    const Features own_features(q.derived(), k.derived(), map);
-    stream_of(s).reversed_pass(own_features, v, grad_out, grad_k, grad_v, begin_of(s), end_of(s),
-                               true);
-  });
-  for (Eigen::Index s = 1; s < parts; ++s) {
-    const auto i = static_cast<std::size_t>(s);
-    xs[i] = stream_of(s).state();
-    zs[i] = stream_of(s).z();
-    moved[i] = stream_of(s).total();
-  }
-  stream_of(parts - 1).state().setZero();
-  stream_of(parts - 1).z().setZero();
-  for (Eigen::Index s = parts - 2; s >= 0; --s) {
-    const auto i = static_cast<std::size_t>(s + 1);
-    combine(stream_of(s), stream_of(s + 1).state(), stream_of(s + 1).z(), moved[i], xs[i], zs[i]);
-  }
-  parallel_for(parts, static_cast<int>(parts), [&](Eigen::Index s) {
-    const Features own_features(q.derived(), k.derived(), map);
-    stream_of(s).reversed_pass(own_features, v, grad_out, grad_k, grad_v, begin_of(s), end_of(s));
-  });
+  run_pass(false);
+  run_pass(true);
 }
 
 /// The non-causal backward on validated inputs: five GEMMs through C x (Dv + 1) sums.

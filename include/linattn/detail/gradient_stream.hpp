@@ -219,8 +219,10 @@ class GradientStream {
   Eigen::Index chunk() const { return chunk_; }
   /// C x Dv: the carried state (S, or dS in the reversed pass).
   Matrix<Acc>& state() { return x_; }
+  const Matrix<Acc>& state() const { return x_; }
   /// C: the carried z (or dz).
   Vector<Acc>& z() { return z_; }
+  const Vector<Acc>& z() const { return z_; }
   /// The log transition of the last absorb over all its tokens (1 or G entries; 0 without a
   /// transition, -infinity where a reset cleared the state).
   const Eigen::Array<double, 1, Eigen::Dynamic>& total() const { return total_; }
