@@ -13,6 +13,7 @@
 #endif
 
 #include <linattn/backward.hpp>
+#include <linattn/gated.hpp>
 
 #include "bench_common.hpp"
 
@@ -110,6 +111,77 @@ void BM_LinearForwardBackward(benchmark::State& state) {
   state.counters["C"] = double(kDim);
 }
 
+/// The linear forward + backward through the caller's BackwardWorkspace (kept across
+/// iterations, as a training loop keeps it): no allocation in the timed region.
+template <class T>
+void BM_LinearForwardBackwardWorkspace(benchmark::State& state) {
+  const Eigen::Index n = state.range(0);
+  Inputs<T> in(n);
+  const linattn::EluPlusOne map;
+  const linattn::Options options;
+  linattn::BackwardWorkspace<T> workspace;
+  linattn_bench::measure(state, [&] {
+    linattn::causal_linear_attention_into(in.q, in.k, in.v, map, in.out);
+    benchmark::DoNotOptimize(in.out.data());
+    linattn::causal_linear_attention_backward_into(in.q, in.k, in.v, in.grad_out, map, in.grad_q,
+                                                   in.grad_k, in.grad_v, options, workspace);
+    benchmark::DoNotOptimize(in.grad_q.data());
+    benchmark::DoNotOptimize(in.grad_k.data());
+    benchmark::DoNotOptimize(in.grad_v.data());
+  });
+  set_rates(state, 12.0 * double(n) * double(kDim) * double(kDim), double(n));
+  state.counters["C"] = double(kDim);
+}
+
+/// GLA's gated kernel: featurized q and k, per-feature log gates (log a < 0, about -0.05),
+/// normalize off as in FLA; the forward alone and forward + backward (which also gives
+/// d loss / d g). FLOPs counted as for the plain kernel.
+template <class T>
+struct GatedInputs : Inputs<T> {
+  Matrix<T> log_gates;
+  explicit GatedInputs(Eigen::Index n)
+      : Inputs<T>(n),
+        log_gates((-T(0.05) * random_matrix<T>(n, kDim, 25).array().abs() - T(1e-3)).matrix()) {}
+};
+
+inline linattn::Options gla_options() {
+  linattn::Options options;
+  options.normalize = false;
+  return options;
+}
+
+template <class T>
+void BM_GatedForward(benchmark::State& state) {
+  const Eigen::Index n = state.range(0);
+  GatedInputs<T> in(n);
+  const linattn::Options options = gla_options();
+  linattn_bench::measure(state, [&] {
+    linattn::causal_gated_linear_attention_into(in.q, in.k, in.v, linattn::log_gates(in.log_gates),
+                                                linattn::Identity{}, in.out, options);
+    benchmark::DoNotOptimize(in.out.data());
+  });
+  set_rates(state, 4.0 * double(n) * double(kDim) * double(kDim), double(n));
+}
+
+template <class T>
+void BM_GatedForwardBackward(benchmark::State& state) {
+  const Eigen::Index n = state.range(0);
+  GatedInputs<T> in(n);
+  const linattn::Options options = gla_options();
+  linattn::BackwardWorkspace<T> workspace;
+  linattn::GatedAttentionGradients<T> grads;
+  linattn_bench::measure(state, [&] {
+    linattn::causal_gated_linear_attention_into(in.q, in.k, in.v, linattn::log_gates(in.log_gates),
+                                                linattn::Identity{}, in.out, options);
+    benchmark::DoNotOptimize(in.out.data());
+    linattn::causal_gated_linear_attention_backward_into(
+        in.q, in.k, in.v, linattn::log_gates(in.log_gates), in.grad_out, linattn::Identity{}, grads,
+        options, workspace);
+    benchmark::DoNotOptimize(grads.q.data());
+  });
+  set_rates(state, 12.0 * double(n) * double(kDim) * double(kDim), double(n));
+}
+
 template <class T>
 void register_scalar(const std::vector<Eigen::Index>& sizes) {
   const std::string t = linattn_bench::scalar_name(T{});
@@ -122,9 +194,22 @@ void register_scalar(const std::vector<Eigen::Index>& sizes) {
                                  BM_LinearForwardBackward<T>)
         ->Arg(n)
         ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_LinearForwardBackwardWorkspace<" + t + ">").c_str(),
+                                 BM_LinearForwardBackwardWorkspace<T>)
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("BM_LinearForward<" + t + ">").c_str(), BM_LinearForward<T>)
         ->Arg(n)
         ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_GatedForwardBackward<" + t + ">").c_str(),
+                                 BM_GatedForwardBackward<T>)
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_GatedForward<" + t + ">").c_str(), BM_GatedForward<T>)
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+    // The softmax baseline is quadratic: up to N = 16,384.
+    if (n > 16384) continue;
     benchmark::RegisterBenchmark(("BM_SoftmaxForwardBackward<" + t + ">").c_str(),
                                  BM_SoftmaxForwardBackward<T>)
         ->Arg(n)
@@ -149,7 +234,7 @@ int main(int argc, char** argv) {
 #endif
   const bool quick = linattn_bench::quick();
   register_scalar<float>(quick ? std::vector<Eigen::Index>{256, 1024, 4096}
-                               : std::vector<Eigen::Index>{256, 1024, 4096, 16384});
+                               : std::vector<Eigen::Index>{256, 1024, 4096, 16384, 65536});
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -355,6 +355,13 @@ void gate_gradients(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<
     } else {
       running += term;
     }
+    if constexpr (LogSpace) {
+      // d g_t is the running sum itself, 0 at a reset (the output is flat in g_t there).
+      grad.row(t) = (logs.row(t) == -std::numeric_limits<double>::infinity())
+                        .select(0.0, running)
+                        .template cast<T>();
+      continue;
+    }
     for (Eigen::Index c = 0; c < g; ++c) {
       const double log_gate = logs(t, c);
       double d = 0.0;  // a reset: the output is flat in g_t

@@ -349,8 +349,11 @@ class GradientStream {
         buf_.rise.row(p + m) = buf_.rise.row(p + m - 1) + buf_.lambda.row(p + m);
         if (!(buf_.rise.row(p + m).minCoeff() >= -kRange)) break;
       }
-      buf_.lift.middleRows(p, m) = buf_.rise.middleRows(p, m).exp().template cast<Acc>();
-      buf_.weight.middleRows(p, m) = (-buf_.rise.middleRows(p, m)).exp().template cast<Acc>();
+      // In Acc, as the forward weights its pieces; converted first, so exp runs vectorised.
+      auto lift = buf_.lift.middleRows(p, m);
+      lift = buf_.rise.middleRows(p, m).template cast<Acc>();
+      buf_.weight.middleRows(p, m) = (-lift).exp();
+      lift = lift.exp();
       body(p, m);
       move_state(buf_.rise.row(p + m - 1));
       p += m;
