@@ -404,18 +404,35 @@ void gated_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>&
                    where);
     const SequenceGates forward(gates);
     GatedAttentionGradients<T> result;
+    // Featurized in the inputs' type, the gradients are computed in the caller's matrices
+    // (nothing is allocated once they have their shapes; nothing below throws).
+    constexpr bool in_place = features && std::is_same_v<T, A>;
+    GatedAttentionGradients<T>& out = in_place ? grads : result;
     Matrix<A> dq;  // the feature gradients in A: the gate gradients are sums of their products
     Matrix<A> dk;
     auto run = [&](const auto& phi_q, const auto& phi_k) {
-      dq.resize(q.rows(), phi_q.cols());
-      dk.resize(k.rows(), phi_k.cols());
-      Matrix<A> dv(v.rows(), v.cols());
-      causal_backward<A>(phi_q, phi_k, v, grad_out, dq, dk, dv, options, &forward, scratch);
-      gate_gradients<gate_traits<Gates>::log_space>(phi_q, phi_k, dq, dk, forward.logs(),
-                                                    result.gates);
-      result.v = dv.template cast<T>();
+      if constexpr (in_place) {
+        out.q.resize(q.rows(), phi_q.cols());
+        out.k.resize(k.rows(), phi_k.cols());
+        out.v.resize(v.rows(), v.cols());
+        causal_backward<A>(phi_q, phi_k, v, grad_out, out.q, out.k, out.v, options, &forward,
+                           scratch);
+        gate_gradients<gate_traits<Gates>::log_space>(phi_q, phi_k, out.q, out.k, forward.logs(),
+                                                      out.gates);
+      } else {
+        dq.resize(q.rows(), phi_q.cols());
+        dk.resize(k.rows(), phi_k.cols());
+        Matrix<A> dv(v.rows(), v.cols());
+        causal_backward<A>(phi_q, phi_k, v, grad_out, dq, dk, dv, options, &forward, scratch);
+        gate_gradients<gate_traits<Gates>::log_space>(phi_q, phi_k, dq, dk, forward.logs(),
+                                                      out.gates);
+        out.v = dv.template cast<T>();
+      }
     };
-    if constexpr (features) {
+    if constexpr (in_place) {
+      run(q.derived(), k.derived());
+      return;
+    } else if constexpr (features) {
       run(q.derived(), k.derived());
       result.q = dq.template cast<T>();
       result.k = dk.template cast<T>();

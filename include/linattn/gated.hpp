@@ -192,7 +192,9 @@ Matrix<typename DQ::Scalar> causal_gated_linear_attention(const Eigen::MatrixBas
 /// @param grad_out  N x Dv gradient of the loss with respect to the output
 /// @param map       the forward's feature map; needs a backward member unless Identity
 /// @param grads     receives q, k (N x Dk), v (N x Dv) and gates (the gates' shape: d L / d a_t,
-///                  or d L / d g_t for log gates); written only when the call succeeds
+///                  or d L / d g_t for log gates); written only when the call succeeds, and
+///                  reused (no allocation once its matrices have these shapes); it may not
+///                  share memory with the inputs
 /// @param options   as given to the forward call (scale included); decay must be 1
 template <class Acc = void, class DQ, class DK, class DV, class Gates, class DO, class Map,
           class = detail::enable_if_gates<DQ, DK, DV, Gates>>
