@@ -344,16 +344,17 @@ void gate_gradients(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<
   grad.resize(n, g);
   Eigen::Array<double, 1, Eigen::Dynamic> running =
       Eigen::Array<double, 1, Eigen::Dynamic>::Zero(g);
-  Eigen::Array<double, 1, Eigen::Dynamic> term(phi_q.cols());
+  // Each token's term in A (its products carry A's rounding already), the sum in double.
+  Eigen::Array<A, 1, Eigen::Dynamic> term(phi_q.cols());
+  Eigen::Array<double, 1, Eigen::Dynamic> wide(phi_q.cols());
   for (Eigen::Index t = n - 1; t >= 0; --t) {
-    term = phi_q.row(t).template cast<double>().array() *
-               grad_phi_q.row(t).template cast<double>().array() -
-           phi_k.row(t).template cast<double>().array() *
-               grad_phi_k.row(t).template cast<double>().array();
+    term = phi_q.row(t).template cast<A>().array() * grad_phi_q.row(t).array() -
+           phi_k.row(t).template cast<A>().array() * grad_phi_k.row(t).array();
+    wide = term.template cast<double>();
     if (g == 1) {
-      running(0) += term.sum();
+      running(0) += wide.sum();
     } else {
-      running += term;
+      running += wide;
     }
     if constexpr (LogSpace) {
       // d g_t is the running sum itself, 0 at a reset (the output is flat in g_t there).

@@ -349,11 +349,13 @@ class GradientStream {
         buf_.rise.row(p + m) = buf_.rise.row(p + m - 1) + buf_.lambda.row(p + m);
         if (!(buf_.rise.row(p + m).minCoeff() >= -kRange)) break;
       }
-      // In Acc, as the forward weights its pieces; converted first, so exp runs vectorised.
+      // In Acc, as the forward weights its pieces; converted first, so exp runs vectorised,
+      // and the weights as reciprocals (a division costs less than a second exp; both stay
+      // normal numbers within the range).
       auto lift = buf_.lift.middleRows(p, m);
       lift = buf_.rise.middleRows(p, m).template cast<Acc>();
-      buf_.weight.middleRows(p, m) = (-lift).exp();
       lift = lift.exp();
+      buf_.weight.middleRows(p, m) = lift.inverse();
       body(p, m);
       move_state(buf_.rise.row(p + m - 1));
       p += m;
