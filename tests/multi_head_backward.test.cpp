@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "heads_support.hpp"
 #include "support.hpp"
 
 using linattn::GatedAttentionGradients;
@@ -26,6 +27,9 @@ using linattn::HeadStrides;
 using linattn::HeadsView;
 using linattn::Matrix;
 using linattn_test::gaussian;
+using linattn_test::Heads;
+using linattn_test::Layout;
+using linattn_test::layout_name;
 
 namespace {
 
@@ -34,75 +38,6 @@ constexpr Eigen::Index kDv = 5;
 
 template <class T>
 constexpr T kSentinel = T(-7.25);  // fills gradient views before a call
-
-enum class Layout { bhnd, bnhd, padded };
-
-const char* layout_name(Layout layout) {
-  switch (layout) {
-    case Layout::bhnd:
-      return "[B,H,N,D]";
-    case Layout::bnhd:
-      return "[B,N,H,D]";
-    case Layout::padded:
-      return "padded, dim stride 2";
-  }
-  return "?";
-}
-
-/// B x H x N x D elements of caller memory in a layout; `padded` leaves gaps everywhere and
-/// puts features two apart (so the backward cannot write a head in place).
-template <class T>
-class Heads {
- public:
-  Heads(Layout layout, Eigen::Index batch, Eigen::Index heads, Eigen::Index tokens,
-        Eigen::Index dim, T fill)
-      : layout_(layout), batch_(batch), heads_(heads), tokens_(tokens), dim_(dim) {
-    switch (layout) {
-      case Layout::bhnd:
-        strides_ = HeadStrides{heads * tokens * dim, tokens * dim, dim, 1};
-        break;
-      case Layout::bnhd:
-        strides_ = HeadStrides{tokens * heads * dim, dim, heads * dim, 1};
-        break;
-      case Layout::padded:
-        strides_ = HeadStrides{0, 0, 2 * dim + 3, 2};
-        strides_.head = tokens * strides_.token + 5;
-        strides_.batch = heads * strides_.head + 7;
-        break;
-    }
-    const Eigen::Index size = (batch - 1) * strides_.batch + (heads - 1) * strides_.head +
-                              (tokens - 1) * strides_.token + (dim - 1) * strides_.dim + 1;
-    data_.assign(static_cast<std::size_t>(size), fill);
-  }
-
-  HeadsView<T> view() {
-    switch (layout_) {
-      case Layout::bhnd:
-        return HeadsView<T>::bhnd(data_.data(), {batch_, heads_, tokens_, dim_});
-      case Layout::bnhd:
-        return HeadsView<T>::bnhd(data_.data(), {batch_, heads_, tokens_, dim_});
-      case Layout::padded:
-        break;
-    }
-    return HeadsView<T>(data_.data(), batch_, heads_, tokens_, dim_, strides_);
-  }
-  HeadsView<const T> cview() const {
-    return HeadsView<const T>(data_.data(), batch_, heads_, tokens_, dim_, strides_);
-  }
-
-  Matrix<T> head(Eigen::Index b, Eigen::Index h) const { return cview().head(b, h); }
-  void set_head(Eigen::Index b, Eigen::Index h, const Matrix<T>& m) { view().head(b, h) = m; }
-  std::vector<T>& data() { return data_; }
-  const std::vector<T>& data() const { return data_; }
-  Eigen::Index heads() const { return heads_; }
-  Eigen::Index dim() const { return dim_; }
-
- private:
-  Layout layout_;
-  Eigen::Index batch_, heads_, tokens_, dim_;
-  HeadStrides strides_;
-  std::vector<T> data_;
-};
 
 /// Gaussian heads, NaN in every gap (a read of a gap would show); `positive`: elu + 1 of them
 /// (featurized inputs, well away from the denominator guard).
