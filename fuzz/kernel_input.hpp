@@ -10,10 +10,12 @@
 //   byte 4  Options::eps     index into kEps     (mod size)
 //   byte 5  Options::decay   index into kDecay   (mod size)
 //   byte 6  Options::chunk   index into kChunk   (mod size)
-//   byte 7  softmax scale index into kScale (low nibble), window index into kWindow (high nibble)
+//   byte 7  softmax scale index into kScale (low nibble; also the backward's Options::scale),
+//           window index into kWindow (high nibble)
 //   byte 8  split point: tokens prefilled before stepping (mod N + 1)
 //   byte 9  value magnitude index into kMagnitude (mod size); temperature (high nibble, kTemp)
-//   then    q (N x Dk), k (N x Dk), v (N x Dv), row-major, two bytes (int16 LE) per value,
+//   then    q (N x Dk), k (N x Dk), v (N x Dv) and the backward's grad_out (N x Dv),
+//           row-major, two bytes (int16 LE) per value,
 //           scaled by kMagnitude / 32768; past the end of the input a xorshift stream seeded
 //           from the header continues. With the specials flag, int16 values 32767, -32768 and
 //           -32767 stand for +Inf, NaN and -Inf.
