@@ -59,8 +59,8 @@ void stream_tile(const StreamOperands<T>& a, Eigen::Index row, Eigen::Index col)
   const Eigen::Index tokens = a.tokens;
   T* const s = a.s + row * lds + col;
   Packet acc[R][WP];
-  for (int r = 0; r < R; ++r) {
-    for (int w = 0; w < WP; ++w) acc[r][w] = ploadu<Packet>(s + r * lds + w * P);
+  LINATTN_UNROLL for (int r = 0; r < R; ++r) {
+    LINATTN_UNROLL for (int w = 0; w < WP; ++w) acc[r][w] = ploadu<Packet>(s + r * lds + w * P);
   }
   const T* q = a.q + row;
   const T* k = a.k + row;
@@ -69,26 +69,26 @@ void stream_tile(const StreamOperands<T>& a, Eigen::Index row, Eigen::Index col)
   for (Eigen::Index t = 0; t < tokens; ++t) {
     Packet value[WP];
     Packet out[WP];
-    for (int w = 0; w < WP; ++w) {
+    LINATTN_UNROLL for (int w = 0; w < WP; ++w) {
       value[w] = ploadu<Packet>(v + w * P);
       out[w] = ploadu<Packet>(num + w * P);
     }
-    for (int r = 0; r < R; ++r) {
+    LINATTN_UNROLL for (int r = 0; r < R; ++r) {
       const Packet key = pset1<Packet>(k[r]);
       const Packet query = pset1<Packet>(q[r]);
-      for (int w = 0; w < WP; ++w) {
+      LINATTN_UNROLL for (int w = 0; w < WP; ++w) {
         acc[r][w] = pmadd(key, value[w], acc[r][w]);
         out[w] = pmadd(query, acc[r][w], out[w]);
       }
     }
-    for (int w = 0; w < WP; ++w) pstoreu<T>(num + w * P, out[w]);
+    LINATTN_UNROLL for (int w = 0; w < WP; ++w) pstoreu<T>(num + w * P, out[w]);
     q += ldq;
     k += ldk;
     v += ldv;
     num += ldn;
   }
-  for (int r = 0; r < R; ++r) {
-    for (int w = 0; w < WP; ++w) pstoreu<T>(s + r * lds + w * P, acc[r][w]);
+  LINATTN_UNROLL for (int r = 0; r < R; ++r) {
+    LINATTN_UNROLL for (int w = 0; w < WP; ++w) pstoreu<T>(s + r * lds + w * P, acc[r][w]);
   }
 }
 
@@ -107,7 +107,7 @@ void token_columns(const StreamOperands<T>& a, Eigen::Index col) {
   const T* const k = a.k;
   T* s = a.s + col;
   Packet value[WP], even[WP], odd[WP];
-  for (int w = 0; w < WP; ++w) {
+  LINATTN_UNROLL for (int w = 0; w < WP; ++w) {
     value[w] = ploadu<Packet>(a.v + col + w * P);
     even[w] = pset1<Packet>(T(0));
     odd[w] = pset1<Packet>(T(0));
@@ -116,7 +116,7 @@ void token_columns(const StreamOperands<T>& a, Eigen::Index col) {
   for (; r + 1 < rows; r += 2, s += 2 * lds) {
     const Packet key0 = pset1<Packet>(k[r]), key1 = pset1<Packet>(k[r + 1]);
     const Packet query0 = pset1<Packet>(q[r]), query1 = pset1<Packet>(q[r + 1]);
-    for (int w = 0; w < WP; ++w) {
+    LINATTN_UNROLL for (int w = 0; w < WP; ++w) {
       const Packet s0 = pmadd(key0, value[w], ploadu<Packet>(s + w * P));
       const Packet s1 = pmadd(key1, value[w], ploadu<Packet>(s + lds + w * P));
       pstoreu<T>(s + w * P, s0);
@@ -127,14 +127,14 @@ void token_columns(const StreamOperands<T>& a, Eigen::Index col) {
   }
   if (r < rows) {
     const Packet key = pset1<Packet>(k[r]), query = pset1<Packet>(q[r]);
-    for (int w = 0; w < WP; ++w) {
+    LINATTN_UNROLL for (int w = 0; w < WP; ++w) {
       const Packet s0 = pmadd(key, value[w], ploadu<Packet>(s + w * P));
       pstoreu<T>(s + w * P, s0);
       even[w] = pmadd(query, s0, even[w]);
     }
   }
   T* const num = a.num + col;
-  for (int w = 0; w < WP; ++w) {
+  LINATTN_UNROLL for (int w = 0; w < WP; ++w) {
     pstoreu<T>(num + w * P, padd(padd(even[w], odd[w]), ploadu<Packet>(num + w * P)));
   }
 }
@@ -274,7 +274,7 @@ EIGEN_ALWAYS_INLINE void add_row_sums(const Packet (&sums)[R], T* horiz) {
     return;
   }
 #endif
-  for (int r = 0; r < R; ++r) horiz[r] += Eigen::internal::predux(sums[r]);
+  LINATTN_UNROLL for (int r = 0; r < R; ++r) horiz[r] += Eigen::internal::predux(sums[r]);
 }
 
 /// One R x (WP packets) tile of X for every token of the block: the update and the column
@@ -294,8 +294,8 @@ void gradient_tile(const GradientOperands<T>& o, Eigen::Index row, Eigen::Index 
   const Eigen::Index tokens = o.tokens;
   T* const x = o.x + row * ldx + col;
   Packet acc[R][WP];
-  for (int r = 0; r < R; ++r) {
-    for (int w = 0; w < WP; ++w) acc[r][w] = ploadu<Packet>(x + r * ldx + w * P);
+  LINATTN_UNROLL for (int r = 0; r < R; ++r) {
+    LINATTN_UNROLL for (int w = 0; w < WP; ++w) acc[r][w] = ploadu<Packet>(x + r * ldx + w * P);
   }
   const T* a = o.a + row;
   const T* f = o.f;
@@ -310,25 +310,25 @@ void gradient_tile(const GradientOperands<T>& o, Eigen::Index row, Eigen::Index 
     Packet grad[WP];
     Packet out[WP];
     Packet sums[R];
-    for (int w = 0; w < WP; ++w) {
+    LINATTN_UNROLL for (int w = 0; w < WP; ++w) {
       value[w] = ploadu<Packet>(b + w * P);
       grad[w] = ploadu<Packet>(d + w * P);
       if constexpr (Vert) out[w] = ploadu<Packet>(vert + w * P);
     }
     const T factor = *f;
-    for (int r = 0; r < R; ++r) {
+    LINATTN_UNROLL for (int r = 0; r < R; ++r) {
       const Packet key = pset1<Packet>(a[r] * factor);
-      for (int w = 0; w < WP; ++w) acc[r][w] = pmadd(key, value[w], acc[r][w]);
+      LINATTN_UNROLL for (int w = 0; w < WP; ++w) acc[r][w] = pmadd(key, value[w], acc[r][w]);
       if constexpr (Vert) {
         const Packet query = pset1<Packet>(c[r]);
-        for (int w = 0; w < WP; ++w) out[w] = pmadd(query, acc[r][w], out[w]);
+        LINATTN_UNROLL for (int w = 0; w < WP; ++w) out[w] = pmadd(query, acc[r][w], out[w]);
       }
       sums[r] = pmul(acc[r][0], grad[0]);
       for (int w = 1; w < WP; ++w) sums[r] = pmadd(acc[r][w], grad[w], sums[r]);
     }
     add_row_sums<T, Packet, R>(sums, horiz);
     if constexpr (Vert) {
-      for (int w = 0; w < WP; ++w) pstoreu<T>(vert + w * P, out[w]);
+      LINATTN_UNROLL for (int w = 0; w < WP; ++w) pstoreu<T>(vert + w * P, out[w]);
       c += ldc;
       vert += ldvert;
     }
@@ -338,8 +338,8 @@ void gradient_tile(const GradientOperands<T>& o, Eigen::Index row, Eigen::Index 
     d += ldd;
     horiz += ldhoriz;
   }
-  for (int r = 0; r < R; ++r) {
-    for (int w = 0; w < WP; ++w) pstoreu<T>(x + r * ldx + w * P, acc[r][w]);
+  LINATTN_UNROLL for (int r = 0; r < R; ++r) {
+    LINATTN_UNROLL for (int w = 0; w < WP; ++w) pstoreu<T>(x + r * ldx + w * P, acc[r][w]);
   }
 }
 
