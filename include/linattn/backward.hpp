@@ -143,7 +143,8 @@ void causal_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   const Eigen::Index chunk =
       GradientStream<Acc>(feature_dim, v.cols(), options, logs, first, first, n).chunk();
   features.require_finite(chunk, where);
-  const std::vector<Eigen::Index> bounds = segment_bounds(n, static_cast<int>(parts), chunk);
+  const std::vector<Eigen::Index> bounds =
+      segment_bounds(n, static_cast<int>(parts), chunk, kBackwardAbsorbCost);
   const Eigen::Index segments = static_cast<Eigen::Index>(bounds.size()) - 1;
   std::vector<GradientScratch<Acc>> scratches(static_cast<std::size_t>(segments - 1));
   std::vector<GradientStream<Acc>> streams;

@@ -596,6 +596,14 @@ class ChunkedKernel {
     state.fold_rows();
     gated_ = src.gate_dim() == 1;
     const Eigen::Index n = src.rows();
+    const bool plain = !gated_ && !has_decay() && !src.log_scaled();
+    ChunkRows<T> in_place{};
+    if (plain && state.unscaled() && src.rows_in_place(0, in_place)) {
+      // The caller's rows, streamed in place: no copy, no GEMM on thin chunks.
+      stream_sums(n, in_place, state);
+      if (log_transition != nullptr) *log_transition = 0.0;
+      return;
+    }
     double total = 0.0;
     Eigen::Index len = 0;
     for (Eigen::Index begin = 0; begin < n; begin += len) {
@@ -610,10 +618,8 @@ class ChunkedKernel {
       Eigen::Ref<Matrix<T>> keys = buf_.k.topRows(len);
       Eigen::Ref<Matrix<T>> values = buf_.v.topRows(len);
       total += decay_to(len - 1);
-      if (!src.log_scaled() && !gated_ && !has_decay() && state.unscaled()) {
-        state.s.noalias() += keys.transpose() * values;
-        state.z += keys.colwise().sum().transpose();
-        state.log_scale = 0.0;
+      if (plain && state.unscaled()) {
+        stream_sums(len, buffer_rows(buf_.k), state);
         continue;
       }
       if (!src.log_scaled()) buf_.log_k.head(len).setZero();
@@ -774,6 +780,21 @@ class ChunkedKernel {
     stream_chunk(0, len, rows, state);
     state.log_scale = 0.0;
     write_unscaled_output(len, out);
+  }
+
+  /// S += sum_t k_t v_t^T, z += sum_t k_t over `len` tokens of `rows` (q unused): the stream
+  /// kernel without its readout, half its FLOPs.
+  void stream_sums(Eigen::Index len, const ChunkRows<T>& rows, CarriedState<T>& state) {
+    const Eigen::Index c = state.s.rows();
+    const Eigen::Index dv = state.s.cols();
+    const StreamOperands<T> operands{
+        nullptr, 0, rows.k, rows.ldk, rows.v, rows.ldv, state.s.data(), dv, nullptr, 0, len, c, dv};
+    stream_product(operands);
+    // Token by token, as S: the same sums however the rows are split into chunks.
+    for (Eigen::Index t = 0; t < len; ++t) {
+      state.z += Eigen::Map<const Vector<T>>(rows.k + t * rows.ldk, c);
+    }
+    state.log_scale = 0.0;
   }
 
   /// The chunk buffers' q and v, with keys taken from `keys`.

@@ -46,8 +46,9 @@ struct StreamShape {
 };
 
 /// One R x (WP packets) tile of S, updated and read for every token of the block. The output
-/// partial sums of the R rows are added into num (other row tiles add theirs).
-template <class T, class Packet, int R, int WP>
+/// partial sums of the R rows are added into num (other row tiles add theirs); without
+/// Readout the tile is only updated (q and num unused).
+template <class T, class Packet, int R, int WP, bool Readout>
 void stream_tile(const StreamOperands<T>& a, Eigen::Index row, Eigen::Index col) {
   using Eigen::internal::ploadu;
   using Eigen::internal::pmadd;
@@ -62,30 +63,36 @@ void stream_tile(const StreamOperands<T>& a, Eigen::Index row, Eigen::Index col)
   LINATTN_UNROLL for (int r = 0; r < R; ++r) {
     LINATTN_UNROLL for (int w = 0; w < WP; ++w) acc[r][w] = ploadu<Packet>(s + r * lds + w * P);
   }
-  const T* q = a.q + row;
+  const T* q = Readout ? a.q + row : nullptr;
   const T* k = a.k + row;
   const T* v = a.v + col;
-  T* num = a.num + col;
+  T* num = Readout ? a.num + col : nullptr;
   for (Eigen::Index t = 0; t < tokens; ++t) {
     Packet value[WP];
     Packet out[WP];
     LINATTN_UNROLL for (int w = 0; w < WP; ++w) {
       value[w] = ploadu<Packet>(v + w * P);
-      out[w] = ploadu<Packet>(num + w * P);
+      if constexpr (Readout) out[w] = ploadu<Packet>(num + w * P);
     }
     LINATTN_UNROLL for (int r = 0; r < R; ++r) {
       const Packet key = pset1<Packet>(k[r]);
-      const Packet query = pset1<Packet>(q[r]);
-      LINATTN_UNROLL for (int w = 0; w < WP; ++w) {
-        acc[r][w] = pmadd(key, value[w], acc[r][w]);
-        out[w] = pmadd(query, acc[r][w], out[w]);
+      if constexpr (Readout) {  // each row's update, then its share of the output
+        const Packet query = pset1<Packet>(q[r]);
+        LINATTN_UNROLL for (int w = 0; w < WP; ++w) {
+          acc[r][w] = pmadd(key, value[w], acc[r][w]);
+          out[w] = pmadd(query, acc[r][w], out[w]);
+        }
+      } else {
+        LINATTN_UNROLL for (int w = 0; w < WP; ++w) acc[r][w] = pmadd(key, value[w], acc[r][w]);
       }
     }
-    LINATTN_UNROLL for (int w = 0; w < WP; ++w) pstoreu<T>(num + w * P, out[w]);
-    q += ldq;
+    if constexpr (Readout) {
+      LINATTN_UNROLL for (int w = 0; w < WP; ++w) pstoreu<T>(num + w * P, out[w]);
+      q += ldq;
+      num += ldn;
+    }
     k += ldk;
     v += ldv;
-    num += ldn;
   }
   LINATTN_UNROLL for (int r = 0; r < R; ++r) {
     LINATTN_UNROLL for (int w = 0; w < WP; ++w) pstoreu<T>(s + r * lds + w * P, acc[r][w]);
@@ -164,33 +171,37 @@ void for_each_column_tile(Eigen::Index value_dim, Visit&& visit) {
 }
 
 /// All columns of R rows of S.
-template <class T, int R>
+template <class T, int R, bool Readout>
 void stream_rows(const StreamOperands<T>& a, Eigen::Index row) {
   for_each_column_tile<T>(a.value_dim, [&](auto packet, auto packets, Eigen::Index col) {
-    stream_tile<T, decltype(packet), R, decltype(packets)::value>(a, row, col);
+    stream_tile<T, decltype(packet), R, decltype(packets)::value, Readout>(a, row, col);
   });
 }
 
-/// num (tokens x Dv) += the causal streamed product; S is left after the last token.
-template <class T>
-void stream_product(const StreamOperands<T>& a) {
-  if (a.tokens == 1) {
-    for_each_column_tile<T>(a.value_dim, [&](auto packet, auto packets, Eigen::Index col) {
-      token_columns<T, decltype(packet), decltype(packets)::value>(a, col);
-    });
-    return;
+/// stream_product's work, with or without the readout.
+template <class T, bool Readout>
+void stream_blocks(const StreamOperands<T>& a) {
+  if constexpr (Readout) {
+    if (a.tokens == 1) {
+      for_each_column_tile<T>(a.value_dim, [&](auto packet, auto packets, Eigen::Index col) {
+        token_columns<T, decltype(packet), decltype(packets)::value>(a, col);
+      });
+      return;
+    }
   }
   // Token blocks small enough that a block's v and num rows stay in L1 across the row tiles.
   constexpr Eigen::Index kTokenBlock = LINATTN_STREAM_TOKEN_BLOCK / sizeof(T);
   if (a.tokens > kTokenBlock) {
     StreamOperands<T> block = a;
     for (Eigen::Index t = 0; t < a.tokens; t += kTokenBlock) {
-      block.q = a.q + t * a.ldq;
+      if constexpr (Readout) {
+        block.q = a.q + t * a.ldq;
+        block.num = a.num + t * a.ldn;
+      }
       block.k = a.k + t * a.ldk;
       block.v = a.v + t * a.ldv;
-      block.num = a.num + t * a.ldn;
       block.tokens = std::min(kTokenBlock, a.tokens - t);
-      stream_product(block);
+      stream_blocks<T, Readout>(block);
     }
     return;
   }
@@ -198,18 +209,29 @@ void stream_product(const StreamOperands<T>& a) {
   for (Eigen::Index row = 0; row < a.feature_dim; row += kRows) {
     switch (std::min<Eigen::Index>(kRows, a.feature_dim - row)) {
       case 1:
-        stream_rows<T, 1>(a, row);
+        stream_rows<T, 1, Readout>(a, row);
         break;
       case 2:
-        stream_rows<T, 2>(a, row);
+        stream_rows<T, 2, Readout>(a, row);
         break;
       case 3:
-        if constexpr (kRows >= 3) stream_rows<T, 3>(a, row);
+        if constexpr (kRows >= 3) stream_rows<T, 3, Readout>(a, row);
         break;
       default:
-        if constexpr (kRows >= 4) stream_rows<T, 4>(a, row);
+        if constexpr (kRows >= 4) stream_rows<T, 4, Readout>(a, row);
         break;
     }
+  }
+}
+
+/// num (tokens x Dv) += the causal streamed product; S is left after the last token. With q
+/// and num null, S alone is updated (the sums of a segment, no outputs).
+template <class T>
+void stream_product(const StreamOperands<T>& a) {
+  if (a.q == nullptr) {
+    stream_blocks<T, false>(a);
+  } else {
+    stream_blocks<T, true>(a);
   }
 }
 
