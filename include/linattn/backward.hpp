@@ -358,10 +358,15 @@ void gate_gradients(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<
       running += wide;
     }
     if constexpr (LogSpace) {
-      // d g_t is the running sum itself, 0 at a reset (the output is flat in g_t there).
-      grad.row(t) = (logs.row(t) == -std::numeric_limits<double>::infinity())
-                        .select(0.0, running)
-                        .template cast<T>();
+      // d g_t is the running sum itself, 0 at a reset (the output is flat in g_t there). The
+      // select is element by element: only rows with a reset take it.
+      if (logs.row(t).minCoeff() == -std::numeric_limits<double>::infinity()) {
+        grad.row(t) = (logs.row(t) == -std::numeric_limits<double>::infinity())
+                          .select(0.0, running)
+                          .template cast<T>();
+      } else {
+        grad.row(t) = running.template cast<T>();
+      }
       continue;
     }
     for (Eigen::Index c = 0; c < g; ++c) {
