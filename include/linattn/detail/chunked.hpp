@@ -141,12 +141,17 @@ void store_rows(const Matrix<T>& src, Eigen::Index rows, Out& out) {
 /// load_rows, through convert() for 16-bit entries adjacent in memory.
 template <class Acc, class Derived>
 void load_vector(const Eigen::MatrixBase<Derived>& x, Vector<Acc>& dst) {
-  if constexpr (is_half_scalar<typename Derived::Scalar> &&
-                bool(Derived::Flags & Eigen::DirectAccessBit) &&
-                Derived::InnerStrideAtCompileTime == 1) {
-    // Adjacent unless the entries lie across the outer dimension (a column stored row-major).
-    if (x.innerSize() == x.size() || x.derived().outerStride() == 1) {
-      convert(x.derived().data(), dst.data(), x.size());
+  using Scalar = typename Derived::Scalar;
+  if constexpr (bool(Derived::Flags & Eigen::DirectAccessBit)) {
+    // Adjacent unless the entries lie across the outer dimension (a column stored row-major):
+    // then read as one flat vector (a reshaped row is copied element by element).
+    const Derived& memory = x.derived();
+    if (memory.innerStride() == 1 && (x.innerSize() == x.size() || memory.outerStride() == 1)) {
+      if constexpr (is_half_scalar<Scalar>) {
+        convert(memory.data(), dst.data(), x.size());
+      } else {
+        dst = Eigen::Map<const Vector<Scalar>>(memory.data(), x.size()).template cast<Acc>();
+      }
       return;
     }
   }
