@@ -417,6 +417,60 @@ TEST_CASE("the delta rule's backward: chunk, layouts, _into and the accumulation
   CHECK(in_double < in_float);
 }
 
+TEMPLATE_TEST_CASE(
+    "the delta rule's backward with a workspace gives the allocating call's "
+    "gradients, bit for bit, and holds the size it documents",
+    "[delta_rule_backward][workspace]", float, double) {
+  using T = TestType;
+  constexpr Eigen::Index dk = 12, dv = 10;
+  linattn::DeltaBackwardWorkspace<T> workspace;
+  // Lengths that grow, shrink and grow again, every variant, with and without the norm: one
+  // workspace serves each call.
+  for (const Eigen::Index n : {300, 20, 1, 700}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+      for (const bool l2 : {false, true}) {
+        const auto seed = static_cast<std::uint64_t>(1000 + n + 10 * gate_cols);
+        const Inputs in(n, dk, dv, gate_cols, l2, seed);
+        const Matrix<T> q = in.q.cast<T>(), k = in.k.cast<T>(), v = in.v.cast<T>();
+        const Matrix<T> g = in.log_gates.cast<T>();
+        const Vector<T> beta = in.beta.cast<T>();
+        const Matrix<T> grad_out = gaussian<double>(n, dv, seed + 9).cast<T>();
+        DeltaOptions options;
+        options.l2_normalize = l2;
+        options.threads = 1;
+        Matrix<T> gq(n, dk), gk(n, dk), gv(n, dv), gg(n, std::max<Eigen::Index>(gate_cols, 1));
+        Vector<T> gb(n);
+        DeltaRuleGradients<T> want;
+        if (gate_cols == 0) {
+          want = linattn::causal_delta_rule_backward(q, k, v, beta, grad_out, options);
+          linattn::causal_delta_rule_backward_into(q, k, v, beta, grad_out, gq, gk, gv, gb, options,
+                                                   workspace);
+        } else {
+          want = linattn::causal_gated_delta_rule_backward(q, k, v, linattn::log_gates(g), beta,
+                                                           grad_out, options);
+          linattn::causal_gated_delta_rule_backward_into(q, k, v, linattn::log_gates(g), beta,
+                                                         grad_out, gq, gk, gv, gg, gb, options,
+                                                         workspace);
+          CHECK((gg.array() == want.gates.array()).all());
+        }
+        INFO("N = " << n << ", " << variant_name(gate_cols) << ", l2_normalize " << l2);
+        CHECK((gq.array() == want.q.array()).all());
+        CHECK((gk.array() == want.k.array()).all());
+        CHECK((gv.array() == want.v.array()).all());
+        CHECK((gb.array() == want.beta.array()).all());
+        // What it holds is the documented size of this call's shape, to the byte.
+        CHECK(workspace.held_bytes() ==
+              linattn::DeltaBackwardWorkspace<T>::bytes(n, dk, dv, gate_cols, options));
+      }
+    }
+  }
+  // The checkpoints and one block's states, 2 sqrt(N) Dk Dv, dominate; one block's rows
+  // (L x about 8 D) and two states more are the rest.
+  const std::size_t big = linattn::DeltaBackwardWorkspace<T>::bytes(65536, 128, 128, 1);
+  CHECK(big >= sizeof(T) * 2 * 256 * 128 * 128);
+  CHECK(big <= sizeof(T) * (2 * 256 + 2 + 17) * 128 * 128);
+}
+
 TEST_CASE("the delta rule's backward takes 16-bit inputs and accumulates in float",
           "[delta_rule_backward]") {
   const Eigen::Index n = 60, dk = 16, dv = 16;

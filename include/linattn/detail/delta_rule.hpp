@@ -410,8 +410,16 @@ class DeltaKernel {
 template <class T>
 struct DeltaStepBuffers {
   Vector<T> q, k, v, gate, pred, out;
-  DeltaStepBuffers(Eigen::Index key_dim, Eigen::Index value_dim)
-      : q(key_dim), k(key_dim), v(value_dim), gate(key_dim), pred(value_dim), out(value_dim) {}
+  DeltaStepBuffers() = default;
+  DeltaStepBuffers(Eigen::Index key_dim, Eigen::Index value_dim) { resize(key_dim, value_dim); }
+  void resize(Eigen::Index key_dim, Eigen::Index value_dim) {
+    q.resize(key_dim);
+    k.resize(key_dim);
+    v.resize(value_dim);
+    gate.resize(key_dim);
+    pred.resize(value_dim);
+    out.resize(value_dim);
+  }
 };
 
 /// delta_step's strips: >= 128 bytes of a row (narrower ran up to 1.8x slower), <= 8 packets so

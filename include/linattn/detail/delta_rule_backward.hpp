@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <initializer_list>
 #include <linattn/config.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/detail/chunked.hpp>
@@ -86,42 +88,57 @@ inline Eigen::Index checkpoint_interval(Eigen::Index chunk, Eigen::Index rows) {
 template <class T>
 class DeltaBackward {
  public:
+  DeltaBackward() = default;
   /// gate_dim: 0 (DeltaNet), 1 (scalar gates) or Dk (per key feature).
   DeltaBackward(Eigen::Index rows, Eigen::Index key_dim, Eigen::Index value_dim,
-                Eigen::Index gate_dim, const DeltaOptions& options)
-      : n_(rows),
-        dk_(key_dim),
-        dv_(value_dim),
-        gates_(gate_dim),
-        block_(checkpoint_interval(options.chunk, rows)),
-        scale_(static_cast<T>(delta_scale(options, key_dim))),
-        l2_normalize_(options.l2_normalize),
-        options_(options),
-        checkpoints_(blocks() * key_dim, value_dim),
-        states_(block_ * key_dim, value_dim),
-        q_(block_, key_dim),
-        k_(block_, key_dim),
-        raw_q_(l2_normalize_ ? block_ : 0, key_dim),
-        raw_k_(l2_normalize_ ? block_ : 0, key_dim),
-        v_(block_, value_dim),
-        u_(block_, value_dim),
-        grad_out_(block_, value_dim),
-        gate_(block_, std::max<Eigen::Index>(gate_dim, 1)),
-        beta_(block_),
-        grad_q_(block_, key_dim),
-        grad_k_(block_, key_dim),
-        grad_v_(block_, value_dim),
-        grad_gates_(block_, std::max<Eigen::Index>(gate_dim, 1)),
-        grad_beta_(block_),
-        ds_(Matrix<T>::Zero(key_dim, value_dim)),
-        state_(key_dim, value_dim),
-        dout_(value_dim),
-        du_(value_dim),
-        dpred_(value_dim),
-        dq_(key_dim),
-        dkey_(key_dim),
-        product_(key_dim),
-        step_(key_dim, value_dim) {}
+                Eigen::Index gate_dim, const DeltaOptions& options) {
+    reshape(rows, key_dim, value_dim, gate_dim, options);
+  }
+
+  /// Sizes the workspace for a call (as the constructor): buffers of the same size as the last
+  /// call's are kept, others reallocated.
+  void reshape(Eigen::Index rows, Eigen::Index key_dim, Eigen::Index value_dim,
+               Eigen::Index gate_dim, const DeltaOptions& options) {
+    n_ = rows;
+    dk_ = key_dim;
+    dv_ = value_dim;
+    gates_ = gate_dim;
+    block_ = checkpoint_interval(options.chunk, rows);
+    scale_ = static_cast<T>(delta_scale(options, key_dim));
+    l2_normalize_ = options.l2_normalize;
+    options_ = options;
+    const Eigen::Index g = std::max<Eigen::Index>(gate_dim, 1);
+    checkpoints_.resize(blocks() * key_dim, value_dim);
+    states_.resize(block_ * key_dim, value_dim);
+    for (Matrix<T>* m : {&q_, &k_, &grad_q_, &grad_k_}) m->resize(block_, key_dim);
+    for (Matrix<T>* m : {&raw_q_, &raw_k_}) m->resize(l2_normalize_ ? block_ : 0, key_dim);
+    for (Matrix<T>* m : {&v_, &u_, &grad_out_, &grad_v_}) m->resize(block_, value_dim);
+    gate_.resize(block_, g);
+    grad_gates_.resize(block_, g);
+    beta_.resize(block_);
+    grad_beta_.resize(block_);
+    ds_.resize(key_dim, value_dim);
+    state_.resize(key_dim, value_dim);
+    for (Vector<T>* x : {&dout_, &du_, &dpred_}) x->resize(value_dim);
+    for (Vector<T>* x : {&dq_, &dkey_, &product_}) x->resize(key_dim);
+    step_.resize(key_dim, value_dim);
+  }
+
+  /// Bytes of T the buffers hold now.
+  std::size_t held_bytes() const {
+    std::size_t entries = 0;
+    for (const Matrix<T>* m :
+         {&checkpoints_, &states_, &q_, &k_, &raw_q_, &raw_k_, &v_, &u_, &grad_out_, &gate_,
+          &grad_q_, &grad_k_, &grad_v_, &grad_gates_, &ds_, &state_}) {
+      entries += static_cast<std::size_t>(m->size());
+    }
+    for (const Vector<T>* x :
+         {&beta_, &grad_beta_, &dout_, &du_, &dpred_, &dq_, &dkey_, &product_, &step_.q, &step_.k,
+          &step_.v, &step_.gate, &step_.pred, &step_.out}) {
+      entries += static_cast<std::size_t>(x->size());
+    }
+    return entries * sizeof(T);
+  }
 
   /// Blocks of L tokens, the last possibly shorter.
   Eigen::Index blocks() const { return (n_ + block_ - 1) / block_; }
@@ -135,6 +152,7 @@ class DeltaBackward {
            Eigen::Ref<Matrix<S>> grad_k, Eigen::Ref<Matrix<S>> grad_v,
            Eigen::Ref<Matrix<S>>* grad_gates, Eigen::Ref<Vector<S>> grad_beta, const char* where) {
     const SerialEigenScope serial;
+    ds_.setZero();
     checkpoint(q, k, v, beta, gate_rows, where);
     for (Eigen::Index b = blocks() - 1; b >= 0; --b) {
       const Eigen::Index begin = b * block_;
@@ -289,9 +307,9 @@ class DeltaBackward {
     store_rows<S>(src, len, out);
   }
 
-  Eigen::Index n_, dk_, dv_, gates_, block_;
-  T scale_;
-  bool l2_normalize_;
+  Eigen::Index n_ = 0, dk_ = 0, dv_ = 0, gates_ = 0, block_ = 1;
+  T scale_ = T(1);
+  bool l2_normalize_ = false;
   DeltaOptions options_;
   Matrix<T> checkpoints_;          ///< (blocks Dk) x Dv: S before each block's first token
   Matrix<T> states_;               ///< (L Dk) x Dv: S_{t-1} of the loaded block's tokens
@@ -316,15 +334,15 @@ class DeltaBackward {
 
 /// The matrix entry points: the scalar checks, validation, then the backward in Acc.
 template <class Acc, class DQ, class DK, class DV, class DB, class DO, class Gates>
-void delta_rule_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                              const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
-                              const Gates* gates, const Eigen::MatrixBase<DO>& grad_out,
-                              Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q,
-                              Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
-                              Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v,
-                              Eigen::Ref<Matrix<typename DQ::Scalar>>* grad_gates,
-                              Eigen::Ref<Vector<typename DQ::Scalar>> grad_beta,
-                              const DeltaOptions& options, const char* where) {
+void delta_rule_backward_into(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DB>& beta, const Gates* gates, const Eigen::MatrixBase<DO>& grad_out,
+    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_q, Eigen::Ref<Matrix<typename DQ::Scalar>> grad_k,
+    Eigen::Ref<Matrix<typename DQ::Scalar>> grad_v,
+    Eigen::Ref<Matrix<typename DQ::Scalar>>* grad_gates,
+    Eigen::Ref<Vector<typename DQ::Scalar>> grad_beta, const DeltaOptions& options,
+    const char* where,
+    DeltaBackward<accumulator_t<Acc, typename DQ::Scalar>>* workspace = nullptr) {
   using Scalar = typename DQ::Scalar;
   using T = accumulator_t<Acc, Scalar>;
   check_delta_call_scalars<Acc, DQ, DK, DV, DB, Gates>();
@@ -332,8 +350,10 @@ void delta_rule_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::Matri
                 "grad_out must have the inputs' scalar type: cast it first");
   validate_delta_backward(q, k, v, beta, gates, grad_out, grad_q, grad_k, grad_v, grad_gates,
                           grad_beta, options, where);
+  DeltaBackward<T> own;
+  DeltaBackward<T>& backward = workspace != nullptr ? *workspace : own;
   if constexpr (std::is_void_v<Gates>) {
-    DeltaBackward<T> backward(q.rows(), q.cols(), v.cols(), 0, options);
+    backward.reshape(q.rows(), q.cols(), v.cols(), 0, options);
     backward.template run<false, DQ, DK, DV, DB, DO, void, Scalar>(
         q.derived(), k.derived(), v.derived(), beta.derived(), nullptr, nullptr, grad_out.derived(),
         grad_q, grad_k, grad_v, nullptr, grad_beta, where);
@@ -342,7 +362,7 @@ void delta_rule_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::Matri
     const auto& values = Traits::values(*gates);
     using GV = std::decay_t<decltype(values)>;
     const GateMatrix<Gates> gate_rows(*gates);
-    DeltaBackward<T> backward(q.rows(), q.cols(), v.cols(), values.cols(), options);
+    backward.reshape(q.rows(), q.cols(), v.cols(), values.cols(), options);
     backward.template run<Traits::log_space, DQ, DK, DV, DB, DO, GV, Scalar>(
         q.derived(), k.derived(), v.derived(), beta.derived(), &values, &gate_rows,
         grad_out.derived(), grad_q, grad_k, grad_v, grad_gates, grad_beta, where);
