@@ -360,10 +360,9 @@ void gate_gradients(const Eigen::MatrixBase<DQ>& phi_q, const Eigen::MatrixBase<
     if constexpr (LogSpace) {
       // d g_t is the running sum itself, 0 at a reset (the output is flat in g_t there). The
       // select is element by element: only rows with a reset take it.
-      if (logs.row(t).minCoeff() == -std::numeric_limits<double>::infinity()) {
-        grad.row(t) = (logs.row(t) == -std::numeric_limits<double>::infinity())
-                          .select(0.0, running)
-                          .template cast<T>();
+      constexpr double kReset = -std::numeric_limits<double>::infinity();
+      if (logs.row(t).minCoeff() == kReset) {
+        grad.row(t) = (logs.row(t) == kReset).select(0.0, running).template cast<T>();
       } else {
         grad.row(t) = running.template cast<T>();
       }
