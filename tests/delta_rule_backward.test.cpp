@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "heads_support.hpp"
 #include "support.hpp"
 
 namespace {
@@ -199,6 +200,198 @@ template <class T>
 double bound() {
   return std::is_same_v<T, float> ? 1e-4 : 1e-10;
 }
+
+// --- the view backward ---
+
+using linattn_test::Heads;
+using linattn_test::Layout;
+
+template <class T>
+constexpr T kSentinel = T(-7.25);  // fills gradient views before a call
+
+/// A view problem: B x H output heads, q and k grouped in pairs (H / 2 heads), v, beta and
+/// grad_out per output head, gates per gate_heads heads (a_t for KDA, log gates otherwise),
+/// every head filled from its Inputs; the gradient views full of the sentinel.
+template <class T>
+struct ViewProblem {
+  Eigen::Index batch, heads, gate_cols;
+  std::vector<Inputs> inputs;  // per (b, h), b * H + h
+  std::vector<Matrix<double>> grad_out;
+  Heads<T> q, k, v, beta, gates, go;
+  Heads<T> gq, gk, gv, gbeta, ggates;
+
+  ViewProblem(Layout layout, Eigen::Index batch_, Eigen::Index heads_, Eigen::Index n,
+              Eigen::Index dk, Eigen::Index dv, Eigen::Index gate_cols_, Eigen::Index gate_heads,
+              std::uint64_t seed)
+      : batch(batch_),
+        heads(heads_),
+        gate_cols(gate_cols_),
+        q(layout, batch, heads / 2, n, dk, T(0)),
+        k(layout, batch, heads / 2, n, dk, T(0)),
+        v(layout, batch, heads, n, dv, T(0)),
+        beta(layout, batch, heads, n, 1, T(0)),
+        gates(layout, batch, gate_heads, n, std::max<Eigen::Index>(gate_cols, 1), T(0)),
+        go(layout, batch, heads, n, dv, T(0)),
+        gq(layout, batch, heads / 2, n, dk, kSentinel<T>),
+        gk(layout, batch, heads / 2, n, dk, kSentinel<T>),
+        gv(layout, batch, heads, n, dv, kSentinel<T>),
+        gbeta(layout, batch, heads, n, 1, kSentinel<T>),
+        ggates(layout, batch, gate_heads, n, std::max<Eigen::Index>(gate_cols, 1), kSentinel<T>) {
+    for (Eigen::Index b = 0; b < batch; ++b) {
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        inputs.emplace_back(n, dk, dv, gate_cols, h % 3 == 0, seed + 10 * (b * heads + h));
+        grad_out.push_back(gaussian<double>(n, dv, seed + 10 * (b * heads + h) + 5));
+      }
+    }
+    for (Eigen::Index b = 0; b < batch; ++b) {
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        // Each input head holds the Inputs of the first output head that reads it.
+        const Inputs& in = at(b, h);
+        if (h % 2 == 0) {
+          q.set_head(b, h / 2, in.q.cast<T>());
+          k.set_head(b, h / 2, in.k.cast<T>());
+        }
+        v.set_head(b, h, in.v.cast<T>());
+        beta.set_head(b, h, in.beta.cast<T>());
+        go.set_head(b, h, grad_out[static_cast<std::size_t>(b * heads + h)].cast<T>());
+        const Eigen::Index per_gate = heads / gate_heads;
+        if (gate_cols > 0 && h % per_gate == 0) {
+          const Matrix<double> g =
+              gate_cols > 1 ? Matrix<double>(in.log_gates.array().exp()) : in.log_gates;
+          gates.set_head(b, h / per_gate, g.cast<T>());
+        }
+      }
+    }
+  }
+  const Inputs& at(Eigen::Index b, Eigen::Index h) const {
+    return inputs[static_cast<std::size_t>(b * heads + h)];
+  }
+  /// The inputs output head h reads: its own v and beta, q and k of its pair's first head,
+  /// the gates of its gate head's first reader.
+  Inputs seen_by(Eigen::Index b, Eigen::Index h) const {
+    Inputs in = at(b, h);
+    in.q = at(b, h - h % 2).q;
+    in.k = at(b, h - h % 2).k;
+    const Eigen::Index per_gate = heads / gates.heads();
+    in.log_gates = at(b, h - h % per_gate).log_gates;
+    return in;
+  }
+
+  /// The view backward over the packed sequences of `offsets` (padded without).
+  void run(const DeltaOptions& options, const std::vector<std::int64_t>* offsets = nullptr) {
+    const auto log = linattn::log_gates(gates.cview());
+    if (gate_cols == 0 && offsets) {
+      linattn::causal_delta_rule_varlen_backward_into(q.cview(), k.cview(), v.cview(), beta.cview(),
+                                                      go.cview(), *offsets, gq.view(), gk.view(),
+                                                      gv.view(), gbeta.view(), options);
+    } else if (gate_cols == 0) {
+      linattn::causal_delta_rule_backward_into(q.cview(), k.cview(), v.cview(), beta.cview(),
+                                               go.cview(), gq.view(), gk.view(), gv.view(),
+                                               gbeta.view(), options);
+    } else if (gate_cols == 1 && offsets) {
+      linattn::causal_gated_delta_rule_varlen_backward_into(
+          q.cview(), k.cview(), v.cview(), log, beta.cview(), go.cview(), *offsets, gq.view(),
+          gk.view(), gv.view(), ggates.view(), gbeta.view(), options);
+    } else if (gate_cols == 1) {
+      linattn::causal_gated_delta_rule_backward_into(
+          q.cview(), k.cview(), v.cview(), log, beta.cview(), go.cview(), gq.view(), gk.view(),
+          gv.view(), ggates.view(), gbeta.view(), options);
+    } else if (offsets) {
+      linattn::causal_gated_delta_rule_varlen_backward_into(
+          q.cview(), k.cview(), v.cview(), gates.cview(), beta.cview(), go.cview(), *offsets,
+          gq.view(), gk.view(), gv.view(), ggates.view(), gbeta.view(), options);
+    } else {
+      linattn::causal_gated_delta_rule_backward_into(
+          q.cview(), k.cview(), v.cview(), gates.cview(), beta.cview(), go.cview(), gq.view(),
+          gk.view(), gv.view(), ggates.view(), gbeta.view(), options);
+    }
+  }
+
+  /// What the view backward must write: the matrix backward on the rows [begin, begin + rows)
+  /// of each output head's maps, input heads' gradients summed in increasing h, in T.
+  struct Expected {
+    std::vector<Matrix<T>> q, k, v, beta, gates;  // per (b, input head)
+  };
+  Expected expected(const std::vector<std::int64_t>& bounds, const DeltaOptions& options) const {
+    const Eigen::Index per_gate = heads / gates.heads();
+    Expected e;
+    const auto slot = [](std::vector<Matrix<T>>& list, Eigen::Index index,
+                         const Heads<T>& shape) -> Matrix<T>& {
+      if (list.size() <= static_cast<std::size_t>(index)) {
+        list.resize(static_cast<std::size_t>(index) + 1);
+      }
+      Matrix<T>& m = list[static_cast<std::size_t>(index)];
+      if (m.size() == 0) m = Matrix<T>::Zero(shape.head(0, 0).rows(), shape.dim());
+      return m;
+    };
+    for (Eigen::Index b = 0; b < batch; ++b) {
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        const Eigen::Index hg = h / per_gate;
+        for (std::size_t part = 0; part + 1 < bounds.size(); ++part) {
+          const Eigen::Index begin = bounds[part], rows = bounds[part + 1] - begin;
+          if (rows == 0) continue;
+          const Matrix<T> qh = q.head(b, h / 2).middleRows(begin, rows);
+          const Matrix<T> kh = k.head(b, h / 2).middleRows(begin, rows);
+          const Matrix<T> vh = v.head(b, h).middleRows(begin, rows);
+          const Vector<T> bh = beta.head(b, h).middleRows(begin, rows).col(0);
+          const Matrix<T> gh = gates.head(b, hg).middleRows(begin, rows);
+          const Matrix<T> oh = go.head(b, h).middleRows(begin, rows);
+          DeltaRuleGradients<T> g;
+          if (gate_cols == 0) {
+            g = linattn::causal_delta_rule_backward(qh, kh, vh, bh, oh, options);
+          } else if (gate_cols == 1) {
+            g = linattn::causal_gated_delta_rule_backward(qh, kh, vh, linattn::log_gates(gh), bh,
+                                                          oh, options);
+          } else {
+            g = linattn::causal_gated_delta_rule_backward(qh, kh, vh, gh, bh, oh, options);
+          }
+          const auto put = [&](std::vector<Matrix<T>>& list, Eigen::Index index,
+                               const Heads<T>& shape, const Matrix<T>& grad, bool add) {
+            auto rows_of = slot(list, index, shape).middleRows(begin, rows);
+            if (add) {
+              rows_of += grad;
+            } else {
+              rows_of = grad;
+            }
+          };
+          put(e.q, b * q.heads() + h / 2, q, g.q, h % 2 != 0);
+          put(e.k, b * k.heads() + h / 2, k, g.k, h % 2 != 0);
+          put(e.v, b * heads + h, v, g.v, false);
+          put(e.beta, b * heads + h, beta, Matrix<T>(g.beta), false);
+          if (gate_cols > 0)
+            put(e.gates, b * gates.heads() + hg, gates, g.gates, h % per_gate != 0);
+        }
+      }
+    }
+    return e;
+  }
+
+  /// Every gradient head equals the expected one bit for bit, and the gaps hold the sentinel.
+  bool matches(const Expected& e) const {
+    bool ok = true;
+    const auto compare = [&](const Heads<T>& grad, const std::vector<Matrix<T>>& list) {
+      for (Eigen::Index b = 0; b < batch; ++b) {
+        for (Eigen::Index h = 0; h < grad.heads(); ++h) {
+          const std::size_t index = static_cast<std::size_t>(b * grad.heads() + h);
+          if (index >= list.size() || list[index].size() == 0) continue;
+          const bool same = grad.head(b, h) == list[index];
+          if (!same) {
+            UNSCOPED_INFO("head (" << b << ", " << h << ") differs by "
+                                   << relative_error(grad.head(b, h), list[index]));
+          }
+          ok = ok && same;
+        }
+      }
+      ok = ok && grad.gaps_hold(kSentinel<T>);
+    };
+    compare(gq, e.q);
+    compare(gk, e.k);
+    compare(gv, e.v);
+    compare(gbeta, e.beta);
+    if (gate_cols > 0) compare(ggates, e.gates);
+    return ok;
+  }
+};
 
 }  // namespace
 
@@ -602,5 +795,147 @@ TEST_CASE("the delta rule's backward rejects bad input and writes nothing",
   unchecked.check_finite = false;
   CHECK_NOTHROW(delta(q, k, v, beta, bad_out, unchecked));
   CHECK_NOTHROW(gated(linattn::log_gates(g), beta, grad_out));
+  CHECK_FALSE(unchanged());
+}
+
+TEMPLATE_TEST_CASE(
+    "the delta rule's backward on heads: the matrix backward per head, grouped "
+    "heads summed, the same on two threads",
+    "[delta_rule_backward][heads]", float, double) {
+  using T = TestType;
+  const Eigen::Index batch = 2, heads = 4, n = 29, dk = 8, dv = 6;
+  for (const Layout layout : {Layout::bhnd, Layout::bnhd, Layout::padded}) {
+    for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+      // KDA's gates shared by pairs of heads (a gate head with two readers).
+      const Eigen::Index gate_heads = gate_cols == dk ? heads / 2 : heads;
+      CAPTURE(linattn_test::layout_name(layout), variant_name(gate_cols));
+      ViewProblem<T> p(layout, batch, heads, n, dk, dv, gate_cols, gate_heads, 500);
+      DeltaOptions options;
+      options.chunk = 8;
+      options.l2_normalize = true;
+      options.threads = 1;
+      p.run(options);
+      CHECK(p.matches(p.expected({0, n}, options)));
+      // Two threads split the (sequence, group) items, never a head or a sum: the same bits.
+      const std::vector<T> one = p.gq.data(), one_gates = p.ggates.data();
+      options.threads = 2;
+      p.run(options);
+      CHECK(p.gq.data() == one);
+      CHECK(p.ggates.data() == one_gates);
+      // Against the naive reverse mode in double, for a head of v, beta and (unshared) gates.
+      const Eigen::Index b = 1, h = 3;
+      const DeltaRuleGradients<double> naive =
+          naive_backward(p.seen_by(b, h), p.grad_out[static_cast<std::size_t>(b * heads + h)],
+                         1.0 / std::sqrt(static_cast<double>(dk)), true);
+      CHECK(relative_error(p.gv.head(b, h).template cast<double>(), naive.v) <= bound<T>());
+      CHECK(relative_error(p.gbeta.head(b, h).col(0).template cast<double>(), naive.beta) <=
+            bound<T>());
+      if (gate_cols == 1) {
+        CHECK(relative_error(p.ggates.head(b, h).template cast<double>(), naive.gates) <=
+              bound<T>());
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE(
+    "the delta rule's varlen backward: packed sequences, an empty and a "
+    "one-token one among them",
+    "[delta_rule_backward][heads]", float, double) {
+  using T = TestType;
+  const Eigen::Index heads = 4, n = 40, dk = 8, dv = 6;
+  const std::vector<std::int64_t> offsets = {0, 13, 13, 14, n};
+  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+    CAPTURE(variant_name(gate_cols));
+    ViewProblem<T> p(Layout::bnhd, 1, heads, n, dk, dv, gate_cols, heads, 900);
+    DeltaOptions options;
+    options.chunk = 4;
+    options.threads = 2;
+    options.l2_normalize = true;  // head 0's keys are raw
+    p.run(options, &offsets);
+    CHECK(p.matches(p.expected(offsets, options)));
+    // The last sequence of head 1 against the naive reverse mode, from its own zero state.
+    Inputs last = p.seen_by(0, 1);
+    const Eigen::Index begin = 14, rows = n - 14;
+    last.q = Matrix<double>(last.q.middleRows(begin, rows));
+    last.k = Matrix<double>(last.k.middleRows(begin, rows));
+    last.v = Matrix<double>(last.v.middleRows(begin, rows));
+    last.beta = Vector<double>(last.beta.segment(begin, rows));
+    last.log_gates = Matrix<double>(last.log_gates.middleRows(begin, rows));
+    const DeltaRuleGradients<double> naive =
+        naive_backward(last, Matrix<double>(p.grad_out[1].middleRows(begin, rows)),
+                       1.0 / std::sqrt(static_cast<double>(dk)), true);
+    CHECK(relative_error(p.gv.head(0, 1).middleRows(begin, rows).template cast<double>(),
+                         naive.v) <= bound<T>());
+  }
+}
+
+TEST_CASE("the delta rule's backward on heads rejects bad input and writes nothing",
+          "[delta_rule_backward][heads]") {
+  using Catch::Matchers::Contains;
+  using linattn::HeadsView;
+  const Eigen::Index heads = 4, n = 12, dk = 8, dv = 6;
+  ViewProblem<double> p(Layout::bhnd, 2, heads, n, dk, dv, 1, heads, 70);
+  const auto unchanged = [&] {
+    for (const Heads<double>* g : {&p.gq, &p.gk, &p.gv, &p.gbeta, &p.ggates}) {
+      for (const double x : g->data()) {
+        if (x != kSentinel<double>) return false;
+      }
+    }
+    return true;
+  };
+  const auto log = linattn::log_gates(p.gates.cview());
+  const auto gated = [&](const auto& q, const auto& go, const HeadsView<double>& gbeta,
+                         const HeadsView<double>& ggates, const DeltaOptions& options = {}) {
+    linattn::causal_gated_delta_rule_backward_into(q, p.k.cview(), p.v.cview(), log, p.beta.cview(),
+                                                   go, p.gq.view(), p.gk.view(), p.gv.view(),
+                                                   ggates, gbeta, options);
+  };
+  // Gradient views of the wrong shape, each named.
+  std::vector<double> spare(2 * heads * n * dk, 0.0);
+  const auto wide = HeadsView<double>::bhnd(spare.data(), {2, heads, n, 2});
+  CHECK_THROWS_WITH(gated(p.q.cview(), p.go.cview(), wide, p.ggates.view()),
+                    Contains("causal_gated_delta_rule_backward: grad_beta is [2, 4, 12, 2] but "
+                             "beta is [2, 4, 12, 1]"));
+  CHECK_THROWS_WITH(gated(p.q.cview(), p.go.cview(), p.gbeta.view(), wide),
+                    Contains("grad_gates is [2, 4, 12, 2] but gates is [2, 4, 12, 1]"));
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_backward_into(
+                        p.q.cview(), p.k.cview(), p.v.cview(), p.beta.cview(), p.go.cview(),
+                        p.gk.view(), p.gk.view(), wide, p.gbeta.view()),
+                    Contains("grad_v is [2, 4, 12, 2] but v is [2, 4, 12, 6]"));
+  // grad_out: heads that q's do not divide, a NaN in one head (named), unless unchecked.
+  std::vector<double> odd(2 * 3 * n * dv, 0.0);
+  CHECK_THROWS_WITH(gated(p.q.cview(), HeadsView<const double>::bhnd(odd.data(), {2, 3, n, dv}),
+                          p.gbeta.view(), p.ggates.view()),
+                    Contains("but grad_out is [2, 3, 12, 6]"));
+  Heads<double> bad_go = p.go;
+  bad_go.view().head(1, 2)(5, 1) = std::nan("");
+  CHECK_THROWS_WITH(gated(p.q.cview(), bad_go.cview(), p.gbeta.view(), p.ggates.view()),
+                    Contains("grad_out[b=1, h=2]") && Contains("non-finite"));
+  // beta out of range in one head, a gate above 0 in log space.
+  Heads<double> bad_beta = p.beta;
+  bad_beta.view().head(0, 3)(4, 0) = 1.5;
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_backward_into(
+                        p.q.cview(), p.k.cview(), p.v.cview(), bad_beta.cview(), p.go.cview(),
+                        p.gq.view(), p.gk.view(), p.gv.view(), p.gbeta.view()),
+                    Contains("beta[b=0, h=3] must lie in (0, 1]"));
+  Heads<double> bad_gates = p.gates;
+  bad_gates.view().head(1, 0)(2, 0) = 0.25;
+  CHECK_THROWS_WITH(linattn::causal_gated_delta_rule_backward_into(
+                        p.q.cview(), p.k.cview(), p.v.cview(),
+                        linattn::log_gates(bad_gates.cview()), p.beta.cview(), p.go.cview(),
+                        p.gq.view(), p.gk.view(), p.gv.view(), p.ggates.view(), p.gbeta.view()),
+                    Contains("must be <= 0"));
+  // Varlen needs B = 1.
+  const std::vector<std::int64_t> offsets = {0, 5, n};
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_varlen_backward_into(
+                        p.q.cview(), p.k.cview(), p.v.cview(), p.beta.cview(), p.go.cview(),
+                        offsets, p.gq.view(), p.gk.view(), p.gv.view(), p.gbeta.view()),
+                    Contains("causal_delta_rule_varlen_backward") && Contains("B must be 1"));
+  CHECK(unchanged());
+  // The same call with the good arguments writes every gradient.
+  DeltaOptions unchecked;
+  unchecked.check_finite = false;
+  CHECK_NOTHROW(gated(p.q.cview(), bad_go.cview(), p.gbeta.view(), p.ggates.view(), unchecked));
   CHECK_FALSE(unchanged());
 }

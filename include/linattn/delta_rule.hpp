@@ -180,44 +180,49 @@ struct delta_head_gates<LogGates<HeadsView<G>>, Scalar>
 template <class Gates, class O>
 using enable_if_delta_head_gates = std::enable_if_t<delta_head_gates<Gates, O>::valid>;
 
-/// Throws unless `view` is [B, H', N, dim] for out's B and N, with H' dividing out's H.
+/// Throws unless `view` is [B, H', N, dim] for out's B and N, with H' dividing out's H;
+/// `out_name` is how messages name out (grad_out in the backward).
 template <class T, class O>
 void require_head_view(const HeadsView<T>& view, const HeadsView<O>& out, Eigen::Index dim,
-                       const char* what, const char* where, const char* name) {
+                       const char* what, const char* where, const char* name,
+                       const char* out_name = "out") {
   if (view.batch() != out.batch() || view.tokens() != out.tokens() ||
       out.heads() % view.heads() != 0 || view.dim() != dim) {
     throw Error(std::string(where) + ": " + name + " is " + view.sizes_string() + " but must be [" +
                 std::to_string(out.batch()) + ", H, " + std::to_string(out.tokens()) + ", " + what +
-                "] with H dividing out's " + std::to_string(out.heads()) + " (out is " +
-                out.sizes_string() + ")");
+                "] with H dividing " + out_name + "'s " + std::to_string(out.heads()) + " (" +
+                out_name + " is " + out.sizes_string() + ")");
   }
 }
 
 /// Checks a view call of the delta rule (`gates` null for DeltaNet; one sequence per batch
 /// entry, or the packed sequences of `offsets`) before anything is written, and returns its
-/// sequences.
+/// sequences. `out_name` is how messages name out (the backward's grad_out plays its part).
 template <class Acc, class Q, class K, class V, class B, class O, class Gates>
 SequenceRows check_heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k,
                                     const HeadsView<V>& v, const Gates* gates,
                                     const HeadsView<B>& beta, const HeadsView<O>& out,
                                     const std::vector<std::int64_t>* offsets,
-                                    const DeltaOptions& options, const char* where) {
-  static_assert(is_input_scalar<O>,
+                                    const DeltaOptions& options, const char* where,
+                                    const char* out_name = "out") {
+  using Scalar = std::remove_const_t<O>;
+  static_assert(is_input_scalar<Scalar>,
                 "the delta rule takes float, double, Eigen::half or Eigen::bfloat16 inputs");
-  static_assert(is_supported_scalar<accumulator_t<Acc, O>>,
+  static_assert(is_supported_scalar<accumulator_t<Acc, Scalar>>,
                 "the delta rule accumulates in float or double (Acc = float or double)");
-  static_assert(std::is_same_v<std::remove_const_t<B>, O>,
+  static_assert(std::is_same_v<std::remove_const_t<B>, Scalar>,
                 "beta must have the inputs' scalar type: cast it first");
   validate_delta_options(options, where);
   const Options engine = engine_options(options);
-  validate_heads(q, k, v, out, v.dim(), engine, where, "q", "k");
-  require_head_view(beta, out, 1, "1", where, "beta");
+  validate_heads(q, k, v, out, v.dim(), engine, where, "q", "k", false, out_name);
+  require_head_view(beta, out, 1, "1", where, "beta", out_name);
   if constexpr (!std::is_void_v<Gates>) {
     const auto& view = gates->view;
     if (view.dim() != 1) {
-      require_head_view(view, out, q.dim(), "Dk (one gate per key feature) or 1", where, "gates");
+      require_head_view(view, out, q.dim(), "Dk (one gate per key feature) or 1", where, "gates",
+                        out_name);
     } else {
-      require_head_view(view, out, 1, "1 (one gate per token) or Dk", where, "gates");
+      require_head_view(view, out, 1, "1 (one gate per token) or Dk", where, "gates", out_name);
     }
   }
   const SequenceRows sequences = sequence_rows(q, offsets, where, "q");
@@ -225,7 +230,7 @@ SequenceRows check_heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k
   scan_view(
       beta, threads,
       [&](const auto& rows) {
-        return ((rows.array() > O(0)) && (rows.array() <= O(max_beta(options)))).all();
+        return ((rows.array() > Scalar(0)) && (rows.array() <= Scalar(max_beta(options)))).all();
       },
       [&](const auto& head, Eigen::Index b, Eigen::Index h) {
         require_beta_in_range(head, options, where, head_name("beta", b, h));

@@ -4,12 +4,17 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <linattn/config.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
+#include <linattn/detail/heads_backward.hpp>
 #include <linattn/gates.hpp>
 #include <linattn/gradients.hpp>
+#include <linattn/heads_view.hpp>
+#include <linattn/multi_head.hpp>
 #include <type_traits>
+#include <vector>
 
 /// Reverse mode through the forward of delta_rule.hpp (q^ = s n(q_t), k^ = n(k_t), n the
 /// optional in-kernel L2 norm; S' = diag(a_t) S_{t-1}; u = beta_t (v_t - S'^T k^);
@@ -28,6 +33,105 @@
 /// O(L (Dk + Dv)), allocated per call unless a DeltaBackwardWorkspace keeps it. Single-threaded:
 /// DeltaOptions::threads splits only the finiteness scans.
 namespace linattn {
+
+namespace detail {
+
+/// A thread's buffers of the delta-rule view backward, kept from head to head: one head's
+/// gradients (copied or added into the views) and the backward's checkpoints.
+template <class T, class A>
+struct DeltaHeadBuffers {
+  Matrix<T> q, k, v, gates;
+  Vector<T> beta;
+  DeltaBackward<A> backward;
+};
+
+/// The one driver of the delta rule's view backward calls (`gates` and `grad_gates` null for
+/// DeltaNet): checks and scans everything before anything is written, then runs the matrix
+/// backward of each (sequence, head) on the threads, over groups of heads that share no input
+/// head with another group.
+template <class Acc, class Q, class K, class V, class B, class G, class T, class Gates>
+void heads_delta_rule_backward(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                               const Gates* gates, const HeadsView<B>& beta,
+                               const HeadsView<G>& grad_out,
+                               const std::vector<std::int64_t>* offsets, const HeadsView<T>& grad_q,
+                               const HeadsView<T>& grad_k, const HeadsView<T>& grad_v,
+                               const HeadsView<T>* grad_gates, const HeadsView<T>& grad_beta,
+                               const DeltaOptions& options, const char* where) {
+  static_assert(!std::is_const_v<T>,
+                "the gradients must be writable views (HeadsView<float>, not "
+                "HeadsView<const float>)");
+  static_assert(is_supported_scalar<T>,
+                "the delta rule's view backward takes float or double views (the matrix "
+                "backward takes Eigen::half and bfloat16)");
+  using A = accumulator_t<Acc, T>;
+  require_gradient_view(grad_q, q, where, "grad_q", "q");
+  require_gradient_view(grad_k, k, where, "grad_k", "k");
+  require_gradient_view(grad_v, v, where, "grad_v", "v");
+  require_gradient_view(grad_beta, beta, where, "grad_beta", "beta");
+  if constexpr (!std::is_void_v<Gates>) {
+    require_gradient_view(*grad_gates, gates->view, where, "grad_gates", "gates");
+  }
+  const SequenceRows sequences = check_heads_delta_rule<Acc>(q, k, v, gates, beta, grad_out,
+                                                             offsets, options, where, "grad_out");
+  scan_grad_out(grad_out, engine_options(options), where);
+
+  // Checked and scanned above: each head's call runs on one thread and rescans nothing.
+  DeltaOptions head_options = options;
+  head_options.threads = 1;
+  head_options.check_finite = false;
+  const Eigen::Index heads = grad_out.heads();
+  Eigen::Index gate_heads = heads;
+  if constexpr (!std::is_void_v<Gates>) gate_heads = gates->view.heads();
+  const Eigen::Index group =
+      backward_head_group(heads, {q.heads(), k.heads(), v.heads(), beta.heads(), gate_heads});
+
+  auto one_head = [&](Eigen::Index s, Eigen::Index h, DeltaHeadBuffers<T, A>& buffers) {
+    const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s),
+                       rows = sequences.rows(s);
+    const Eigen::Index hq = input_head(q, heads, h), hk = input_head(k, heads, h),
+                       hv = input_head(v, heads, h), hb = input_head(beta, heads, h);
+    // The first reader of an input head writes its gradient, the later ones add to it.
+    auto later = [&](const auto& input) { return h % (heads / input.heads()) != 0; };
+    const auto qs = q.head(b, hq).middleRows(begin, rows);
+    const auto ks = k.head(b, hk).middleRows(begin, rows);
+    const auto vs = v.head(b, hv).middleRows(begin, rows);
+    const auto beta_rows = beta.head(b, hb).middleRows(begin, rows);  // N x 1
+    const auto gs = grad_out.head(b, h).middleRows(begin, rows);
+    Eigen::Ref<Matrix<T>> dq = buffer_rows(buffers.q, rows, q.dim());
+    Eigen::Ref<Matrix<T>> dk = buffer_rows(buffers.k, rows, k.dim());
+    Eigen::Ref<Matrix<T>> dv = buffer_rows(buffers.v, rows, v.dim());
+    if (buffers.beta.size() < rows) buffers.beta.resize(rows);
+    Eigen::Ref<Vector<T>> dbeta(buffers.beta.head(rows));
+    if constexpr (std::is_void_v<Gates>) {
+      using Rows = std::decay_t<decltype(qs)>;
+      delta_rule_backward_into<Acc, Rows, Rows, Rows, Rows, Rows, void>(
+          qs, ks, vs, beta_rows, nullptr, gs, dq, dk, dv, nullptr, dbeta, head_options, where,
+          &buffers.backward);
+    } else {
+      const auto& gate_view = gates->view;
+      const Eigen::Index hg = input_head(gate_view, heads, h);
+      const auto gate_rows = gate_view.head(b, hg).middleRows(begin, rows);
+      Eigen::Ref<Matrix<T>> dg = buffer_rows(buffers.gates, rows, gate_view.dim());
+      if constexpr (Gates::log_space) {
+        const LogGates<std::decay_t<decltype(gate_rows)>> logs(gate_rows);
+        delta_rule_backward_into<Acc>(qs, ks, vs, beta_rows, &logs, gs, dq, dk, dv, &dg, dbeta,
+                                      head_options, where, &buffers.backward);
+      } else {
+        delta_rule_backward_into<Acc>(qs, ks, vs, beta_rows, &gate_rows, gs, dq, dk, dv, &dg, dbeta,
+                                      head_options, where, &buffers.backward);
+      }
+      store_head_rows(*grad_gates, b, hg, begin, dg, later(gate_view));
+    }
+    store_head_rows(grad_q, b, hq, begin, dq, later(q));
+    store_head_rows(grad_k, b, hk, begin, dk, later(k));
+    store_head_rows(grad_v, b, hv, begin, dv, later(v));
+    store_head_rows(grad_beta, b, hb, begin, dbeta, later(beta));
+  };
+  for_each_head_group<DeltaHeadBuffers<T, A>>(sequences, heads, group,
+                                              resolve_threads(engine_options(options)), one_head);
+}
+
+}  // namespace detail
 
 /// The delta-rule backward's buffers, kept by the caller across calls (a training loop): the
 /// checkpoints and one block's states and rows. A call of the shape of the last one allocates
@@ -215,6 +319,128 @@ DeltaRuleGradients<typename DQ::Scalar> causal_gated_delta_rule_backward(
   causal_gated_delta_rule_backward_into<Acc>(q, k, v, gates, beta, grad_out, grads.q, grads.k,
                                              grads.v, grads.gates, grads.beta, options);
   return grads;
+}
+
+/// Backward of causal_delta_rule_into on views (DeltaNet over [B, H, N, D] or [B, N, H, D]
+/// caller memory, any strides): the gradients of a loss with respect to q, k, v and beta of
+/// every head of every sequence, given grad_out = d loss / d out, written into caller memory.
+/// Head (b, h) gets exactly causal_delta_rule_backward_into on q.head(b, hq), ...,
+/// grad_out.head(b, h). Grouped heads (Qwen3-Next's 16 q/k heads for 32 v heads): a shared
+/// input head's gradient is the sum over the output heads that read it, added in increasing h.
+/// Threads (DeltaOptions::threads) go over sequences x groups of heads that share no input
+/// head, each head on one thread with its own workspace kept from head to head; the
+/// gradients are the same on any number of threads. Every shape, option and value is checked
+/// before anything is written.
+/// @param q          B x Hq x N x Dk queries, as given to the forward (Hq divides H)
+/// @param k          B x Hk x N x Dk keys (Hk divides H)
+/// @param v          B x Hv x N x Dv values (Hv divides H)
+/// @param beta       B x Hb x N x 1 learning rates (Hb divides H)
+/// @param grad_out   B x H x N x Dv gradient of the loss with respect to the forward's out
+/// @param grad_q     B x Hq x N x Dk result: d loss / d q (the raw queries)
+/// @param grad_k     B x Hk x N x Dk result: d loss / d k (the raw keys)
+/// @param grad_v     B x Hv x N x Dv result: d loss / d v
+/// @param grad_beta  B x Hb x N x 1 result: d loss / d beta; the gradient views may not overlap
+///                   each other or the inputs (nor their own heads)
+/// @param options    the forward's options, threads
+template <class Acc = void, class Q, class K, class V, class B, class G, class T,
+          class = detail::enable_if_backward_views<Q, K, V, G, T>>
+void causal_delta_rule_backward_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                     const HeadsView<V>& v, const HeadsView<B>& beta,
+                                     const HeadsView<G>& grad_out, const HeadsView<T>& grad_q,
+                                     const HeadsView<T>& grad_k, const HeadsView<T>& grad_v,
+                                     const HeadsView<T>& grad_beta,
+                                     const DeltaOptions& options = {}) {
+  detail::heads_delta_rule_backward<Acc, Q, K, V, B, G, T, void>(
+      q, k, v, nullptr, beta, grad_out, nullptr, grad_q, grad_k, grad_v, nullptr, grad_beta,
+      options, "causal_delta_rule_backward");
+}
+
+/// Backward of causal_gated_delta_rule_into on views (Gated DeltaNet with [B, Hg, N, 1] gates,
+/// KDA with [B, Hg, N, Dk]; a_t, or log_gates(view) for FLA's g): head (b, h) gets exactly
+/// causal_gated_delta_rule_backward_into on its heads; grouped heads (the gates' included) are
+/// summed, and threads run, as causal_delta_rule_backward_into on views.
+/// @param q           B x Hq x N x Dk queries (Hq divides H)
+/// @param k           B x Hk x N x Dk keys (Hk divides H)
+/// @param v           B x Hv x N x Dv values (Hv divides H)
+/// @param gates       B x Hg x N x 1 or B x Hg x N x Dk gates (Hg divides H): a_t or
+///                    log_gates(view)
+/// @param beta        B x Hb x N x 1 learning rates (Hb divides H)
+/// @param grad_out    B x H x N x Dv gradient of the loss with respect to out
+/// @param grad_q      B x Hq x N x Dk result
+/// @param grad_k      B x Hk x N x Dk result
+/// @param grad_v      B x Hv x N x Dv result
+/// @param grad_gates  the gates' shape, result: d loss / d g_t for log gates (0 at a reset),
+///                    d loss / d a_t for gates a_t
+/// @param grad_beta   B x Hb x N x 1 result
+/// @param options     the forward's options, threads
+template <class Acc = void, class Q, class K, class V, class Gates, class B, class G, class T,
+          class = detail::enable_if_backward_views<Q, K, V, G, T>,
+          class = detail::enable_if_gate_view<Gates, T>>
+void causal_gated_delta_rule_backward_into(
+    const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v, const Gates& gates,
+    const HeadsView<B>& beta, const HeadsView<G>& grad_out, const HeadsView<T>& grad_q,
+    const HeadsView<T>& grad_k, const HeadsView<T>& grad_v, const HeadsView<T>& grad_gates,
+    const HeadsView<T>& grad_beta, const DeltaOptions& options = {}) {
+  const auto transition = detail::delta_head_gates<Gates, std::remove_const_t<T>>::read(gates);
+  detail::heads_delta_rule_backward<Acc>(q, k, v, &transition, beta, grad_out, nullptr, grad_q,
+                                         grad_k, grad_v, &grad_gates, grad_beta, options,
+                                         "causal_gated_delta_rule_backward");
+}
+
+/// Backward of causal_delta_rule_varlen_into: sequence s is tokens [offsets[s], offsets[s+1])
+/// of every view and gets exactly the matrix backward on those rows; an empty sequence writes
+/// nothing. See causal_delta_rule_backward_into on views.
+/// @param q          1 x Hq x total x Dk queries (Hq divides H)
+/// @param k          1 x Hk x total x Dk keys (Hk divides H)
+/// @param v          1 x Hv x total x Dv values (Hv divides H)
+/// @param beta       1 x Hb x total x 1 learning rates (Hb divides H)
+/// @param grad_out   1 x H x total x Dv gradient of the loss with respect to out
+/// @param offsets    S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
+/// @param grad_q     1 x Hq x total x Dk result
+/// @param grad_k     1 x Hk x total x Dk result
+/// @param grad_v     1 x Hv x total x Dv result
+/// @param grad_beta  1 x Hb x total x 1 result
+/// @param options    the forward's options, threads
+template <class Acc = void, class Q, class K, class V, class B, class G, class T,
+          class = detail::enable_if_backward_views<Q, K, V, G, T>>
+void causal_delta_rule_varlen_backward_into(
+    const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v, const HeadsView<B>& beta,
+    const HeadsView<G>& grad_out, const std::vector<std::int64_t>& offsets,
+    const HeadsView<T>& grad_q, const HeadsView<T>& grad_k, const HeadsView<T>& grad_v,
+    const HeadsView<T>& grad_beta, const DeltaOptions& options = {}) {
+  detail::heads_delta_rule_backward<Acc, Q, K, V, B, G, T, void>(
+      q, k, v, nullptr, beta, grad_out, &offsets, grad_q, grad_k, grad_v, nullptr, grad_beta,
+      options, "causal_delta_rule_varlen_backward");
+}
+
+/// Backward of causal_gated_delta_rule_varlen_into (gates and grad_gates packed like the
+/// tokens). See causal_gated_delta_rule_backward_into on views.
+/// @param q           1 x Hq x total x Dk queries (Hq divides H)
+/// @param k           1 x Hk x total x Dk keys (Hk divides H)
+/// @param v           1 x Hv x total x Dv values (Hv divides H)
+/// @param gates       1 x Hg x total x 1 or 1 x Hg x total x Dk gates: a_t or log_gates(view)
+/// @param beta        1 x Hb x total x 1 learning rates (Hb divides H)
+/// @param grad_out    1 x H x total x Dv gradient of the loss with respect to out
+/// @param offsets     S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
+/// @param grad_q      1 x Hq x total x Dk result
+/// @param grad_k      1 x Hk x total x Dk result
+/// @param grad_v      1 x Hv x total x Dv result
+/// @param grad_gates  the gates' shape, result
+/// @param grad_beta   1 x Hb x total x 1 result
+/// @param options     the forward's options, threads
+template <class Acc = void, class Q, class K, class V, class Gates, class B, class G, class T,
+          class = detail::enable_if_backward_views<Q, K, V, G, T>,
+          class = detail::enable_if_gate_view<Gates, T>>
+void causal_gated_delta_rule_varlen_backward_into(
+    const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v, const Gates& gates,
+    const HeadsView<B>& beta, const HeadsView<G>& grad_out,
+    const std::vector<std::int64_t>& offsets, const HeadsView<T>& grad_q,
+    const HeadsView<T>& grad_k, const HeadsView<T>& grad_v, const HeadsView<T>& grad_gates,
+    const HeadsView<T>& grad_beta, const DeltaOptions& options = {}) {
+  const auto transition = detail::delta_head_gates<Gates, std::remove_const_t<T>>::read(gates);
+  detail::heads_delta_rule_backward<Acc>(q, k, v, &transition, beta, grad_out, &offsets, grad_q,
+                                         grad_k, grad_v, &grad_gates, grad_beta, options,
+                                         "causal_gated_delta_rule_varlen_backward");
 }
 
 }  // namespace linattn

@@ -5,10 +5,10 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <linattn/backward.hpp>
 #include <linattn/config.hpp>
+#include <linattn/detail/heads_backward.hpp>
 #include <linattn/detail/openmp.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
@@ -18,7 +18,6 @@
 #include <linattn/gradients.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/multi_head.hpp>
-#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -40,54 +39,8 @@ namespace linattn {
 
 namespace detail {
 
-/// The scalars of a view backward: q, k, v and grad_out of T (const or not), and the gradient
-/// views of T.
-template <class Q, class K, class V, class G, class T>
-using enable_if_backward_views =
-    std::enable_if_t<std::is_same_v<std::remove_const_t<Q>, std::remove_const_t<T>> &&
-                     std::is_same_v<std::remove_const_t<K>, std::remove_const_t<T>> &&
-                     std::is_same_v<std::remove_const_t<V>, std::remove_const_t<T>> &&
-                     std::is_same_v<std::remove_const_t<G>, std::remove_const_t<T>>>;
-
-/// True for the gate views of the gated view backward: HeadsView<G> or log_gates(view) of the
-/// scalar T (HeadDecays has an overload of its own; the bonus has no view backward).
-template <class Gates, class T>
-inline constexpr bool is_gate_view = false;
-template <class G, class T>
-inline constexpr bool is_gate_view<HeadsView<G>, T> =
-    std::is_same_v<std::remove_const_t<G>, std::remove_const_t<T>>;
-template <class G, class T>
-inline constexpr bool is_gate_view<LogGates<HeadsView<G>>, T> =
-    std::is_same_v<std::remove_const_t<G>, std::remove_const_t<T>>;
-
-template <class Gates, class T>
-using enable_if_gate_view = std::enable_if_t<is_gate_view<Gates, T>>;
-
 /// A view call without gates has no gate gradients.
 struct NoGateGradients {};
-
-/// Throws unless the gradient view `grad` has the shape of `input`.
-template <class T, class I>
-void require_gradient_view(const HeadsView<T>& grad, const HeadsView<I>& input, const char* where,
-                           const char* grad_name, const char* input_name) {
-  if (grad.batch() != input.batch() || grad.heads() != input.heads() ||
-      grad.tokens() != input.tokens() || grad.dim() != input.dim()) {
-    throw Error(std::string(where) + ": " + grad_name + " is " + grad.sizes_string() + " but " +
-                input_name + " is " + input.sizes_string() +
-                "; a gradient has the shape of its input");
-  }
-}
-
-/// With check_finite, scans every head of grad_out over the threads, as scan_heads the inputs.
-template <class G>
-void scan_grad_out(const HeadsView<G>& grad_out, const Options& options, const char* where) {
-  if (!options.check_finite) return;
-  scan_view(
-      grad_out, resolve_threads(options), [](const auto& rows) { return all_finite(rows); },
-      [&](const auto& head, Eigen::Index b, Eigen::Index h) {
-        if (!all_finite(head)) require_finite(head, where, head_name("grad_out", b, h).c_str());
-      });
-}
 
 /// A thread's buffers for the gradients that cannot be written in place; reused across heads.
 template <class T>
@@ -95,34 +48,6 @@ struct HeadGradientBuffers {
   Matrix<T> q, k, v;
   GatedAttentionGradients<T> gated;
 };
-
-/// The first `rows` rows of `buffer`, grown to at least rows x cols.
-template <class T>
-Eigen::Ref<Matrix<T>> buffer_rows(Matrix<T>& buffer, Eigen::Index rows, Eigen::Index cols) {
-  if (buffer.rows() < rows || buffer.cols() != cols) {
-    buffer.resize(std::max(rows, buffer.rows()), cols);
-  }
-  return Eigen::Ref<Matrix<T>>(buffer.topRows(rows));
-}
-
-/// Rows [begin, begin + src.rows()) of head (b, h) of `view` = src, or += src with `add` (a
-/// later reader of a shared input head).
-template <class T, class Src>
-void store_head_rows(const HeadsView<T>& view, Eigen::Index b, Eigen::Index h, Eigen::Index begin,
-                     const Eigen::MatrixBase<Src>& src, bool add) {
-  auto put = [&](auto rows) {
-    if (add) {
-      rows += src;
-    } else {
-      rows = src;
-    }
-  };
-  if (view.strides().dim == 1) {
-    put(view.head_rows(b, h).middleRows(begin, src.rows()));
-  } else {
-    put(view.head(b, h).middleRows(begin, src.rows()));
-  }
-}
 
 /// body(q_head, k_head, v_head, grad_out_head, gates_head) with the N x D maps of input heads
 /// hq, hk, hv and output head h of batch entry b (gates_head 0 without gate views). With
@@ -214,8 +139,7 @@ void heads_backward(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVie
     const Eigen::Index heads = grad_out.heads();
     const Eigen::Index group_q = heads / q.heads(), group_k = heads / k.heads(),
                        group_v = heads / v.heads();
-    const Eigen::Index group = std::lcm(std::lcm(group_q, group_k), group_v);
-    const Eigen::Index groups = heads / group;
+    const Eigen::Index group = backward_head_group(heads, {q.heads(), k.heads(), v.heads()});
 
     auto one_head = [&](Eigen::Index s, Eigen::Index h, HeadGradientBuffers<T>& buffers) {
       const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s),
@@ -277,29 +201,8 @@ void heads_backward(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVie
           });
     };
 
-    // Items (sequence, group of heads), handed out one at a time to `team` threads that each
-    // keep their buffers from item to item.
-    const Eigen::Index items = sequences.count * groups;
-    const int threads = resolve_threads(options);
-    const int team =
-        static_cast<int>(std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, items)));
-    std::atomic<Eigen::Index> next{0};
-    std::atomic<bool> failed{false};
-    const SerialEigenScope serial_eigen;
-    parallel_for(team, team, [&](Eigen::Index) {
-      HeadGradientBuffers<T> buffers;
-      try {
-        for (Eigen::Index i = next++; i < items && !failed.load(); i = next++) {
-          const Eigen::Index s = i / groups;
-          if (sequences.rows(s) == 0) continue;  // an empty packed sequence: nothing to write
-          const Eigen::Index first = (i % groups) * group;
-          for (Eigen::Index h = first; h < first + group; ++h) one_head(s, h, buffers);
-        }
-      } catch (...) {
-        failed = true;
-        throw;
-      }
-    });
+    for_each_head_group<HeadGradientBuffers<T>>(sequences, heads, group, resolve_threads(options),
+                                                one_head);
   }
 }
 
