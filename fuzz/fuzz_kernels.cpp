@@ -17,7 +17,10 @@
 //     never throws; with L2-normalised q and k its outputs are finite, the streamed and the
 //     chunked forms, the steps, prefill-then-step and the view agree, a session pool (beside a
 //     second session it drops) gives the batch's outputs bit for bit, and a saved state continues
-//     bit for bit;
+//     bit for bit; its backward (grad_out v reversed) never throws either, its gradients are
+//     finite where the outputs must be, and the 1 x 1 x N view backward and the workspace form
+//     (one DeltaBackwardWorkspace per scalar type, shared by every input) give the allocating
+//     call's gradients bit for bit;
 //   * softmax baselines on such inputs: finite, inside the range of v, and the tiled, the
 //     materialised, the sliding-window and both caches agree; truncate() rolls back exactly;
 //   * the causal backward (plain with Options::decay, or gated with scalar or per-feature
@@ -250,9 +253,11 @@ void require_finite(const char* what, const Eigen::MatrixBase<D>& m) {
 
 template <class D>
 bool bit_equal(const Eigen::MatrixBase<D>& a, const Eigen::MatrixBase<D>& b) {
+  // An empty matrix may have no data pointer at all (memcmp must not see it).
   return a.rows() == b.rows() && a.cols() == b.cols() &&
-         std::memcmp(a.derived().data(), b.derived().data(),
-                     static_cast<std::size_t>(a.size()) * sizeof(typename D::Scalar)) == 0;
+         (a.size() == 0 ||
+          std::memcmp(a.derived().data(), b.derived().data(),
+                      static_cast<std::size_t>(a.size()) * sizeof(typename D::Scalar)) == 0);
 }
 
 /// Runs f; a linattn::Error is fine unless `must_succeed`. Returns whether f completed.
@@ -749,6 +754,77 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
   }
 }
 
+/// The delta rule's backward on run_delta's inputs, grad_out = v with its rows reversed: the
+/// allocating call, the workspace form and the 1 x 1 x N view call give the same gradients
+/// bit for bit (or all throw), finite where the forward's outputs must be.
+template <class T>
+void run_delta_backward(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                        const Matrix<T>& g, const Vector<T>& beta, bool gated,
+                        const linattn::DeltaOptions& opt, bool must, bool check) {
+  const Matrix<T> grad_out = v.colwise().reverse();
+  static linattn::DeltaBackwardWorkspace<T> workspace;  // reused by every input of this type
+  linattn::DeltaRuleGradients<T> alloc, held, viewed;
+  const auto shape = [&](linattn::DeltaRuleGradients<T>& d) {
+    d.q.resize(in.n, in.dk);
+    d.k.resize(in.n, in.dk);
+    d.v.resize(in.n, in.dv);
+    d.beta.resize(in.n);
+    d.gates.resize(in.n, gated ? g.cols() : 0);
+  };
+  shape(held);
+  shape(viewed);
+  const bool alloc_ok = attempt("causal_(gated_)delta_rule_backward", must, [&] {
+    alloc = gated ? linattn::causal_gated_delta_rule_backward(q, k, v, linattn::log_gates(g), beta,
+                                                              grad_out, opt)
+                  : linattn::causal_delta_rule_backward(q, k, v, beta, grad_out, opt);
+  });
+  const bool held_ok = attempt("causal_(gated_)delta_rule_backward(workspace)", must, [&] {
+    if (gated) {
+      linattn::causal_gated_delta_rule_backward_into(q, k, v, linattn::log_gates(g), beta, grad_out,
+                                                     held.q, held.k, held.v, held.gates, held.beta,
+                                                     opt, workspace);
+    } else {
+      linattn::causal_delta_rule_backward_into(q, k, v, beta, grad_out, held.q, held.k, held.v,
+                                               held.beta, opt, workspace);
+    }
+  });
+  const auto view = [&](auto* data, Index dim) {
+    return linattn::HeadsView<std::remove_pointer_t<decltype(data)>>::bhnd(data, {1, 1, in.n, dim});
+  };
+  const bool viewed_ok = attempt("causal_(gated_)delta_rule_backward(views)", must, [&] {
+    if (gated) {
+      linattn::causal_gated_delta_rule_backward_into(
+          view(q.data(), in.dk), view(k.data(), in.dk), view(v.data(), in.dv),
+          linattn::log_gates(view(g.data(), g.cols())), view(beta.data(), 1),
+          view(grad_out.data(), in.dv), view(viewed.q.data(), in.dk), view(viewed.k.data(), in.dk),
+          view(viewed.v.data(), in.dv), view(viewed.gates.data(), g.cols()),
+          view(viewed.beta.data(), 1), opt);
+    } else {
+      linattn::causal_delta_rule_backward_into(
+          view(q.data(), in.dk), view(k.data(), in.dk), view(v.data(), in.dv), view(beta.data(), 1),
+          view(grad_out.data(), in.dv), view(viewed.q.data(), in.dk), view(viewed.k.data(), in.dk),
+          view(viewed.v.data(), in.dv), view(viewed.beta.data(), 1), opt);
+    }
+  });
+  if (alloc_ok != held_ok || alloc_ok != viewed_ok) {
+    fail("the delta rule's backward forms disagree on whether the input is valid");
+  }
+  if (!alloc_ok) return;
+  const auto same = [](const linattn::DeltaRuleGradients<T>& a,
+                       const linattn::DeltaRuleGradients<T>& b) {
+    return bit_equal(a.q, b.q) && bit_equal(a.k, b.k) && bit_equal(a.v, b.v) &&
+           bit_equal(a.beta, b.beta) && bit_equal(a.gates, b.gates);
+  };
+  if (!same(alloc, held)) fail("the delta rule's backward with a workspace differs");
+  if (!same(alloc, viewed)) fail("the delta rule's view backward differs from the matrix one");
+  if (!check) return;
+  require_finite("delta rule backward: grad_q", alloc.q);
+  require_finite("delta rule backward: grad_k", alloc.k);
+  require_finite("delta rule backward: grad_v", alloc.v);
+  require_finite("delta rule backward: grad_beta", alloc.beta);
+  if (gated) require_finite("delta rule backward: grad_gates", alloc.gates);
+}
+
 /// The delta rule on the same inputs: DeltaNet, Gated DeltaNet or KDA by the seed (gates from
 /// draw_log_gates, resets included), beta in (0, 1] or (0, 2] drawn from the seed. With L2
 /// normalisation (Options::normalize stands for DeltaOptions::l2_normalize) and bounded input
@@ -905,6 +981,7 @@ void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
               [&] { (void)linattn::causal_delta_rule(q, k, v, zero_beta, opt); })) {
     fail("the delta rule took beta = 0");
   }
+  run_delta_backward(in, q, k, v, g, beta, gated, opt, must, check);
   if (!check || !par_ok) return;
   require_finite("causal_(gated_)delta_rule", par);
   // Normalised keys and beta <= 2 keep |S| within the sum of beta |v|: size the bound by it.
