@@ -73,7 +73,8 @@ void heads_delta_rule_backward(const HeadsView<Q>& q, const HeadsView<K>& k, con
   }
   const SequenceRows sequences = check_heads_delta_rule<Acc>(q, k, v, gates, beta, grad_out,
                                                              offsets, options, where, "grad_out");
-  scan_grad_out(grad_out, engine_options(options), where);
+  const Options engine = engine_options(options);
+  scan_grad_out(grad_out, engine, where);
 
   // Checked and scanned above: each head's call runs on one thread and rescans nothing.
   DeltaOptions head_options = options;
@@ -91,7 +92,7 @@ void heads_delta_rule_backward(const HeadsView<Q>& q, const HeadsView<K>& k, con
     const Eigen::Index hq = input_head(q, heads, h), hk = input_head(k, heads, h),
                        hv = input_head(v, heads, h), hb = input_head(beta, heads, h);
     // The first reader of an input head writes its gradient, the later ones add to it.
-    auto later = [&](const auto& input) { return h % (heads / input.heads()) != 0; };
+    auto later = [&](const auto& input) { return adds_to_input_head(input, heads, h); };
     const auto qs = q.head(b, hq).middleRows(begin, rows);
     const auto ks = k.head(b, hk).middleRows(begin, rows);
     const auto vs = v.head(b, hv).middleRows(begin, rows);
@@ -127,8 +128,8 @@ void heads_delta_rule_backward(const HeadsView<Q>& q, const HeadsView<K>& k, con
     store_head_rows(grad_v, b, hv, begin, dv, later(v));
     store_head_rows(grad_beta, b, hb, begin, dbeta, later(beta));
   };
-  for_each_head_group<DeltaHeadBuffers<T, A>>(sequences, heads, group,
-                                              resolve_threads(engine_options(options)), one_head);
+  for_each_head_group<DeltaHeadBuffers<T, A>>(sequences, heads, group, resolve_threads(engine),
+                                              one_head);
 }
 
 }  // namespace detail

@@ -95,6 +95,13 @@ void store_head_rows(const HeadsView<T>& view, Eigen::Index b, Eigen::Index h, E
   }
 }
 
+/// True when output head h is a later reader of its head of `input` (grouped heads): it adds
+/// its gradient to what the first reader, h - h % (H / H_in), wrote.
+template <class I>
+bool adds_to_input_head(const HeadsView<I>& input, Eigen::Index heads, Eigen::Index h) {
+  return h % (heads / input.heads()) != 0;
+}
+
 /// The output heads one thread takes at a time: the least common multiple of H / H_in over
 /// the inputs, so that every output head reading a shared input head falls in one group and
 /// one thread writes (first reader) and adds (the later ones, in increasing h) its gradient.
