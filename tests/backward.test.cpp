@@ -11,6 +11,9 @@
 
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_backward {
+
 using linattn::AttentionGradients;
 using linattn::Matrix;
 using linattn_test::gaussian;
@@ -485,3 +488,5 @@ TEMPLATE_TEST_CASE("backward with a workspace gives the allocating call's gradie
   CHECK(bytes >= sizeof(T) * (2 * 1500 + 64 * (c + dv)));
   CHECK(bytes <= sizeof(T) * (2 * 1500 + 64 * (5 * c + 3 * dv + 2)) + sizeof(double) * 2 * 64);
 }
+
+}  // namespace linattn_test_backward

@@ -12,6 +12,9 @@
 
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_delta_rule {
+
 namespace {
 
 using linattn::DeltaOptions;
@@ -706,3 +709,5 @@ TEST_CASE("the delta rule rejects bad input and changes nothing", "[delta_rule]"
                     Contains("s0 has a non-finite value"));
   CHECK(first.allFinite());
 }
+
+}  // namespace linattn_test_delta_rule

@@ -14,6 +14,9 @@
 #include "heads_support.hpp"
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_delta_rule_backward {
+
 namespace {
 
 using linattn::DeltaOptions;
@@ -939,3 +942,5 @@ TEST_CASE("the delta rule's backward on heads rejects bad input and writes nothi
   CHECK_NOTHROW(gated(p.q.cview(), bad_go.cview(), p.gbeta.view(), p.ggates.view(), unchecked));
   CHECK_FALSE(unchanged());
 }
+
+}  // namespace linattn_test_delta_rule_backward

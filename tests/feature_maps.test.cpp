@@ -3,7 +3,9 @@
 // expectations, the approximation of softmax attention, and the log-scale stabiliser where float
 // exp overflows. Every expected value is computed here from the formulas in DESIGN.md.
 // EIGEN_RUNTIME_NO_MALLOC lets a test forbid heap allocation inside Eigen.
+#ifndef EIGEN_RUNTIME_NO_MALLOC  // a test bundle defines it for all its files
 #define EIGEN_RUNTIME_NO_MALLOC
+#endif
 #include <algorithm>
 #include <array>
 #include <catch2/catch.hpp>
@@ -21,6 +23,9 @@
 #include <vector>
 
 #include "support.hpp"
+
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_feature_maps {
 
 namespace {
 
@@ -1754,3 +1759,5 @@ TEST_CASE("The _into forms reject bad shapes with linattn::Error and leave out u
   CHECK((log_scale.array() == 5.0).all());
   CHECK((log_short.array() == 5.0).all());
 }
+
+}  // namespace linattn_test_feature_maps

@@ -1,7 +1,9 @@
 // Gated linear attention: the chunked, recurrent and backward forms against naive token-by-token
 // references written here in double, independent of the library's kernels.
 // EIGEN_RUNTIME_NO_MALLOC lets a test forbid heap allocation inside Eigen.
+#ifndef EIGEN_RUNTIME_NO_MALLOC  // a test bundle defines it for all its files
 #define EIGEN_RUNTIME_NO_MALLOC
+#endif
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -14,6 +16,9 @@
 #include <vector>
 
 #include "support.hpp"
+
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_gated {
 
 using linattn::Matrix;
 using linattn::Vector;
@@ -1342,3 +1347,5 @@ TEMPLATE_TEST_CASE("gated backward: a workspace gives the allocating call's grad
     }
   }
 }
+
+}  // namespace linattn_test_gated

@@ -14,6 +14,9 @@
 
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_gates {
+
 using linattn::Matrix;
 using linattn::Vector;
 using linattn_test::gaussian;
@@ -670,3 +673,5 @@ TEMPLATE_TEST_CASE("gates: bad bonus input throws linattn::Error and changes not
                     Contains("no normaliser"));
   CHECK(normalised.tokens() == 0);
 }
+
+}  // namespace linattn_test_gates

@@ -28,6 +28,9 @@
 
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_half {
+
 using linattn::Matrix;
 using linattn::RecurrentState;
 using linattn::Vector;
@@ -825,3 +828,5 @@ TEMPLATE_TEST_CASE("DeltaRuleLayer<T> on 16-bit views: the float call rounded on
     CHECK(states[0].tokens() == n);
   }
 }
+
+}  // namespace linattn_test_half

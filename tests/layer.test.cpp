@@ -16,6 +16,9 @@
 
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_layer {
+
 using linattn::HeadStrides;
 using linattn::HeadsView;
 using linattn::LinearAttentionLayer;
@@ -1059,3 +1062,5 @@ TEMPLATE_TEST_CASE("delta layer: errors name the argument and move no state",
   CHECK_THROWS_WITH(layer.forward_into(wide, wide, vv, bv, ov), Contains("Dk = 8"));
   CHECK(states[0].tokens() == 0);
 }
+
+}  // namespace linattn_test_layer

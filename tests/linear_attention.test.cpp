@@ -11,6 +11,9 @@
 
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_linear_attention {
+
 using linattn::Matrix;
 using linattn_test::gaussian;
 using linattn_test::naive_linear_attention;
@@ -504,3 +507,5 @@ TEMPLATE_TEST_CASE("cross-attention: N_q queries over N_k keys match the naive f
                     Contains("out is 30 x 7"));
   CHECK(out == untouched);
 }
+
+}  // namespace linattn_test_linear_attention

@@ -25,6 +25,9 @@
 #include <omp.h>
 #endif
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_multi_head {
+
 using linattn::HeadStrides;
 using linattn::HeadsView;
 using linattn::Matrix;
@@ -1823,3 +1826,5 @@ TEMPLATE_TEST_CASE("cross views: mismatched keys and values, causal and varlen c
       Contains("out is"));
   CHECK(std::all_of(out.data().begin(), out.data().end(), [](T x) { return x == kSentinel<T>; }));
 }
+
+}  // namespace linattn_test_multi_head

@@ -21,6 +21,9 @@
 #include "heads_support.hpp"
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_multi_head_backward {
+
 using linattn::GatedAttentionGradients;
 using linattn::HeadShape;
 using linattn::HeadStrides;
@@ -740,3 +743,5 @@ TEST_CASE("view backward matches central finite differences of the view forward"
     }
   }
 }
+
+}  // namespace linattn_test_multi_head_backward

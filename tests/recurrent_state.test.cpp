@@ -1,6 +1,8 @@
 // RecurrentState: step-by-step and prefill against the parallel routine, save/load, errors.
 // EIGEN_RUNTIME_NO_MALLOC lets a test forbid heap allocation inside Eigen.
+#ifndef EIGEN_RUNTIME_NO_MALLOC  // a test bundle defines it for all its files
 #define EIGEN_RUNTIME_NO_MALLOC
+#endif
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -16,6 +18,9 @@
 #include <vector>
 
 #include "support.hpp"
+
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_recurrent_state {
 
 using linattn::Matrix;
 using linattn::RecurrentState;
@@ -1217,3 +1222,5 @@ TEMPLATE_TEST_CASE("from_sums takes any expression and validates what it is give
   CHECK(from_zero.prefill(x, x, vals, map) == fresh.prefill(x, x, vals, map));
   CHECK(from_zero.log_scale() == fresh.log_scale());
 }
+
+}  // namespace linattn_test_recurrent_state

@@ -11,6 +11,9 @@
 
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_session_pool {
+
 namespace {
 
 using linattn::DeltaOptions;
@@ -576,3 +579,5 @@ TEMPLATE_TEST_CASE("pool: a step of named sessions moves only them", "[session_p
   CHECK(pool.state(5, 0, 1).tokens() == 0);
   CHECK(pool.state(4, 0, 1).tokens() == 5);
 }
+
+}  // namespace linattn_test_session_pool

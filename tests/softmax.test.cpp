@@ -8,6 +8,9 @@
 
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_softmax {
+
 using linattn::Matrix;
 using linattn::Vector;
 using linattn_test::gaussian;
@@ -392,3 +395,5 @@ TEMPLATE_TEST_CASE("softmax backward rejects bad input", "[softmax][backward][er
   CHECK((gk.array() == T(5)).all());
   CHECK((gv.array() == T(5)).all());
 }
+
+}  // namespace linattn_test_softmax

@@ -17,6 +17,9 @@
 
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_state_batch {
+
 using linattn::HeadsView;
 using linattn::Matrix;
 using linattn::RecurrentState;
@@ -1796,3 +1799,5 @@ TEMPLATE_TEST_CASE("delta batch: every bad step or prefill throws and moves no s
   batch.step_into(q, k, v, beta, out);
   CHECK(batch[1].transition() == linattn::TransitionKind::decay);
 }
+
+}  // namespace linattn_test_state_batch

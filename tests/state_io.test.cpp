@@ -19,6 +19,9 @@
 
 #include "support.hpp"
 
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_state_io {
+
 namespace {
 
 using linattn::DeltaOptions;
@@ -171,3 +174,5 @@ TEMPLATE_TEST_CASE("save_file replaces the file whole and leaves no temporary fi
   remove_directory(dir);
 }
 #endif
+
+}  // namespace linattn_test_state_io
