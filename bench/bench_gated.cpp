@@ -95,7 +95,7 @@ void BM_Heads(benchmark::State& state, Transition transition, bool token_major, 
   const linattn::HeadShape gate_shape{1, kHeads, n, gate_cols};
   auto view = [&](auto* data, const linattn::HeadShape& s) {
     using V = HeadsView<std::remove_pointer_t<decltype(data)>>;
-    return token_major ? V::bnhd(data, s) : V::bhnd(data, s);
+    return token_major ? V::bnhd(data, linattn::BnhdShape(s)) : V::bhnd(data, s);
   };
   const auto q = view(static_cast<const T*>(in.phi_q.data()), shape);
   const auto k = view(static_cast<const T*>(in.phi_k.data()), shape);

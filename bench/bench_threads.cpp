@@ -65,11 +65,11 @@ void BM_GatedHeads(benchmark::State& state, Eigen::Index gate_cols) {
   const Matrix<T> g =
       (random_matrix<T>(kHeads * n, gate_cols, 24).array().abs() * T(-0.05)).matrix();
   const linattn::HeadShape shape{4, 4, n, kDim};
-  const auto q = HeadsView<const T>::bnhd(in.phi_q.data(), shape);
-  const auto k = HeadsView<const T>::bnhd(in.phi_k.data(), shape);
-  const auto v = HeadsView<const T>::bnhd(in.v.data(), shape);
-  const auto gates = HeadsView<const T>::bnhd(g.data(), {4, 4, n, gate_cols});
-  const auto out = HeadsView<T>::bnhd(in.out.data(), shape);
+  const auto q = HeadsView<const T>::bnhd(in.phi_q.data(), linattn::BnhdShape(shape));
+  const auto k = HeadsView<const T>::bnhd(in.phi_k.data(), linattn::BnhdShape(shape));
+  const auto v = HeadsView<const T>::bnhd(in.v.data(), linattn::BnhdShape(shape));
+  const auto gates = HeadsView<const T>::bnhd(g.data(), linattn::BnhdShape{4, n, 4, gate_cols});
+  const auto out = HeadsView<T>::bnhd(in.out.data(), linattn::BnhdShape(shape));
   linattn::Options options;
   options.threads = static_cast<int>(state.range(1));
   linattn_bench::measure(state, [&] {
@@ -140,12 +140,12 @@ void BM_GatedDelta(benchmark::State& state, Eigen::Index heads) {
       linattn::causal_gated_delta_rule_into(q, k, v, linattn::log_gates(g), beta, out, options);
     } else {
       linattn::causal_gated_delta_rule_into(
-          HeadsView<const float>::bnhd(q.data(), shape),
-          HeadsView<const float>::bnhd(k.data(), shape),
-          HeadsView<const float>::bnhd(v.data(), shape),
-          linattn::log_gates(HeadsView<const float>::bnhd(g.data(), one)),
-          HeadsView<const float>::bnhd(beta.data(), one), HeadsView<float>::bnhd(out.data(), shape),
-          options);
+          HeadsView<const float>::bnhd(q.data(), linattn::BnhdShape(shape)),
+          HeadsView<const float>::bnhd(k.data(), linattn::BnhdShape(shape)),
+          HeadsView<const float>::bnhd(v.data(), linattn::BnhdShape(shape)),
+          linattn::log_gates(HeadsView<const float>::bnhd(g.data(), linattn::BnhdShape(one))),
+          HeadsView<const float>::bnhd(beta.data(), linattn::BnhdShape(one)),
+          HeadsView<float>::bnhd(out.data(), linattn::BnhdShape(shape)), options);
     }
     benchmark::DoNotOptimize(out.data());
   });

@@ -83,8 +83,9 @@ class CausalSelfAttention {
     // Each projection is (B * N) x (H * D) row-major, i.e. a [B, N, H, D] tensor.
     const Mat q = x * w_q_, k = x * w_k_, v = x * w_v_;
     Mat heads_out(x.rows(), model_dim_);  // [B, N, H, D] again: the heads concatenated
-    attention_.forward_into(view(q, batch, tokens), view(k, batch, tokens), view(v, batch, tokens),
-                            Heads::bnhd(heads_out.data(), {batch, heads_, tokens, head_dim_}));
+    attention_.forward_into(
+        view(q, batch, tokens), view(k, batch, tokens), view(v, batch, tokens),
+        Heads::bnhd(heads_out.data(), linattn::BnhdShape{batch, tokens, heads_, head_dim_}));
     return heads_out * w_o_;
   }
 
@@ -97,9 +98,9 @@ class CausalSelfAttention {
     const Eigen::Index tokens = x.rows() / batch;
     const Mat q = x * w_q_, k = x * w_k_, v = x * w_v_;
     Mat heads_out(x.rows(), model_dim_);
-    attention_.prefill_into(states, view(q, batch, tokens), view(k, batch, tokens),
-                            view(v, batch, tokens),
-                            Heads::bnhd(heads_out.data(), {batch, heads_, tokens, head_dim_}));
+    attention_.prefill_into(
+        states, view(q, batch, tokens), view(k, batch, tokens), view(v, batch, tokens),
+        Heads::bnhd(heads_out.data(), linattn::BnhdShape{batch, tokens, heads_, head_dim_}));
     return heads_out * w_o_;
   }
 
@@ -135,7 +136,7 @@ class CausalSelfAttention {
 
  private:
   ConstHeads view(const Mat& m, Eigen::Index batch, Eigen::Index tokens) const {
-    return ConstHeads::bnhd(m.data(), {batch, heads_, tokens, head_dim_});
+    return ConstHeads::bnhd(m.data(), linattn::BnhdShape{batch, tokens, heads_, head_dim_});
   }
   Eigen::Map<const Mat> rows(const Mat& m) const {
     return Eigen::Map<const Mat>(m.data(), m.rows() * heads_, head_dim_);

@@ -32,9 +32,10 @@ int main() {
 
   // Reference: the parallel form over all tokens at once.
   std::vector<float> reference(size);
-  layer.forward_into(View::bnhd(q.data(), whole), View::bnhd(k.data(), whole),
-                     View::bnhd(v.data(), whole),
-                     linattn::HeadsView<float>::bnhd(reference.data(), whole));
+  layer.forward_into(View::bnhd(q.data(), linattn::BnhdShape(whole)),
+                     View::bnhd(k.data(), linattn::BnhdShape(whole)),
+                     View::bnhd(v.data(), linattn::BnhdShape(whole)),
+                     linattn::HeadsView<float>::bnhd(reference.data(), linattn::BnhdShape(whole)));
 
   // Prefill: the first `prompt` tokens of each sequence. A [B, N, H, D] buffer cut after
   // `prompt` tokens keeps its strides, so the prompt is a view with N = prompt and the

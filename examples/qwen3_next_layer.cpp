@@ -114,8 +114,8 @@ LayerInputs project(const Mat& x, const Weights& w) {
 
 /// All T tokens of a [B, T, H, D] buffer (B * T rows, H * D columns).
 ConstView whole(const Mat& buffer, Eigen::Index batch, Eigen::Index heads) {
-  return ConstView::bnhd(buffer.data(),
-                         {batch, heads, buffer.rows() / batch, buffer.cols() / heads});
+  return ConstView::bnhd(buffer.data(), linattn::BnhdShape{batch, buffer.rows() / batch, heads,
+                                                           buffer.cols() / heads});
 }
 
 /// The first `tokens` tokens of every sequence of a [B, T, H, D] buffer: a prefix keeps the
@@ -187,7 +187,8 @@ int main(int argc, char** argv) {
     chunked_options.form = linattn::DeltaForm::chunked;
     const linattn::DeltaRuleLayer<float> chunked(hv, dim, dim, chunked_options);
     Mat full_out(batch * total, hv * dim);  // [B, T, Hv, Dv]
-    const OutView full_out_view = OutView::bnhd(full_out.data(), {batch, hv, total, dim});
+    const OutView full_out_view =
+        OutView::bnhd(full_out.data(), linattn::BnhdShape{batch, total, hv, dim});
     chunked.forward_into(whole(in.q, batch, hk), whole(in.k, batch, hk), whole(in.v, batch, hv),
                          linattn::log_gates(whole(in.g, batch, hv)), whole(in.beta, batch, hv),
                          full_out_view);
@@ -196,7 +197,8 @@ int main(int argc, char** argv) {
     // (state b * Hv + h for v head h of sequence b) at the end of the prompt.
     linattn::DeltaRuleStateBatch<float> states = layer.make_states(batch);
     Mat prompt_out(batch * prompt, hv * dim);  // [B, N, Hv, Dv]
-    const OutView prompt_out_view = OutView::bnhd(prompt_out.data(), {batch, hv, prompt, dim});
+    const OutView prompt_out_view =
+        OutView::bnhd(prompt_out.data(), linattn::BnhdShape{batch, prompt, hv, dim});
     const Clock::time_point prefill_start = Clock::now();
     layer.prefill_into(states, first_tokens(in.q, batch, hk, prompt),
                        first_tokens(in.k, batch, hk, prompt), first_tokens(in.v, batch, hv, prompt),

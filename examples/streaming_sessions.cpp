@@ -170,8 +170,10 @@ class Model {
   void attend(Pool& pool, Eigen::Index layer, Key key, const Mat& q, const Mat& k, const Mat& v,
               Mat& out) const {
     const linattn::HeadShape shape{1, kHeads, q.rows(), kDim};
-    pool.prefill_into(layer, {key}, View::bnhd(q.data(), shape), View::bnhd(k.data(), shape),
-                      View::bnhd(v.data(), shape), map_, OutView::bnhd(out.data(), shape));
+    pool.prefill_into(layer, {key}, View::bnhd(q.data(), linattn::BnhdShape(shape)),
+                      View::bnhd(k.data(), linattn::BnhdShape(shape)),
+                      View::bnhd(v.data(), linattn::BnhdShape(shape)), map_,
+                      OutView::bnhd(out.data(), linattn::BnhdShape(shape)));
   }
 
   /// A fixed H Dv x H Dk matrix, uniform entries scaled to keep the rows' size.

@@ -847,7 +847,14 @@ void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
     const double u = static_cast<double>((in.seed * 31 + static_cast<std::uint64_t>(t) * 17) % 20);
     beta(t) = static_cast<T>((opt.allow_negative_eigenvalues ? 0.1 : 0.05) * (u + 1.0));
   }
-  const bool valid = opt.chunk >= 1 && std::isfinite(in.scale) && in.scale != 0.0;
+  // Keys the kernel does not normalise must give stable steps (beta |k|^2 <= 2), or it throws.
+  bool stable = true;
+  for (Index t = 0; t < in.n && !opt.l2_normalize; ++t) {
+    const double gain =
+        static_cast<double>(beta(t)) * k.row(t).template cast<double>().squaredNorm();
+    if (gain > linattn::detail::kMaxStepGain) stable = false;
+  }
+  const bool valid = opt.chunk >= 1 && std::isfinite(in.scale) && in.scale != 0.0 && stable;
   const bool must = bounded && valid;
   const bool check = must && opt.l2_normalize;
   Matrix<T> par(in.n, in.dv), steps(in.n, in.dv), split(in.n, in.dv), viewed(in.n, in.dv);

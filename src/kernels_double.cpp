@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// linattn::compiled: the chunked kernels (the delta rule's included) that accumulate in double.
+// linattn::compiled: the kernels (chunked, streamed, stepped; both families) that accumulate in
+// double.
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
 
@@ -14,3 +15,7 @@ LINATTN_DEFINE_DOUBLE_DELTA_KERNELS(double, double)
 LINATTN_DEFINE_DOUBLE_DELTA_KERNELS(double, float)
 LINATTN_DEFINE_DOUBLE_DELTA_KERNELS(double, Eigen::half)
 LINATTN_DEFINE_DOUBLE_DELTA_KERNELS(double, Eigen::bfloat16)
+
+// The stream kernels behind every step, prefill and backward, and the delta rule's step.
+LINATTN_STREAM_INSTANCES(template, double)
+LINATTN_DELTA_STEP_INSTANCES(template, double)

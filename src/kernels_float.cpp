@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// linattn::compiled: the chunked kernels (the delta rule's included) that accumulate in float.
+// linattn::compiled: the kernels (chunked, streamed, stepped; both families) that accumulate in
+// float.
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
 
@@ -12,3 +13,7 @@ LINATTN_DEFINE_FLOAT_KERNELS(float, Eigen::bfloat16)
 LINATTN_DEFINE_FLOAT_DELTA_KERNELS(float, float)
 LINATTN_DEFINE_FLOAT_DELTA_KERNELS(float, Eigen::half)
 LINATTN_DEFINE_FLOAT_DELTA_KERNELS(float, Eigen::bfloat16)
+
+// The stream kernels behind every step, prefill and backward, and the delta rule's step.
+LINATTN_STREAM_INSTANCES(template, float)
+LINATTN_DELTA_STEP_INSTANCES(template, float)

@@ -56,7 +56,7 @@ Matrix<T> chunked(const Sequence& s, const DeltaOptions& options) {
   return linattn::causal_gated_delta_rule(q, k, v, linattn::log_gates(g), beta, options);
 }
 
-/// The bound on the chunked form against the naive recurrence: DESIGN.md's for the delta rule.
+/// The bound on the chunked form against the naive recurrence: docs/design.md's for the delta rule.
 template <class T>
 double bound() {
   return std::is_same_v<T, float> ? 1e-4 : 1e-10;
@@ -348,12 +348,12 @@ struct Heads {
         shape(sizes),
         token_major(bnhd) {}
   linattn::HeadsView<T> view() {
-    return token_major ? linattn::HeadsView<T>::bnhd(data.data(), shape)
+    return token_major ? linattn::HeadsView<T>::bnhd(data.data(), linattn::BnhdShape(shape))
                        : linattn::HeadsView<T>::bhnd(data.data(), shape);
   }
   linattn::HeadsView<const T> cview() const {
     auto* p = const_cast<T*>(data.data());
-    return token_major ? linattn::HeadsView<const T>::bnhd(p, shape)
+    return token_major ? linattn::HeadsView<const T>::bnhd(p, linattn::BnhdShape(shape))
                        : linattn::HeadsView<const T>::bhnd(p, shape);
   }
   Matrix<T> head(Eigen::Index b, Eigen::Index h) const { return cview().head(b, h); }
@@ -520,6 +520,7 @@ TEST_CASE("the delta rule on heads rejects bad input and writes nothing", "[delt
   for (auto* t : {&q, &k, &v}) {
     for (std::size_t i = 0; i < t->data.size(); ++i) t->data[i] = std::sin(0.37 * double(i));
   }
+  for (double& x : k.data) x *= 0.3;  // |k|^2 <= 0.72: stable steps without l2_normalize
   for (std::size_t i = 0; i < beta.data.size(); ++i) beta.data[i] = 0.5;
   for (std::size_t i = 0; i < g.data.size(); ++i) g.data[i] = -0.1;
   std::fill(out.data.begin(), out.data.end(), 7.0);
@@ -546,6 +547,13 @@ TEST_CASE("the delta rule on heads rejects bad input and writes nothing", "[delt
   CHECK_THROWS_WITH(delta(), Contains("k[b=1, h=1]"));
   CHECK(unchanged());
   k.view().head(1, 1)(3, 2) = 0.1;
+  // Raw keys without l2_normalize: beta |k|^2 = 0.5 * 9+ > 2, a step that grows S unboundedly.
+  const double kept = k.view().head(0, 2)(5, 1);
+  k.view().head(0, 2)(5, 1) = 3.0;
+  CHECK_THROWS_WITH(delta(), Contains("k[b=0, h=2]") && Contains("token 5") &&
+                                 Contains("DeltaOptions::l2_normalize"));
+  CHECK(unchanged());
+  k.view().head(0, 2)(5, 1) = kept;
   Heads<double> wide_beta({batch, heads, n, 2}, true);
   CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q.cview(), k.cview(), v.cview(),
                                                     wide_beta.cview(), out.view()),
@@ -638,6 +646,22 @@ TEST_CASE("the delta rule rejects bad input and changes nothing", "[delta_rule]"
                     Contains("beta must lie in (0, 2]"));
   CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, beta.head(19), out),
                     Contains("beta is 19 x 1"));
+  // Unnormalised keys without l2_normalize: beta |k|^2 > 2 would grow S without bound (outputs
+  // near 1e7 in a 4-layer port); the call names the option instead. With it, they are fine.
+  const Matrix<double> raw_k = 3.0 * k;
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, raw_k, v, beta, out),
+                    Contains("beta |k|^2 is") && Contains("DeltaOptions::l2_normalize"));
+  CHECK_THROWS_WITH(
+      linattn::causal_gated_delta_rule_into(q, raw_k, v, linattn::log_gates(g), beta, out),
+      Contains("DeltaOptions::l2_normalize"));
+  DeltaRuleState<double> raw_state(8, 4);
+  CHECK_THROWS_WITH(raw_state.step(q.row(0), raw_k.row(0), v.row(0), 1.0),
+                    Contains("token 0 of k") && Contains("DeltaOptions::l2_normalize"));
+  CHECK(raw_state.tokens() == 0);
+  DeltaOptions normalised;
+  normalised.l2_normalize = true;
+  Matrix<double> raw_out(20, 4);
+  CHECK_NOTHROW(linattn::causal_delta_rule_into(q, raw_k, v, beta, raw_out, normalised));
   // Gates: > 0 in log space, > 1 as a_t, the wrong width.
   Matrix<double> bad_g = g;
   bad_g(3, 0) = 0.1;
@@ -669,7 +693,12 @@ TEST_CASE("the delta rule rejects bad input and changes nothing", "[delta_rule]"
                     Contains("DeltaOptions::scale"));
   bad = {};
   bad.chunk = 0;
-  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, beta, out, bad), Contains("chunk"));
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, beta, out, bad),
+                    Contains("DeltaOptions::chunk"));
+  bad = {};
+  bad.threads = -1;
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q, k, v, beta, out, bad),
+                    Contains("DeltaOptions::threads"));
   CHECK(unchanged());
 
   // The state: nothing moves on a throw, and it keeps its transition.

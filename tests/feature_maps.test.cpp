@@ -1,7 +1,7 @@
 // Tests of the feature maps (include/linattn/feature_maps.hpp): the exact maps entry by entry,
 // the random maps' projection (reproducibility, orthogonal blocks, row norms), the estimators'
 // expectations, the approximation of softmax attention, and the log-scale stabiliser where float
-// exp overflows. Every expected value is computed here from the formulas in DESIGN.md.
+// exp overflows. Every expected value is computed here from the formulas in docs/design.md.
 // EIGEN_RUNTIME_NO_MALLOC lets a test forbid heap allocation inside Eigen.
 #ifndef EIGEN_RUNTIME_NO_MALLOC  // a test bundle defines it for all its files
 #define EIGEN_RUNTIME_NO_MALLOC
@@ -791,7 +791,7 @@ TEST_CASE("PositiveRandomFeatures stays finite and exact where float exp overflo
     CHECK(recurrent.allFinite());
     CHECK(err_parallel <= 1e-4);
     CHECK(err_recurrent <= 1e-4);
-    // DESIGN.md: the two forms agree within 2e-5 in float, here too.
+    // docs/design.md: the two forms agree within 2e-5 in float, here too.
     CHECK(relative_error(parallel, recurrent) <= 2e-5);
     CHECK(std::isfinite(state.log_scale()));
   }

@@ -30,7 +30,7 @@ namespace {
 constexpr Eigen::Index kC = 8;  // C != Dv on purpose
 constexpr Eigen::Index kDv = 6;
 
-/// DESIGN.md's agreement bounds between the chunked and recurrent forms.
+/// docs/design.md's agreement bounds between the chunked and recurrent forms.
 template <class T>
 double tolerance() {
   return std::is_same_v<T, float> ? 2e-5 : 1e-12;

@@ -27,7 +27,7 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-/// DESIGN.md's agreement bounds between the chunked and recurrent forms.
+/// docs/design.md's agreement bounds between the chunked and recurrent forms.
 template <class T>
 double tolerance() {
   return std::is_same_v<T, float> ? 2e-5 : 1e-12;
@@ -615,7 +615,7 @@ TEMPLATE_TEST_CASE("gates: the bonus with scalar gates, a feature map, a double 
 }
 
 TEMPLATE_TEST_CASE("gates: bad bonus input throws linattn::Error and changes nothing",
-                   "[gates][bonus][errors]", float, double) {
+                   "[gates][bonus][errors]", float) {
   using T = TestType;
   using Catch::Matchers::Contains;
   const Eigen::Index n = 10, c = 4, dv = 3;

@@ -7,7 +7,7 @@
 //  - Same float arithmetic on both sides: |round(b) - b| <= eps/2 |b| <= eps/2 max|b|, so the
 //    measured max|a - b| / max|b| is at most eps/2; the bound is 1 eps.
 //  - Different float arithmetic (step vs chunked): each side is within eps/2 of its float
-//    result and the float results agree to 2e-5 (DESIGN.md), so at most eps + 2e-5; the bound
+//    result and the float results agree to 2e-5 (docs/design.md), so at most eps + 2e-5; the bound
 //    is 2 eps.
 #include <algorithm>
 #include <catch2/catch.hpp>
@@ -546,12 +546,16 @@ TEMPLATE_TEST_CASE("multi-head views of 16-bit memory", "[half][multi_head]", Ei
   const Matrix<T> v = rounded<T>(batch * heads * tokens, kDv, 93);
   const linattn::EluPlusOne map;
   // [B, N, H, D]: rows of q are (b, n, h) in that order.
-  const auto q_view = ConstHeadsView<T>::bnhd(q.data(), {batch, heads, tokens, kDk});
-  const auto k_view = ConstHeadsView<T>::bnhd(k.data(), {batch, heads, tokens, kDk});
-  const auto v_view = ConstHeadsView<T>::bnhd(v.data(), {batch, heads, tokens, kDv});
+  const auto q_view =
+      ConstHeadsView<T>::bnhd(q.data(), linattn::BnhdShape{batch, tokens, heads, kDk});
+  const auto k_view =
+      ConstHeadsView<T>::bnhd(k.data(), linattn::BnhdShape{batch, tokens, heads, kDk});
+  const auto v_view =
+      ConstHeadsView<T>::bnhd(v.data(), linattn::BnhdShape{batch, tokens, heads, kDv});
   for (const bool causal : {true, false}) {
     Matrix<T> out(batch * heads * tokens, kDv);
-    const auto out_view = HeadsView<T>::bnhd(out.data(), {batch, heads, tokens, kDv});
+    const auto out_view =
+        HeadsView<T>::bnhd(out.data(), linattn::BnhdShape{batch, tokens, heads, kDv});
     if (causal) {
       linattn::causal_linear_attention_into(q_view, k_view, v_view, map, out_view);
     } else {
@@ -572,10 +576,12 @@ TEMPLATE_TEST_CASE("multi-head views of 16-bit memory", "[half][multi_head]", Ei
   bad(tokens * heads + 2 * heads + 1, 4) =
       T(std::numeric_limits<float>::infinity());  // b=1 n=2 h=1
   Matrix<T> out(batch * heads * tokens, kDv);
-  CHECK_THROWS_WITH(linattn::causal_linear_attention_into(
-                        ConstHeadsView<T>::bnhd(bad.data(), {batch, heads, tokens, kDk}), k_view,
-                        v_view, map, HeadsView<T>::bnhd(out.data(), {batch, heads, tokens, kDv})),
-                    Contains("q[b=1, h=1] has a non-finite value") && Contains("row 2, column 4"));
+  CHECK_THROWS_WITH(
+      linattn::causal_linear_attention_into(
+          ConstHeadsView<T>::bnhd(bad.data(), linattn::BnhdShape{batch, tokens, heads, kDk}),
+          k_view, v_view, map,
+          HeadsView<T>::bnhd(out.data(), linattn::BnhdShape{batch, tokens, heads, kDv})),
+      Contains("q[b=1, h=1] has a non-finite value") && Contains("row 2, column 4"));
 }
 
 TEMPLATE_TEST_CASE("LinearAttentionLayer<T> and RecurrentStateBatch<T>: prompt, then steps",
@@ -698,19 +704,20 @@ TEMPLATE_TEST_CASE("gated views of 16-bit memory: every transition, as the float
   const Matrix<T> u_t = u.template cast<T>();
   // [B, N, H, D] memory, as a projection writes it; the gates laid out alike.
   const linattn::HeadShape qk{batch, heads, tokens, kDk}, vo{batch, heads, tokens, kDv};
-  const auto q_view = ConstHeadsView<T>::bnhd(q.data(), qk);
-  const auto k_view = ConstHeadsView<T>::bnhd(k.data(), qk);
-  const auto v_view = ConstHeadsView<T>::bnhd(v.data(), vo);
+  const auto q_view = ConstHeadsView<T>::bnhd(q.data(), linattn::BnhdShape(qk));
+  const auto k_view = ConstHeadsView<T>::bnhd(k.data(), linattn::BnhdShape(qk));
+  const auto v_view = ConstHeadsView<T>::bnhd(v.data(), linattn::BnhdShape(vo));
   for (const int kind : {0, 1, 2, 3}) {  // HeadDecays, scalar, per-feature, per-feature + bonus
     const Eigen::Index gate_dim = kind == 1 ? 1 : kDk;
     const Matrix<T> g =
         (-0.2f * gaussian<float>(batch * heads * tokens, gate_dim, 105).cwiseAbs()).cast<T>();
-    const auto g_view = ConstHeadsView<T>::bnhd(g.data(), {batch, heads, tokens, gate_dim});
+    const auto g_view =
+        ConstHeadsView<T>::bnhd(g.data(), linattn::BnhdShape{batch, tokens, heads, gate_dim});
     const linattn::HeadDecays decays{{0.9, 0.97, 0.99}};
     linattn::Options options;
     options.normalize = kind < 2;
     Matrix<T> out(batch * heads * tokens, kDv);
-    const auto out_view = HeadsView<T>::bnhd(out.data(), vo);
+    const auto out_view = HeadsView<T>::bnhd(out.data(), linattn::BnhdShape(vo));
     if (kind == 0) {
       linattn::causal_gated_linear_attention_into(q_view, k_view, v_view, decays, map, out_view,
                                                   options);

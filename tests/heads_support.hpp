@@ -63,7 +63,7 @@ class Heads {
       case Layout::bhnd:
         return HeadsView<T>::bhnd(data_.data(), {batch_, heads_, tokens_, dim_});
       case Layout::bnhd:
-        return HeadsView<T>::bnhd(data_.data(), {batch_, heads_, tokens_, dim_});
+        return HeadsView<T>::bnhd(data_.data(), linattn::BnhdShape{batch_, tokens_, heads_, dim_});
       case Layout::padded:
         break;
     }

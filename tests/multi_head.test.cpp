@@ -45,7 +45,7 @@ constexpr Eigen::Index kDk = 6;  // q, k (and C for featurized inputs); Dk != Dv
 constexpr Eigen::Index kDv = 5;
 
 template <class T>
-double tolerance() {  // DESIGN.md's agreement bound
+double tolerance() {  // docs/design.md's agreement bound
   return std::is_same_v<T, float> ? 2e-5 : 1e-12;
 }
 
@@ -189,7 +189,7 @@ TEMPLATE_TEST_CASE("HeadsView addresses the documented layouts", "[multi_head][h
   for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<T>(i);
 
   const auto bhnd = HeadsView<T>::bhnd(data.data(), {B, H, N, D});
-  const auto bnhd = HeadsView<const T>::bnhd(data.data(), {B, H, N, D});
+  const auto bnhd = HeadsView<const T>::bnhd(data.data(), linattn::BnhdShape{B, N, H, D});
   CHECK(bhnd.batch() == B);
   CHECK(bhnd.heads() == H);
   CHECK(bhnd.tokens() == N);
@@ -737,7 +737,7 @@ TEMPLATE_TEST_CASE(
 }
 
 TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error naming them",
-                   "[multi_head][errors]", float, double) {
+                   "[multi_head][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   const Eigen::Index B = 2, H = 3, N = 10;
@@ -908,7 +908,7 @@ TEMPLATE_TEST_CASE("errors: bad views, offsets and inputs throw linattn::Error n
 }
 
 TEMPLATE_TEST_CASE("errors: a NaN deep in a long sequence split across threads throws",
-                   "[multi_head][errors][threads]", float, double) {
+                   "[multi_head][errors][threads]", float) {
   // The throw comes from inside a parallel region (any thread's segment or share): it must
   // reach the caller as linattn::Error naming the input, and no state may move.
   using T = TestType;
@@ -964,11 +964,10 @@ TEMPLATE_TEST_CASE("errors: a NaN deep in a long sequence split across threads t
   }
 }
 
-// DESIGN.md: bad input, NaN included, "throws linattn::Error ... and leaves every caller object
-// as it was": the inputs are scanned before any output is written, so a NaN in the last chunk
-// of the last head leaves out as it was, and no state moves.
-TEMPLATE_TEST_CASE("a NaN found mid-run leaves out as it was", "[multi_head][errors]", float,
-                   double) {
+// docs/design.md: bad input, NaN included, "throws linattn::Error ... and leaves every caller
+// object as it was": the inputs are scanned before any output is written, so a NaN in the last
+// chunk of the last head leaves out as it was, and no state moves.
+TEMPLATE_TEST_CASE("a NaN found mid-run leaves out as it was", "[multi_head][errors]", float) {
   using T = TestType;
   const Eigen::Index B = 1, H = 4, N = 300;
   const Layouts layouts{Layout::bhnd, Layout::bhnd, Layout::bhnd, Layout::bhnd};
@@ -1011,7 +1010,7 @@ TEMPLATE_TEST_CASE("a NaN found mid-run leaves out as it was", "[multi_head][err
 }
 
 TEMPLATE_TEST_CASE("errors: HeadsView rejects empty sizes, null data and negative strides",
-                   "[multi_head][heads_view][errors]", float, double) {
+                   "[multi_head][heads_view][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   std::vector<T> data(64, T(0));
@@ -1026,7 +1025,7 @@ TEMPLATE_TEST_CASE("errors: HeadsView rejects empty sizes, null data and negativ
   CHECK_THROWS_WITH(HeadsView<T>(data.data(), 1, 2, 3, -1, strides),
                     Contains("sizes must be >= 1") && Contains("[1, 2, 3, -1]"));
   CHECK_THROWS_WITH(HeadsView<T>::bhnd(data.data(), {2, 0, 4, 4}), Contains("sizes must be >= 1"));
-  CHECK_THROWS_WITH(HeadsView<const T>::bnhd(data.data(), {2, 2, 4, 0}),
+  CHECK_THROWS_WITH(HeadsView<const T>::bnhd(data.data(), linattn::BnhdShape{2, 4, 2, 0}),
                     Contains("sizes must be >= 1"));
   CHECK_THROWS_WITH(HeadsView<T>(nullptr, 1, 2, 3, 2, strides), Contains("data is null"));
   CHECK_THROWS_WITH(HeadsView<const T>::bhnd(nullptr, {1, 1, 1, 1}), Contains("data is null"));
@@ -1371,7 +1370,7 @@ TEMPLATE_TEST_CASE("gated views: threads over heads and over one long sequence",
 }
 
 TEMPLATE_TEST_CASE("gated views: bad gates and decays throw before anything is written",
-                   "[multi_head][gated][errors]", float, double) {
+                   "[multi_head][gated][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   const Eigen::Index B = 2, H = 3, N = 10;
@@ -1433,7 +1432,7 @@ TEMPLATE_TEST_CASE("gated views: bad gates and decays throw before anything is w
 }
 
 TEMPLATE_TEST_CASE("token-major views: a bad value is named by its head and nothing is written",
-                   "[multi_head][gated][errors]", float, double) {
+                   "[multi_head][gated][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   // [B, N, H, D]: the scans pass over whole tokens first, then name the head that failed.
@@ -1703,7 +1702,7 @@ TEMPLATE_TEST_CASE("bonus views: varlen sequences, threads, and one long head on
 }
 
 TEMPLATE_TEST_CASE("bonus views: bad u and options throw before anything is written",
-                   "[multi_head][gated][bonus][errors]", float, double) {
+                   "[multi_head][gated][bonus][errors]", float) {
   using T = TestType;
   const Eigen::Index B = 1, H = 2, N = 40;
   const Problem<T> p = make_problem<T>(Kind::featurized, kLayoutSets[0], B, H, N, 750);
@@ -1800,7 +1799,7 @@ TEMPLATE_TEST_CASE("cross views: N_q queries over N_k keys give each head the ma
 }
 
 TEMPLATE_TEST_CASE("cross views: mismatched keys and values, causal and varlen calls throw",
-                   "[multi_head][cross][errors]", float, double) {
+                   "[multi_head][cross][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   const Eigen::Index B = 1, H = 2;

@@ -551,7 +551,7 @@ TEMPLATE_TEST_CASE("HeadDecays: each head gets the backward with its own decay",
 }
 
 TEMPLATE_TEST_CASE("errors: bad shapes and values throw linattn::Error and write no gradient",
-                   "[multi_head_backward][errors]", float, double) {
+                   "[multi_head_backward][errors]", float) {
   using T = TestType;
   const Eigen::Index B = 2, H = 4, N = 12;
   const Layout layout = Layout::bnhd;

@@ -240,11 +240,11 @@ TEMPLATE_TEST_CASE(
   for (T& x : vd) x = static_cast<T>(normal(random));
   for (T& x : gd) x = static_cast<T>(-0.1 * std::abs(normal(random)));
   for (T& x : bd) x = static_cast<T>(0.2 + 0.5 * std::min(1.0, std::abs(normal(random))));
-  const auto q = HeadsView<const T>::bnhd(qd.data(), {1, Hqk, tokens, kDk});
-  const auto k = HeadsView<const T>::bnhd(kd.data(), {1, Hqk, tokens, kDk});
-  const auto v = HeadsView<const T>::bnhd(vd.data(), {1, H, tokens, kDv});
-  const auto g = HeadsView<const T>::bnhd(gd.data(), {1, Hqk, tokens, 1});
-  const auto beta = HeadsView<const T>::bnhd(bd.data(), {1, Hqk, tokens, 1});
+  const auto q = HeadsView<const T>::bnhd(qd.data(), linattn::BnhdShape{1, tokens, Hqk, kDk});
+  const auto k = HeadsView<const T>::bnhd(kd.data(), linattn::BnhdShape{1, tokens, Hqk, kDk});
+  const auto v = HeadsView<const T>::bnhd(vd.data(), linattn::BnhdShape{1, tokens, H, kDv});
+  const auto g = HeadsView<const T>::bnhd(gd.data(), linattn::BnhdShape{1, tokens, Hqk, 1});
+  const auto beta = HeadsView<const T>::bnhd(bd.data(), linattn::BnhdShape{1, tokens, Hqk, 1});
   std::vector<T> got(vd.size()), want(vd.size());
   // The reference: the same states in a batch of their own.
   Batch reference(static_cast<Eigen::Index>(prompted.size()) * H, kDk, kDv, options);
@@ -252,11 +252,12 @@ TEMPLATE_TEST_CASE(
     for (Eigen::Index h = 0; h < H; ++h)
       reference[static_cast<Eigen::Index>(s) * H + h] = alone.at(prompted[s])[0][h];
   }
-  reference.prefill_varlen_into(q, k, v, linattn::log_gates(g), beta, offsets,
-                                HeadsView<T>::bnhd(want.data(), {1, H, tokens, kDv}));
+  reference.prefill_varlen_into(
+      q, k, v, linattn::log_gates(g), beta, offsets,
+      HeadsView<T>::bnhd(want.data(), linattn::BnhdShape{1, tokens, H, kDv}));
   const auto before = addresses(pool);
   pool.prefill_varlen_into(0, prompted, q, k, v, linattn::log_gates(g), beta, offsets,
-                           HeadsView<T>::bnhd(got.data(), {1, H, tokens, kDv}));
+                           HeadsView<T>::bnhd(got.data(), linattn::BnhdShape{1, tokens, H, kDv}));
   CHECK(got == want);
   for (std::size_t s = 0; s < prompted.size(); ++s) {
     for (Eigen::Index h = 0; h < H; ++h) {
@@ -359,7 +360,7 @@ TEMPLATE_TEST_CASE("pool: a session saved and loaded continues bit for bit", "[s
 }
 
 TEMPLATE_TEST_CASE("pool errors name what was wrong and change nothing", "[session_pool][errors]",
-                   float, double) {
+                   float) {
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
   using Catch::Matchers::Contains;
@@ -453,22 +454,24 @@ TEMPLATE_TEST_CASE("pool: a packed engine prefill of some sessions equals a batc
   for (T& x : kd) x = static_cast<T>(std::abs(normal(random)));
   for (T& x : vd) x = static_cast<T>(normal(random));
   for (T& x : gd) x = static_cast<T>(-0.2 * std::abs(normal(random)));
-  const auto q = HeadsView<const T>::bnhd(qd.data(), {1, H, tokens, kDk});
-  const auto k = HeadsView<const T>::bnhd(kd.data(), {1, H, tokens, kDk});
-  const auto v = HeadsView<const T>::bnhd(vd.data(), {1, H, tokens, kDv});
-  const auto g = HeadsView<const T>::bnhd(gd.data(), {1, H, tokens, 1});
+  const auto q = HeadsView<const T>::bnhd(qd.data(), linattn::BnhdShape{1, tokens, H, kDk});
+  const auto k = HeadsView<const T>::bnhd(kd.data(), linattn::BnhdShape{1, tokens, H, kDk});
+  const auto v = HeadsView<const T>::bnhd(vd.data(), linattn::BnhdShape{1, tokens, H, kDv});
+  const auto g = HeadsView<const T>::bnhd(gd.data(), linattn::BnhdShape{1, tokens, H, 1});
   Batch reference(2 * H, kDk, kDv, gated_heads<T>().options());
   for (Eigen::Index h = 0; h < H; ++h) {
     reference[h] = pool.state(20, 0, h);
     reference[H + h] = pool.state(10, 0, h);
   }
   std::vector<T> got(vd.size()), want(vd.size());
-  reference.prefill_varlen_into(q, k, v, linattn::log_gates(g), linattn::Identity{}, offsets,
-                                HeadsView<T>::bnhd(want.data(), {1, H, tokens, kDv}));
+  reference.prefill_varlen_into(
+      q, k, v, linattn::log_gates(g), linattn::Identity{}, offsets,
+      HeadsView<T>::bnhd(want.data(), linattn::BnhdShape{1, tokens, H, kDv}));
   const auto before = addresses(pool);
   const RecurrentState<T> untouched = pool.state(30, 0, 1);
   pool.prefill_varlen_into(0, {20, 10}, q, k, v, linattn::log_gates(g), linattn::Identity{},
-                           offsets, HeadsView<T>::bnhd(got.data(), {1, H, tokens, kDv}));
+                           offsets,
+                           HeadsView<T>::bnhd(got.data(), linattn::BnhdShape{1, tokens, H, kDv}));
   CHECK(got == want);
   int differing = 0;
   for (Eigen::Index h = 0; h < H; ++h) {

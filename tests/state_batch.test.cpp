@@ -180,8 +180,7 @@ TEMPLATE_TEST_CASE("batch steps equal per-session RecurrentState steps bit for b
                                       << " output rows not bit-identical");
 }
 
-TEMPLATE_TEST_CASE("a batch step that throws moves no state", "[state_batch][errors]", float,
-                   double) {
+TEMPLATE_TEST_CASE("a batch step that throws moves no state", "[state_batch][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   const Eigen::Index count = 6;
@@ -252,7 +251,7 @@ TEMPLATE_TEST_CASE("prefill_into equals a per-head RecurrentState::prefill, then
       std::vector<T> qd(static_cast<std::size_t>(B * H * N * kDk));
       std::vector<T> kd(qd.size()), vd(static_cast<std::size_t>(B * H * N * kDv));
       auto view = [&](std::vector<T>& data, Eigen::Index dim) {
-        return bnhd ? HeadsView<T>::bnhd(data.data(), {B, H, N, dim})
+        return bnhd ? HeadsView<T>::bnhd(data.data(), linattn::BnhdShape{B, N, H, dim})
                     : HeadsView<T>::bhnd(data.data(), {B, H, N, dim});
       };
       std::vector<Matrix<T>> q, k, v;
@@ -318,8 +317,7 @@ TEMPLATE_TEST_CASE("prefill_into equals a per-head RecurrentState::prefill, then
        << differing << " differing of " << compared << " heads (and their steps)");
 }
 
-TEMPLATE_TEST_CASE("prefill_into errors throw and move no state", "[state_batch][errors]", float,
-                   double) {
+TEMPLATE_TEST_CASE("prefill_into errors throw and move no state", "[state_batch][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   const Eigen::Index B = 2, H = 3, N = 20;
@@ -398,8 +396,7 @@ TEMPLATE_TEST_CASE("prefill_into errors throw and move no state", "[state_batch]
 
 // Regression: prefill_into once checked out.dim() against value_dim() but not v.dim(), and read
 // past each v head of width 2 for states of Dv = 3 instead of throwing.
-TEMPLATE_TEST_CASE("prefill_into rejects v of the wrong width", "[state_batch][errors]", float,
-                   double) {
+TEMPLATE_TEST_CASE("prefill_into rejects v of the wrong width", "[state_batch][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   const Eigen::Index B = 1, H = 2, N = 5, C = 4, Dv = 3;
@@ -437,7 +434,7 @@ struct NanAboveHundred {
 }  // namespace
 
 TEMPLATE_TEST_CASE("a batch step checks every state and every feature before any state moves",
-                   "[state_batch][errors]", float, double) {
+                   "[state_batch][errors]", float) {
   using T = TestType;
   const Eigen::Index count = 4, c = 6, dv = 3;
   const Matrix<T> q = gaussian<T>(count, c, 501), k = gaussian<T>(count, c, 502);
@@ -591,7 +588,7 @@ TEMPLATE_TEST_CASE("gated prefill_into equals a per-head gated prefill, then gat
       std::vector<T> vd(static_cast<std::size_t>(B * H * N * kDv));
       std::vector<T> gd(static_cast<std::size_t>(B * H * N * gate_dim));
       auto view = [&](std::vector<T>& data, Eigen::Index dim) {
-        return HeadsView<T>::bnhd(data.data(), {B, H, N, dim});
+        return HeadsView<T>::bnhd(data.data(), linattn::BnhdShape{B, N, H, dim});
       };
       std::vector<Matrix<T>> q, k, v, g;
       for (Eigen::Index i = 0; i < B * H; ++i) {
@@ -642,7 +639,7 @@ TEMPLATE_TEST_CASE("gated prefill_into equals a per-head gated prefill, then gat
 }
 
 TEMPLATE_TEST_CASE("a gated batch step or prefill that throws moves no state",
-                   "[state_batch][gated][errors]", float, double) {
+                   "[state_batch][gated][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   const Eigen::Index count = 4, c = kDk;
@@ -689,7 +686,7 @@ TEMPLATE_TEST_CASE("a gated batch step or prefill that throws moves no state",
 }
 
 TEMPLATE_TEST_CASE("a batch step or prefill with another transition than a state's moves no state",
-                   "[state_batch][gated][errors]", float, double) {
+                   "[state_batch][gated][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   using linattn::TransitionKind;
@@ -750,7 +747,7 @@ TEMPLATE_TEST_CASE("bonus batch: steps and a prefill from views equal per-state 
         std::vector<T> vd(static_cast<std::size_t>(count * N * kDv)), od(vd.size());
         std::vector<T> gd(static_cast<std::size_t>(count * N * gate_dim));
         auto view = [&](std::vector<T>& data, Eigen::Index dim) {
-          return HeadsView<T>::bnhd(data.data(), {B, H, N, dim});
+          return HeadsView<T>::bnhd(data.data(), linattn::BnhdShape{B, N, H, dim});
         };
         std::vector<Matrix<T>> q, k, v, g;
         for (Eigen::Index i = 0; i < count; ++i) {
@@ -880,7 +877,8 @@ Matrix<T> varlen_rows(Eigen::Index heads, Eigen::Index dim, std::uint64_t seed, 
 /// The 1 x H x T x D view over packed rows of H heads.
 template <class T>
 HeadsView<const T> varlen_view(const Matrix<T>& rows, Eigen::Index heads) {
-  return HeadsView<const T>::bnhd(rows.data(), {1, heads, rows.rows(), rows.cols() / heads});
+  return HeadsView<const T>::bnhd(rows.data(),
+                                  linattn::BnhdShape{1, rows.rows(), heads, rows.cols() / heads});
 }
 
 /// Sequence s's rows of head h of packed rows.
@@ -925,7 +923,7 @@ Matrix<double> stacked(const Matrix<double>& a, const Matrix<double>& b) {
   return m;
 }
 
-/// DESIGN.md's bound for the parallel against the recurrent form.
+/// docs/design.md's bound for the parallel against the recurrent form.
 template <class T>
 double engine_bound() {
   return std::is_same_v<T, float> ? 2e-5 : 1e-12;
@@ -963,7 +961,8 @@ TEMPLATE_TEST_CASE("varlen prefill continues each packed prompt's states as per-
         REQUIRE(step_both(kind, batch, single, pre, step_seed) == 0);
         const std::vector<RecurrentState<T>> before = snapshot(batch);
         Matrix<T> out = Matrix<T>::Constant(kVarlenTokens, H * kDv, T(-7));
-        const auto ov = HeadsView<T>::bnhd(out.data(), {1, H, kVarlenTokens, kDv});
+        const auto ov =
+            HeadsView<T>::bnhd(out.data(), linattn::BnhdShape{1, kVarlenTokens, H, kDv});
         if (kind == Kind::featurized) {
           batch.prefill_varlen_into(varlen_view(q, H), varlen_view(k, H), varlen_view(v, H),
                                     linattn::Identity{}, kVarlenOffsets, ov);
@@ -1077,7 +1076,8 @@ TEMPLATE_TEST_CASE("gated varlen prefill continues each packed prompt's states",
           }
           const std::vector<RecurrentState<T>> before = snapshot(batch);
           Matrix<T> out = Matrix<T>::Constant(kVarlenTokens, H * kDv, T(-7));
-          const auto ov = HeadsView<T>::bnhd(out.data(), {1, H, kVarlenTokens, kDv});
+          const auto ov =
+              HeadsView<T>::bnhd(out.data(), linattn::BnhdShape{1, kVarlenTokens, H, kDv});
           const HeadsView<const T> qv = varlen_view(q, H), kv = varlen_view(k, H),
                                    vv = varlen_view(v, H);
           auto run = [&](const auto& map) {
@@ -1208,10 +1208,10 @@ TEMPLATE_TEST_CASE("bonus varlen prefill continues each packed prompt's states",
         }
         const std::vector<RecurrentState<T>> before = snapshot(batch);
         Matrix<T> out = Matrix<T>::Constant(kVarlenTokens, H * kDv, T(-7));
-        batch.prefill_varlen_into(varlen_view(q, H), varlen_view(k, H), varlen_view(v, H),
-                                  linattn::with_bonus(linattn::log_gates(varlen_view(g, H)), u),
-                                  map, kVarlenOffsets,
-                                  HeadsView<T>::bnhd(out.data(), {1, H, kVarlenTokens, kDv}));
+        batch.prefill_varlen_into(
+            varlen_view(q, H), varlen_view(k, H), varlen_view(v, H),
+            linattn::with_bonus(linattn::log_gates(varlen_view(g, H)), u), map, kVarlenOffsets,
+            HeadsView<T>::bnhd(out.data(), linattn::BnhdShape{1, kVarlenTokens, H, kDv}));
         for (Eigen::Index s = 0; s < kVarlenSequences; ++s) {
           const Eigen::Index len =
               kVarlenOffsets[std::size_t(s) + 1] - kVarlenOffsets[std::size_t(s)];
@@ -1266,7 +1266,7 @@ TEMPLATE_TEST_CASE("bonus varlen prefill continues each packed prompt's states",
 }
 
 TEMPLATE_TEST_CASE("a varlen prefill that throws moves no state", "[state_batch][varlen][errors]",
-                   float, double) {
+                   float) {
   using T = TestType;
   using Catch::Contains;
   const Eigen::Index H = 2, count = kVarlenSequences * H, c = kDk;
@@ -1289,7 +1289,7 @@ TEMPLATE_TEST_CASE("a varlen prefill that throws moves no state", "[state_batch]
   Matrix<T> out = Matrix<T>::Constant(kVarlenTokens, H * kDv, T(4));
   const Matrix<T> out_before = out;
   const auto qv = varlen_view(q, H), kv = varlen_view(k, H), vv = varlen_view(v, H);
-  const auto ov = HeadsView<T>::bnhd(out.data(), {1, H, kVarlenTokens, kDv});
+  const auto ov = HeadsView<T>::bnhd(out.data(), linattn::BnhdShape{1, kVarlenTokens, H, kDv});
   const linattn::Identity id;
   using Offsets = std::vector<std::int64_t>;
   const std::string where = "RecurrentStateBatch::prefill_varlen";
@@ -1311,7 +1311,8 @@ TEMPLATE_TEST_CASE("a varlen prefill that throws moves no state", "[state_batch]
   CHECK_THROWS_WITH(batch.prefill_varlen_into(qv, kv, vv, id, Offsets{0, 1, 2, 5, 5, 22, 23}, ov),
                     Contains("S x H = 12 heads, but the batch holds 8 states"));
   // Mismatched views: tokens, widths, features, and a padded batch with offsets.
-  const auto short_k = HeadsView<const T>::bnhd(k.data(), {1, H, kVarlenTokens - 1, kDk});
+  const auto short_k =
+      HeadsView<const T>::bnhd(k.data(), linattn::BnhdShape{1, kVarlenTokens - 1, H, kDk});
   CHECK_THROWS_WITH(
       batch.prefill_varlen_into(qv, short_k, vv, id, kVarlenOffsets, ov),
       Contains(where) && Contains("phi_k is [1, 2, 22, 8]") && Contains("B, H and N must match"));
@@ -1320,8 +1321,9 @@ TEMPLATE_TEST_CASE("a varlen prefill that throws moves no state", "[state_batch]
       batch.prefill_varlen_into(qv, kv, varlen_view(narrow_v, H), id, kVarlenOffsets, ov),
       Contains("v is [1, 2, 23, 4]"));
   CHECK_THROWS_WITH(
-      batch.prefill_varlen_into(qv, kv, vv, id, kVarlenOffsets,
-                                HeadsView<T>::bnhd(out.data(), {1, H, kVarlenTokens, kDv - 1})),
+      batch.prefill_varlen_into(
+          qv, kv, vv, id, kVarlenOffsets,
+          HeadsView<T>::bnhd(out.data(), linattn::BnhdShape{1, kVarlenTokens, H, kDv - 1})),
       Contains("out is [1, 2, 23, 4]"));
   const Matrix<T> narrow_q = q.leftCols(H * (kDk - 1)), narrow_k = k.leftCols(H * (kDk - 1));
   CHECK_THROWS_WITH(batch.prefill_varlen_into(varlen_view(narrow_q, H), varlen_view(narrow_k, H),
@@ -1455,7 +1457,7 @@ int delta_states_moved(const DeltaRuleStateBatch<T>& batch,
   return moved;
 }
 
-/// The delta rule's bound against the naive recurrence (DESIGN.md).
+/// The delta rule's bound against the naive recurrence (docs/design.md).
 template <class T>
 double delta_bound() {
   return std::is_same_v<T, float> ? 1e-4 : 1e-10;
@@ -1542,7 +1544,7 @@ TEMPLATE_TEST_CASE("delta batch: prefill from views continues each state as its 
   std::vector<T> bd(static_cast<std::size_t>(B * N * H)),
       gd(static_cast<std::size_t>(B * N * H * std::max<Eigen::Index>(gate_cols, 1)));
   auto view = [&](std::vector<T>& data, Eigen::Index heads, Eigen::Index dim) {
-    return HeadsView<T>::bnhd(data.data(), {B, heads, N, dim});
+    return HeadsView<T>::bnhd(data.data(), linattn::BnhdShape{B, N, heads, dim});
   };
   for (Eigen::Index b = 0; b < B; ++b) {
     for (Eigen::Index h = 0; h < Hqk; ++h) {
@@ -1628,12 +1630,12 @@ TEMPLATE_TEST_CASE("delta batch: varlen prefill continues each packed prompt's s
   Matrix<T> beta(total, H);
   for (Eigen::Index h = 0; h < H; ++h) beta.col(h) = delta_betas<T>(total, 9953 + h);
   Matrix<T> out(total, H * kDv);
-  auto qv = HeadsView<const T>::bnhd(q.data(), {1, 1, total, kDk});
-  auto kv = HeadsView<const T>::bnhd(k.data(), {1, 1, total, kDk});
-  auto vv = HeadsView<const T>::bnhd(v.data(), {1, H, total, kDv});
-  auto bv = HeadsView<const T>::bnhd(beta.data(), {1, H, total, 1});
-  auto gv = HeadsView<const T>::bnhd(g.data(), {1, H, total, gate_dim});
-  auto ov = HeadsView<T>::bnhd(out.data(), {1, H, total, kDv});
+  auto qv = HeadsView<const T>::bnhd(q.data(), linattn::BnhdShape{1, total, 1, kDk});
+  auto kv = HeadsView<const T>::bnhd(k.data(), linattn::BnhdShape{1, total, 1, kDk});
+  auto vv = HeadsView<const T>::bnhd(v.data(), linattn::BnhdShape{1, total, H, kDv});
+  auto bv = HeadsView<const T>::bnhd(beta.data(), linattn::BnhdShape{1, total, H, 1});
+  auto gv = HeadsView<const T>::bnhd(g.data(), linattn::BnhdShape{1, total, H, gate_dim});
+  auto ov = HeadsView<T>::bnhd(out.data(), linattn::BnhdShape{1, total, H, kDv});
   DeltaRuleStateBatch<T> batch(count, kDk, kDv, options);
   const Matrix<T> q0 = gaussian<T>(count, kDk, 9960), k0 = gaussian<T>(count, kDk, 9961);
   const Matrix<T> v0 = gaussian<T>(count, kDv, 9962);
@@ -1677,7 +1679,7 @@ TEMPLATE_TEST_CASE("delta batch: varlen prefill continues each packed prompt's s
 }
 
 TEMPLATE_TEST_CASE("delta batch: every bad step or prefill throws and moves no state",
-                   "[state_batch][delta_rule][errors]", float, double) {
+                   "[state_batch][delta_rule][errors]", float) {
   using T = TestType;
   using Catch::Contains;
   const Eigen::Index count = 4, N = 6;

@@ -10,8 +10,8 @@ int main() {
   const linattn::HeadShape shape{batch, heads, tokens, dim};
   const linattn::Matrix<float> x = linattn::Matrix<float>::Random(batch * tokens, heads * dim);
   linattn::Matrix<float> out(batch * tokens, heads * dim);
-  const auto in = linattn::HeadsView<const float>::bnhd(x.data(), shape);
-  const auto o = linattn::HeadsView<float>::bnhd(out.data(), shape);
+  const auto in = linattn::HeadsView<const float>::bnhd(x.data(), linattn::BnhdShape(shape));
+  const auto o = linattn::HeadsView<float>::bnhd(out.data(), linattn::BnhdShape(shape));
   layer.forward_into(in, in, in, o);
   auto states = layer.make_states(batch);
   layer.prefill_into(states, in, in, in, o);

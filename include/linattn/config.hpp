@@ -65,7 +65,7 @@ struct Options {
   int threads = 0;
 };
 
-/// The form a delta-rule call over many tokens runs in; the results agree within DESIGN.md's
+/// The form a delta-rule call over many tokens runs in; the results agree within docs/design.md's
 /// bounds (1e-10 double, 1e-4 float with normalised keys).
 enum class DeltaForm {
   automatic,  ///< the faster one for the shape, as bench_delta measures them

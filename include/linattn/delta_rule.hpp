@@ -154,6 +154,7 @@ void delta_rule_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   validate_delta_sequence(q, k, v, beta, out, options, where);
   if constexpr (!std::is_void_v<Gates>) validate_delta_gates(*gates, q.rows(), q.cols(), where);
   scan_inputs(q, k, v, engine_options(options), where, "q", "k");
+  require_stable_steps(k, beta, options, where);
   Matrix<T> state = Matrix<T>::Zero(q.cols(), v.cols());
   OutRows<Scalar> rows(out);
   const int threads = resolve_threads(engine_options(options));
@@ -237,6 +238,15 @@ SequenceRows check_heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k
       });
   if constexpr (!std::is_void_v<Gates>) scan_transition(*gates, threads, where);
   scan_heads(q, k, v, engine, where, "q", "k");
+  if (!options.l2_normalize) {  // every head's steps, through the heads it reads
+    for (Eigen::Index b = 0; b < out.batch(); ++b) {
+      for (Eigen::Index h = 0; h < out.heads(); ++h) {
+        const Eigen::Index hk = input_head(k, out.heads(), h);
+        require_stable_steps(k.head(b, hk), beta.head(b, input_head(beta, out.heads(), h)), options,
+                             where, head_name("k", b, hk));
+      }
+    }
+  }
   return sequences;
 }
 
@@ -599,6 +609,7 @@ class DeltaRuleState {
     validate_prefill(q, k, v, beta, out, where);
     require_transition(TransitionKind::decay, where);
     detail::scan_inputs(q, k, v, detail::engine_options(options_), where, "q", "k");
+    detail::require_stable_steps(k, beta, options_, where);
     run(q, k, v, beta, static_cast<const detail::GateRows*>(nullptr), out, where);
   }
 
@@ -616,6 +627,7 @@ class DeltaRuleState {
     const Eigen::Index gate_dim = detail::gate_traits<Gates>::values(gates).cols();
     require_transition(detail::transition_of_gate_dim(gate_dim), where);
     detail::scan_inputs(q, k, v, detail::engine_options(options_), where, "q", "k");
+    detail::require_stable_steps(k, beta, options_, where);
     const detail::GateMatrix<Gates> gate_rows(gates);
     run(q, k, v, beta, &gate_rows, out, where);
   }
@@ -803,6 +815,8 @@ class DeltaRuleState {
       detail::require_finite(k, where, "k");
       detail::require_finite(v, where, "v");
     }
+    detail::require_stable_steps(k.reshaped().transpose(), Eigen::Matrix<T, 1, 1>::Constant(beta),
+                                 options_, where);
   }
 
   /// Copies a checked token into the step's buffers, in Acc.

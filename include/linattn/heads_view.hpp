@@ -25,6 +25,22 @@ struct HeadShape {
   Eigen::Index dim;     ///< D, features per token
 };
 
+/// The sizes of a contiguous [B, N, H, D] tensor in its memory order, as HeadsView::bnhd takes
+/// them: BnhdShape{B, N, H, D}. The constructor is explicit so that a bare list of four sizes
+/// never passes for it (a list in the other order would swap N and H without any error).
+struct BnhdShape {
+  Eigen::Index batch;   ///< B, sequences
+  Eigen::Index tokens;  ///< N, tokens per sequence
+  Eigen::Index heads;   ///< H, heads per sequence
+  Eigen::Index dim;     ///< D, features per token
+  /// @param batch  B   @param tokens  N   @param heads  H   @param dim  D (memory order)
+  explicit BnhdShape(Eigen::Index batch, Eigen::Index tokens, Eigen::Index heads, Eigen::Index dim)
+      : batch(batch), tokens(tokens), heads(heads), dim(dim) {}
+  /// The same tensor's sizes from its logical shape {B, H, N, D}.
+  explicit BnhdShape(const HeadShape& logical)
+      : BnhdShape(logical.batch, logical.tokens, logical.heads, logical.dim) {}
+};
+
 /// A non-owning view of B x H x N x D elements of caller memory: B sequences (batch), H heads,
 /// N tokens, D features, laid out with any strides. head(b, h) is an N x D Eigen::Map, rows
 /// are tokens, as every other linattn routine takes. No copy is made; the memory must outlive
@@ -71,13 +87,22 @@ class HeadsView {
   }
 
   /// A contiguous [B, N, H, D] tensor (the layout of fast-transformers, FLA and ggml, and of a
-  /// fused QKV projection's output). The layout is in the name only: the sizes are the same
-  /// logical {B, H, N, D} as for bhnd.
+  /// fused QKV projection's output), its sizes in that order: bnhd(data, BnhdShape{B, N, H, D}).
   /// @param data   B * N * H * D elements
-  /// @param shape  the logical sizes {B, H, N, D}
-  static HeadsView bnhd(T* data, const HeadShape& shape) {
-    const auto [b, h, n, d] = shape;
+  /// @param shape  the sizes in memory order, BnhdShape{B, N, H, D} (or BnhdShape(head_shape))
+  static HeadsView bnhd(T* data, const BnhdShape& shape) {
+    const Eigen::Index b = shape.batch, n = shape.tokens, h = shape.heads, d = shape.dim;
     return HeadsView(data, b, h, n, d, HeadStrides{n * h * d, d, h * d, 1});
+  }
+
+  /// A HeadShape is in the logical order {B, H, N, D}, not bnhd's memory order; it does not
+  /// compile here (written {B, N, H, D} it swapped N and H silently).
+  template <class Shape, class = std::enable_if_t<std::is_same_v<Shape, HeadShape>>>
+  static HeadsView bnhd(T* data, const Shape& shape) {
+    static_assert(!std::is_same_v<Shape, HeadShape>,
+                  "HeadsView::bnhd takes its sizes in memory order: bnhd(data, BnhdShape{B, N, H, "
+                  "D}), or BnhdShape(shape) for a HeadShape{B, H, N, D}");
+    return bnhd(data, BnhdShape(shape));
   }
 
   /// A read-only view of a writable one, implicitly (like T* to const T*).

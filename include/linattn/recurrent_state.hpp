@@ -427,6 +427,7 @@ class RecurrentState {
   /// holds a non-zero entry.
   /// @param s0         C x Dv, S (any Eigen expression of float, double or a 16-bit type)
   /// @param z0         C, z (a row or column vector expression); used when normalize is on
+  ///                   (without normalize, from_sums(s0, options) needs none)
   /// @param options    as for the constructor
   /// @param log_scale  log of the factor s0 and z0 miss: 0 for plain sums (exponential maps
   ///                   may use any finite value; -infinity only with all-zero sums, a fresh
@@ -463,6 +464,25 @@ class RecurrentState {
     state.state_.z = z;
     state.state_.log_scale = log_scale;
     return state;
+  }
+
+  /// A state holding the caller's S alone, for Options::normalize off (the numerator only, as
+  /// FLA's linear attention: its initial_state has no z); z starts at zero. Throws Error when
+  /// normalize is on (the denominator needs z0: call from_sums(s0, z0, options)), and as the
+  /// call with z0 otherwise.
+  /// @param s0         C x Dv, S (any Eigen expression of float, double or a 16-bit type)
+  /// @param options    as for the constructor, with normalize off
+  /// @param log_scale  as for from_sums(s0, z0, options, log_scale)
+  template <class DS>
+  static RecurrentState from_sums(const Eigen::MatrixBase<DS>& s0, const Options& options,
+                                  double log_scale = 0.0) {
+    if (options.normalize) {
+      throw Error(
+          "RecurrentState::from_sums: Options::normalize is on, so the state needs z0 as well "
+          "as s0: call from_sums(s0, z0, options), or turn normalize off for numerator-only "
+          "attention");
+    }
+    return from_sums(s0, Vector<Acc>::Zero(s0.rows()), options, log_scale);
   }
 
   /// Writes the state without a record of its feature map (the map kind "unknown"): only

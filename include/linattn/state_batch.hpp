@@ -651,6 +651,7 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
       detail::require_finite(k, where, "k");
       detail::require_finite(v, where, "v");
     }
+    detail::require_stable_steps(k, beta, options(), where, "k", "state");
     require_uniform_states(where);
   }
 

@@ -27,9 +27,17 @@
       linattn::detail::CarriedState<T>&, linattn::detail::OutRows<O>, const linattn::Options&, \
       int);
 
-/// The delta rule's chunked kernel of one pair (detail/delta_rule.hpp declares it where it is
-/// defined, since this header does not include it).
-#define LINATTN_DELTA_INSTANCES(prefix, T, O) prefix class linattn::detail::DeltaKernel<T, O>;
+/// The delta rule's chunked and streamed kernels of one pair (detail/delta_rule.hpp declares
+/// them where they are defined, since this header does not include it).
+#define LINATTN_DELTA_INSTANCES(prefix, T, O)      \
+  prefix class linattn::detail::DeltaKernel<T, O>; \
+  prefix class linattn::detail::DeltaStream<T, O>;
+
+/// The delta rule's one-token step of one accumulation type T (declared in
+/// detail/delta_rule.hpp); the stream kernels' instances are in detail/stream.hpp.
+#define LINATTN_DELTA_STEP_INSTANCES(prefix, T) \
+  prefix void linattn::detail::delta_step<T>(   \
+      linattn::Matrix<T>&, linattn::detail::DeltaStepBuffers<T>&, T, Eigen::Index);
 
 #ifdef LINATTN_COMPILED
 #define LINATTN_DECLARE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(extern template, T, O)

@@ -54,7 +54,7 @@ inline void validate_delta_options(const DeltaOptions& options, const char* wher
                 ": DeltaOptions::scale must be finite and > 0, or negative for Dk^-1/2, got " +
                 std::to_string(options.scale));
   }
-  validate_options(engine_options(options), where);
+  validate_options(engine_options(options), where, "DeltaOptions");
 }
 
 /// The largest beta the options allow: 1, or 2 with negative eigenvalues.
@@ -76,6 +76,34 @@ void require_beta_in_range(const Eigen::MatrixBase<Derived>& beta, const DeltaOp
                   (top == 1.0 ? "1" : "2") + "]" +
                   (top == 1.0 ? " (or (0, 2] with DeltaOptions::allow_negative_eigenvalues)" : "") +
                   ", got " + std::to_string(b) + " at " + entry + " " + std::to_string(i));
+    }
+  }
+}
+
+/// The largest beta |k|^2 of a step on keys the kernel does not normalise: I - beta k k^T has
+/// the eigenvalue 1 - beta |k|^2 along k, outside [-1, 1] past 2, and then S grows without
+/// bound (outputs of 1e7 and more). The slack admits keys the caller normalised in float or a
+/// 16-bit type and beta at 2 (allow_negative_eigenvalues).
+inline constexpr double kMaxStepGain = 2.0 * (1.0 + 1e-3);
+
+/// Throws unless every beta_t |k_t|^2 <= kMaxStepGain (rows t of k, entries of beta) when the
+/// options leave the keys as given (l2_normalize off); NaN passes (check_finite's to report).
+/// `entry` names a row in the message (a token; a state, in a batch step).
+template <class DK, class DB>
+void require_stable_steps(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DB>& beta,
+                          const DeltaOptions& options, const char* where,
+                          const std::string& k_name = "k", const char* entry = "token") {
+  if (options.l2_normalize) return;
+  for (Eigen::Index t = 0; t < k.rows(); ++t) {
+    const double b = static_cast<double>(beta.reshaped()(t));
+    const double norm2 = k.row(t).template cast<double>().squaredNorm();
+    if (b * norm2 > kMaxStepGain) {
+      throw Error(std::string(where) + ": beta |k|^2 is " + std::to_string(b * norm2) + " at " +
+                  entry + " " + std::to_string(t) + " of " + k_name + " (beta " +
+                  std::to_string(b) + ", |k|^2 " + std::to_string(norm2) +
+                  "), above 2: the step I - beta k k^T then grows the state without bound. Set "
+                  "DeltaOptions::l2_normalize (FLA's use_qk_l2norm_in_kernel, as every released "
+                  "model does) or pass keys with beta |k|^2 <= 2");
     }
   }
 }
@@ -212,39 +240,7 @@ class DeltaKernel {
 
   /// Runs every token of `src` (q, k, v as raw rows, gates attached when gated) with `beta`,
   /// from `state` on, leaving it after the last token. out: N x Dv, or null for the state only.
-  void run(const ChunkSource<T>& src, const BetaRows<T>& beta, Matrix<T>& state, OutRows<O>* out) {
-    const Eigen::Index gates = src.gate_dim();
-    Eigen::Index len = 0;
-    for (Eigen::Index begin = 0; begin < src.rows(); begin += len) {
-      len = std::min(chunk_, src.rows() - begin);
-      src.load_queries(begin, len, buf_.io);
-      src.load_keys_values(begin, len, buf_.io);
-      beta.load(begin, len, buf_.beta);
-      if (l2_normalize_) {
-        l2_normalize_rows(buf_.io.q, len);
-        l2_normalize_rows(buf_.io.k, len);
-      }
-      buf_.io.q.topRows(len) *= scale_;
-      if (gates > 0) {
-        buf_.log_gate.resize(chunk_, gates);
-        src.load_log_gates(begin, len, buf_.log_gate);
-      }
-      // Pieces end before each hard reset (a gate of exactly 0): the reset zeroes the state
-      // (or its rows, per feature) and the token continues with a gate of 1 on the rest.
-      Eigen::Index piece = 0;
-      while (piece < len) {
-        if (gates > 0) apply_resets(piece, state);
-        Eigen::Index end = piece + 1;
-        while (end < len && (gates == 0 || !has_reset(end))) ++end;
-        run_piece(piece, end - piece, gates, state);
-        if (out != nullptr) {
-          OutRows<O> rows(out->middleRows(begin + piece, end - piece));
-          store_rows<O>(buf_.out, end - piece, rows);
-        }
-        piece = end;
-      }
-    }
-  }
+  void run(const ChunkSource<T>& src, const BetaRows<T>& beta, Matrix<T>& state, OutRows<O>* out);
 
  private:
   bool has_reset(Eigen::Index r) const {
@@ -404,6 +400,42 @@ class DeltaKernel {
   bool l2_normalize_;
   DeltaBuffers<T> buf_;
 };
+
+template <class T, class O>
+void DeltaKernel<T, O>::run(const ChunkSource<T>& src, const BetaRows<T>& beta, Matrix<T>& state,
+                            OutRows<O>* out) {
+  const Eigen::Index gates = src.gate_dim();
+  Eigen::Index len = 0;
+  for (Eigen::Index begin = 0; begin < src.rows(); begin += len) {
+    len = std::min(chunk_, src.rows() - begin);
+    src.load_queries(begin, len, buf_.io);
+    src.load_keys_values(begin, len, buf_.io);
+    beta.load(begin, len, buf_.beta);
+    if (l2_normalize_) {
+      l2_normalize_rows(buf_.io.q, len);
+      l2_normalize_rows(buf_.io.k, len);
+    }
+    buf_.io.q.topRows(len) *= scale_;
+    if (gates > 0) {
+      buf_.log_gate.resize(chunk_, gates);
+      src.load_log_gates(begin, len, buf_.log_gate);
+    }
+    // Pieces end before each hard reset (a gate of exactly 0): the reset zeroes the state
+    // (or its rows, per feature) and the token continues with a gate of 1 on the rest.
+    Eigen::Index piece = 0;
+    while (piece < len) {
+      if (gates > 0) apply_resets(piece, state);
+      Eigen::Index end = piece + 1;
+      while (end < len && (gates == 0 || !has_reset(end))) ++end;
+      run_piece(piece, end - piece, gates, state);
+      if (out != nullptr) {
+        OutRows<O> rows(out->middleRows(begin + piece, end - piece));
+        store_rows<O>(buf_.out, end - piece, rows);
+      }
+      piece = end;
+    }
+  }
+}
 
 /// Workspace of one token's step: the token in T; the step leaves u = beta (v - S'^T k) in
 /// pred (the backward pass reads it) and its output in out.
@@ -652,45 +684,7 @@ class DeltaStream {
         out_(kBlock, value_dim) {}
 
   /// Runs every token of `src` with `beta` from `state` on; out: N x Dv, or null.
-  void run(const ChunkSource<T>& src, const BetaRows<T>& beta, Matrix<T>& state, OutRows<O>* out) {
-    const Eigen::Index gates = src.gate_dim();
-    const Eigen::Index dk = state.rows(), dv = state.cols();
-    for (Eigen::Index begin = 0; begin < src.rows(); begin += kBlock) {
-      const Eigen::Index len = std::min(kBlock, src.rows() - begin);
-      src.load_queries(begin, len, io_);
-      src.load_keys_values(begin, len, io_);
-      beta.load(begin, len, beta_);
-      if (l2_normalize_) {
-        l2_normalize_rows(io_.q, len);
-        l2_normalize_rows(io_.k, len);
-      }
-      io_.q.topRows(len) *= scale_;
-      if (gates > 0) {
-        log_gate_.resize(kBlock, gates);
-        src.load_log_gates(begin, len, log_gate_);
-        gate_ = log_gate_.topRows(len).template cast<T>().exp();  // -inf: 0, a reset
-      }
-      const BlockTokenAt block{*this, dk, dv, gates};
-      for (Eigen::Index t = 0; t < len; ++t) {
-        const OneTokenAt token{block, t};
-        switch (transition_of_gate_dim(gates)) {
-          case TransitionKind::scalar_gates:
-            strips<TransitionKind::scalar_gates>(state.data(), dk, dv, token);
-            break;
-          case TransitionKind::feature_gates:
-            strips<TransitionKind::feature_gates>(state.data(), dk, dv, token);
-            break;
-          default:
-            strips<TransitionKind::decay>(state.data(), dk, dv, token);
-            break;
-        }
-      }
-      if (out != nullptr) {
-        OutRows<O> rows(out->middleRows(begin, len));
-        store_rows<O>(out_, len, rows);
-      }
-    }
-  }
+  void run(const ChunkSource<T>& src, const BetaRows<T>& beta, Matrix<T>& state, OutRows<O>* out);
 
  private:
   static constexpr Eigen::Index kBlock = 64;
@@ -731,6 +725,48 @@ class DeltaStream {
   Matrix<T> out_;
 };
 
+template <class T, class O>
+void DeltaStream<T, O>::run(const ChunkSource<T>& src, const BetaRows<T>& beta, Matrix<T>& state,
+                            OutRows<O>* out) {
+  const Eigen::Index gates = src.gate_dim();
+  const Eigen::Index dk = state.rows(), dv = state.cols();
+  for (Eigen::Index begin = 0; begin < src.rows(); begin += kBlock) {
+    const Eigen::Index len = std::min(kBlock, src.rows() - begin);
+    src.load_queries(begin, len, io_);
+    src.load_keys_values(begin, len, io_);
+    beta.load(begin, len, beta_);
+    if (l2_normalize_) {
+      l2_normalize_rows(io_.q, len);
+      l2_normalize_rows(io_.k, len);
+    }
+    io_.q.topRows(len) *= scale_;
+    if (gates > 0) {
+      log_gate_.resize(kBlock, gates);
+      src.load_log_gates(begin, len, log_gate_);
+      gate_ = log_gate_.topRows(len).template cast<T>().exp();  // -inf: 0, a reset
+    }
+    const BlockTokenAt block{*this, dk, dv, gates};
+    for (Eigen::Index t = 0; t < len; ++t) {
+      const OneTokenAt token{block, t};
+      switch (transition_of_gate_dim(gates)) {
+        case TransitionKind::scalar_gates:
+          strips<TransitionKind::scalar_gates>(state.data(), dk, dv, token);
+          break;
+        case TransitionKind::feature_gates:
+          strips<TransitionKind::feature_gates>(state.data(), dk, dv, token);
+          break;
+        default:
+          strips<TransitionKind::decay>(state.data(), dk, dv, token);
+          break;
+      }
+    }
+    if (out != nullptr) {
+      OutRows<O> rows(out->middleRows(begin, len));
+      store_rows<O>(out_, len, rows);
+    }
+  }
+}
+
 }  // namespace linattn::detail
 
 #include <linattn/detail/compiled.hpp>  // the compiled mode's declarations, after the definitions
@@ -738,4 +774,6 @@ class DeltaStream {
 #define LINATTN_DECLARE_DELTA_KERNELS(T, O) LINATTN_DELTA_INSTANCES(extern template, T, O)
 LINATTN_KERNEL_TYPES(LINATTN_DECLARE_DELTA_KERNELS)
 #undef LINATTN_DECLARE_DELTA_KERNELS
+LINATTN_DELTA_STEP_INSTANCES(extern template, float)
+LINATTN_DELTA_STEP_INSTANCES(extern template, double)
 #endif

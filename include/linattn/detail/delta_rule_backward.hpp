@@ -71,6 +71,7 @@ void validate_delta_backward(
   if (options.check_finite) {
     require_finite_parallel(grad_out, where, "grad_out", resolve_threads(engine));
   }
+  require_stable_steps(k, beta, options, where);
 }
 
 /// The tokens between two checkpoints of the backward: at least the chunk (and at most N), and

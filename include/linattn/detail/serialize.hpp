@@ -185,7 +185,7 @@ StateHeader read_state_header(LittleEndianReader& in, const char (&magic)[8],
   return header;
 }
 
-/// Options::scale where Options has one (DESIGN.md lists it), 1 (its meaning: no scaling)
+/// Options::scale where Options has one (docs/design.md lists it), 1 (its meaning: no scaling)
 /// where it does not yet: formats 2 and 3 always record a scale, so adding the member later changes
 /// no stream.
 template <class O, class = void>

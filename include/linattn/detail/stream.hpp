@@ -448,3 +448,18 @@ void stream_denominator(const T* q, Eigen::Index ldq, const T* k, Eigen::Index l
 }
 
 }  // namespace linattn::detail
+
+/// The compiled mode's instances of the stream kernels, one accumulation type T each; `prefix`
+/// is `extern template` (every TU that defines LINATTN_COMPILED) or `template` (the library).
+#define LINATTN_STREAM_INSTANCES(prefix, T)                                                      \
+  prefix void linattn::detail::stream_product<T>(const linattn::detail::StreamOperands<T>&);     \
+  prefix void linattn::detail::gradient_product<T>(const linattn::detail::GradientOperands<T>&); \
+  prefix void linattn::detail::stream_denominator<T>(                                            \
+      const T*, Eigen::Index, const T*, Eigen::Index, Eigen::Index, Eigen::Index, T*, T*);
+
+#ifdef LINATTN_COMPILED
+#define LINATTN_DECLARE_STREAM_KERNELS(T) LINATTN_STREAM_INSTANCES(extern template, T)
+LINATTN_DECLARE_STREAM_KERNELS(float)
+LINATTN_DECLARE_STREAM_KERNELS(double)
+#undef LINATTN_DECLARE_STREAM_KERNELS
+#endif

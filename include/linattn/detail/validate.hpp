@@ -72,27 +72,29 @@ bool has_nonfinite_half(const Eigen::MatrixBase<Derived>& m) {
   }
 }
 
-/// Throws unless the options are in range; `where` names the calling function.
-inline void validate_options(const Options& options, const char* where) {
+/// Throws unless the options are in range; `where` names the calling function, `owner` the
+/// options struct the caller passed (the delta rule checks its DeltaOptions through these).
+inline void validate_options(const Options& options, const char* where,
+                             const char* owner = "Options") {
   if (!(options.eps >= 0.0) || !std::isfinite(options.eps)) {
-    throw Error(std::string(where) + ": Options::eps must be finite and >= 0, got " +
+    throw Error(std::string(where) + ": " + owner + "::eps must be finite and >= 0, got " +
                 std::to_string(options.eps));
   }
   if (!(options.decay > 0.0 && options.decay <= 1.0)) {
-    throw Error(std::string(where) + ": Options::decay must lie in (0, 1], got " +
+    throw Error(std::string(where) + ": " + owner + "::decay must lie in (0, 1], got " +
                 std::to_string(options.decay));
   }
   if (!(options.scale > 0.0) || !std::isfinite(options.scale)) {
-    throw Error(std::string(where) + ": Options::scale must be finite and > 0, got " +
+    throw Error(std::string(where) + ": " + owner + "::scale must be finite and > 0, got " +
                 std::to_string(options.scale));
   }
   if (options.chunk < 1) {
-    throw Error(std::string(where) + ": Options::chunk must be >= 1, got " +
+    throw Error(std::string(where) + ": " + owner + "::chunk must be >= 1, got " +
                 std::to_string(options.chunk));
   }
   if (options.threads < 0) {
-    throw Error(std::string(where) +
-                ": Options::threads must be >= 0 (0 = OpenMP's default), got " +
+    throw Error(std::string(where) + ": " + owner +
+                "::threads must be >= 0 (0 = OpenMP's default), got " +
                 std::to_string(options.threads));
   }
 }
