@@ -142,6 +142,41 @@ void run_delta_rule(const DQ& q, const DK& k, const DV& v, const DB& beta, const
   });
 }
 
+/// scan_inputs with the delta rule's stability check: without l2_normalize and with
+/// check_finite, k is read once for both (a row's squared norm is finite exactly when the row
+/// is, barring overflow, which the stability check then reports), so the check costs no pass
+/// over memory of its own. Errors as scan_inputs, then require_stable_steps.
+template <class DQ, class DK, class DV, class DB>
+void scan_delta_inputs(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                       const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+                       const DeltaOptions& options, const char* where) {
+  const Options engine = engine_options(options);
+  if (options.l2_normalize || !options.check_finite) {
+    scan_inputs(q, k, v, engine, where, "q", "k");
+    require_stable_steps(k, beta, options, where);
+    return;
+  }
+  const int threads = resolve_threads(engine);
+  require_finite_parallel(q, where, "q", threads);
+  using Work = std::conditional_t<std::is_same_v<typename DK::Scalar, double>, double, float>;
+  constexpr Eigen::Index kMinRows = 4096;  // as require_finite_parallel splits
+  const Eigen::Index blocks =
+      std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, k.rows() / kMinRows));
+  std::vector<double> largest(static_cast<std::size_t>(blocks), 0.0);
+  parallel_for(blocks, static_cast<int>(blocks), [&](Eigen::Index b) {
+    const Eigen::Index first = k.rows() * b / blocks, last = k.rows() * (b + 1) / blocks;
+    if (last == first) return;
+    largest[static_cast<std::size_t>(b)] = static_cast<double>(
+        (k.middleRows(first, last - first).template cast<Work>().rowwise().squaredNorm().array() *
+         beta.reshaped().segment(first, last - first).template cast<Work>().array())
+            .template maxCoeff<Eigen::PropagateNaN>());
+  });
+  const double worst = *std::max_element(largest.begin(), largest.end());
+  if (!std::isfinite(worst)) require_finite_parallel(k, where, "k", threads);
+  require_finite_parallel(v, where, "v", threads);
+  if (!(worst <= kMaxStepGain)) require_stable_steps(k, beta, options, where);
+}
+
 /// The matrix entry points: validate, then the chunked form from a zero state.
 template <class Acc, class DQ, class DK, class DV, class DB, class Gates>
 void delta_rule_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -153,8 +188,7 @@ void delta_rule_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
   check_delta_call_scalars<Acc, DQ, DK, DV, DB, Gates>();
   validate_delta_sequence(q, k, v, beta, out, options, where);
   if constexpr (!std::is_void_v<Gates>) validate_delta_gates(*gates, q.rows(), q.cols(), where);
-  scan_inputs(q, k, v, engine_options(options), where, "q", "k");
-  require_stable_steps(k, beta, options, where);
+  scan_delta_inputs(q, k, v, beta, options, where);
   Matrix<T> state = Matrix<T>::Zero(q.cols(), v.cols());
   OutRows<Scalar> rows(out);
   const int threads = resolve_threads(engine_options(options));
@@ -608,8 +642,7 @@ class DeltaRuleState {
     constexpr const char* where = "DeltaRuleState::prefill";
     validate_prefill(q, k, v, beta, out, where);
     require_transition(TransitionKind::decay, where);
-    detail::scan_inputs(q, k, v, detail::engine_options(options_), where, "q", "k");
-    detail::require_stable_steps(k, beta, options_, where);
+    detail::scan_delta_inputs(q, k, v, beta, options_, where);
     run(q, k, v, beta, static_cast<const detail::GateRows*>(nullptr), out, where);
   }
 
@@ -626,8 +659,7 @@ class DeltaRuleState {
     detail::validate_delta_gates(gates, q.rows(), key_dim(), where);
     const Eigen::Index gate_dim = detail::gate_traits<Gates>::values(gates).cols();
     require_transition(detail::transition_of_gate_dim(gate_dim), where);
-    detail::scan_inputs(q, k, v, detail::engine_options(options_), where, "q", "k");
-    detail::require_stable_steps(k, beta, options_, where);
+    detail::scan_delta_inputs(q, k, v, beta, options_, where);
     const detail::GateMatrix<Gates> gate_rows(gates);
     run(q, k, v, beta, &gate_rows, out, where);
   }
@@ -810,13 +842,7 @@ class DeltaRuleState {
     detail::require_vector(v, value_dim(), where, "v");
     detail::require_output_size(out, value_dim(), where);
     detail::require_beta_in_range(Eigen::Matrix<T, 1, 1>::Constant(beta), options_, where);
-    if (options_.check_finite) {
-      detail::require_finite(q, where, "q");
-      detail::require_finite(k, where, "k");
-      detail::require_finite(v, where, "v");
-    }
-    detail::require_stable_steps(k.reshaped().transpose(), Eigen::Matrix<T, 1, 1>::Constant(beta),
-                                 options_, where);
+    detail::scan_delta_token(q, k, v, static_cast<double>(beta), options_, where);
   }
 
   /// Copies a checked token into the step's buffers, in Acc.

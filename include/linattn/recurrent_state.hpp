@@ -957,7 +957,7 @@ class RecurrentState {
                                                1,
                                                c,
                                                dv};
-    detail::stream_product(operands);
+    detail::stream_one_token(operands);
     Acc den(0);
     detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, state_.z.data(), &den);
     ++tokens_;

@@ -93,7 +93,14 @@ template <class DK, class DB>
 void require_stable_steps(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DB>& beta,
                           const DeltaOptions& options, const char* where,
                           const std::string& k_name = "k", const char* entry = "token") {
-  if (options.l2_normalize) return;
+  if (options.l2_normalize || k.rows() == 0) return;
+  // One vectorised pass in the working precision (float but for double keys); the slack of
+  // kMaxStepGain dwarfs its rounding. Only a failing call looks for the first token, in double.
+  using Work = std::conditional_t<std::is_same_v<typename DK::Scalar, double>, double, float>;
+  const Work largest = (k.template cast<Work>().rowwise().squaredNorm().array() *
+                        beta.reshaped().template cast<Work>().array())
+                           .template maxCoeff<Eigen::PropagateNumbers>();
+  if (!(static_cast<double>(largest) > kMaxStepGain)) return;
   for (Eigen::Index t = 0; t < k.rows(); ++t) {
     const double b = static_cast<double>(beta.reshaped()(t));
     const double norm2 = k.row(t).template cast<double>().squaredNorm();
@@ -105,6 +112,28 @@ void require_stable_steps(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBas
                   "DeltaOptions::l2_normalize (FLA's use_qk_l2norm_in_kernel, as every released "
                   "model does) or pass keys with beta |k|^2 <= 2");
     }
+  }
+}
+
+/// One token's checks after its shapes and beta: with check_finite, q, k and v finite; without
+/// l2_normalize, beta |k|^2 <= kMaxStepGain. k's squared norm serves both (it is finite exactly
+/// when k is, barring overflow, which the stability check reports), so a decoding step reads k
+/// once.
+template <class DQ, class DK, class DV>
+void scan_delta_token(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                      const Eigen::MatrixBase<DV>& v, double beta, const DeltaOptions& options,
+                      const char* where) {
+  using Work = std::conditional_t<std::is_same_v<typename DK::Scalar, double>, double, float>;
+  const bool stability = !options.l2_normalize;
+  const double norm2 = stability ? static_cast<double>(k.template cast<Work>().squaredNorm()) : 0.0;
+  if (options.check_finite) {
+    require_finite(q, where, "q");
+    if (!stability || !std::isfinite(norm2)) require_finite(k, where, "k");
+    require_finite(v, where, "v");
+  }
+  if (stability && !(beta * norm2 <= kMaxStepGain)) {  // throws unless a NaN slipped through
+    require_stable_steps(k.reshaped().transpose(), Eigen::Matrix<double, 1, 1>::Constant(beta),
+                         options, where);
   }
 }
 

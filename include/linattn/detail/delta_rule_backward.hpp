@@ -67,11 +67,10 @@ void validate_delta_backward(
     require_delta_gradient_shape(*grad_gates, q.rows(), gate_traits<Gates>::values(*gates).cols(),
                                  where, "grad_gates");
   }
-  scan_inputs(q, k, v, engine, where, "q", "k");
+  scan_delta_inputs(q, k, v, beta, options, where);
   if (options.check_finite) {
     require_finite_parallel(grad_out, where, "grad_out", resolve_threads(engine));
   }
-  require_stable_steps(k, beta, options, where);
 }
 
 /// The tokens between two checkpoints of the backward: at least the chunk (and at most N), and
