@@ -158,20 +158,18 @@ void scan_delta_inputs(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<D
   }
   const int threads = resolve_threads(engine);
   require_finite_parallel(q, where, "q", threads);
-  using Work = std::conditional_t<std::is_same_v<typename DK::Scalar, double>, double, float>;
-  constexpr Eigen::Index kMinRows = 4096;  // as require_finite_parallel splits
   const Eigen::Index blocks =
-      std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, k.rows() / kMinRows));
+      std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, k.rows() / kMinScanRows));
   std::vector<double> largest(static_cast<std::size_t>(blocks), 0.0);
   parallel_for(blocks, static_cast<int>(blocks), [&](Eigen::Index b) {
     const Eigen::Index first = k.rows() * b / blocks, last = k.rows() * (b + 1) / blocks;
-    if (last == first) return;
-    largest[static_cast<std::size_t>(b)] = static_cast<double>(
-        (k.middleRows(first, last - first).template cast<Work>().rowwise().squaredNorm().array() *
-         beta.reshaped().segment(first, last - first).template cast<Work>().array())
-            .template maxCoeff<Eigen::PropagateNaN>());
+    largest[static_cast<std::size_t>(b)] = largest_step_gain(
+        k.middleRows(first, last - first), beta.reshaped().segment(first, last - first));
   });
-  const double worst = *std::max_element(largest.begin(), largest.end());
+  double worst = 0.0;  // NaN once any block is NaN (std::max_element would skip it)
+  for (const double x : largest) {
+    if (!std::isnan(worst)) worst = std::isnan(x) ? x : std::max(worst, x);
+  }
   if (!std::isfinite(worst)) require_finite_parallel(k, where, "k", threads);
   require_finite_parallel(v, where, "v", threads);
   if (!(worst <= kMaxStepGain)) require_stable_steps(k, beta, options, where);

@@ -86,6 +86,21 @@ void require_beta_in_range(const Eigen::MatrixBase<Derived>& beta, const DeltaOp
 /// 16-bit type and beta at 2 (allow_negative_eigenvalues).
 inline constexpr double kMaxStepGain = 2.0 * (1.0 + 1e-3);
 
+/// The precision of the stability check's norms: float but for double keys (the slack of
+/// kMaxStepGain dwarfs float's rounding).
+template <class Scalar>
+using step_gain_t = std::conditional_t<std::is_same_v<Scalar, double>, double, float>;
+
+/// max_t beta_t |k_t|^2 over the rows of k in one vectorised pass; NaN when any is NaN.
+template <class DK, class DB>
+double largest_step_gain(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DB>& beta) {
+  using Work = step_gain_t<typename DK::Scalar>;
+  if (k.rows() == 0) return 0.0;
+  return static_cast<double>((k.template cast<Work>().rowwise().squaredNorm().array() *
+                              beta.reshaped().template cast<Work>().array())
+                                 .template maxCoeff<Eigen::PropagateNaN>());
+}
+
 /// Throws unless every beta_t |k_t|^2 <= kMaxStepGain (rows t of k, entries of beta) when the
 /// options leave the keys as given (l2_normalize off); NaN passes (check_finite's to report).
 /// `entry` names a row in the message (a token; a state, in a batch step).
@@ -93,14 +108,10 @@ template <class DK, class DB>
 void require_stable_steps(const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DB>& beta,
                           const DeltaOptions& options, const char* where,
                           const std::string& k_name = "k", const char* entry = "token") {
-  if (options.l2_normalize || k.rows() == 0) return;
-  // One vectorised pass in the working precision (float but for double keys); the slack of
-  // kMaxStepGain dwarfs its rounding. Only a failing call looks for the first token, in double.
-  using Work = std::conditional_t<std::is_same_v<typename DK::Scalar, double>, double, float>;
-  const Work largest = (k.template cast<Work>().rowwise().squaredNorm().array() *
-                        beta.reshaped().template cast<Work>().array())
-                           .template maxCoeff<Eigen::PropagateNumbers>();
-  if (!(static_cast<double>(largest) > kMaxStepGain)) return;
+  if (options.l2_normalize) return;
+  // Only a failing call (or one with a NaN, which passes itself) looks for the first such
+  // token, in double.
+  if (largest_step_gain(k, beta) <= kMaxStepGain) return;
   for (Eigen::Index t = 0; t < k.rows(); ++t) {
     const double b = static_cast<double>(beta.reshaped()(t));
     const double norm2 = k.row(t).template cast<double>().squaredNorm();
@@ -123,7 +134,7 @@ template <class DQ, class DK, class DV>
 void scan_delta_token(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                       const Eigen::MatrixBase<DV>& v, double beta, const DeltaOptions& options,
                       const char* where) {
-  using Work = std::conditional_t<std::is_same_v<typename DK::Scalar, double>, double, float>;
+  using Work = step_gain_t<typename DK::Scalar>;
   const bool stability = !options.l2_normalize;
   const double norm2 = stability ? static_cast<double>(k.template cast<Work>().squaredNorm()) : 0.0;
   if (options.check_finite) {

@@ -39,14 +39,16 @@ void parallel_for(Eigen::Index count, int threads, const Body& body) {
   for (Eigen::Index i = 0; i < count; ++i) body(i);
 }
 
+/// Fewest rows per thread of a scan over the inputs (a pass over memory).
+inline constexpr Eigen::Index kMinScanRows = 4096;
+
 /// require_finite over row blocks of `m` on up to `threads` threads: the scan is a pass over
 /// memory, so every thread streams its own block.
 template <class Derived>
 void require_finite_parallel(const Eigen::MatrixBase<Derived>& m, const char* where,
                              const char* name, int threads) {
-  constexpr Eigen::Index kMinRows = 4096;
   const Eigen::Index blocks =
-      std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, m.rows() / kMinRows));
+      std::max<Eigen::Index>(1, std::min<Eigen::Index>(threads, m.rows() / kMinScanRows));
   if (blocks == 1) {
     require_finite(m, where, name);
     return;
