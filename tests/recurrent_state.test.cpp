@@ -600,8 +600,7 @@ RecurrentState<T> stepped(const Map& map, Eigen::Index dk, Eigen::Index dv, Eige
 }
 
 std::string data_file(const char* name) {
-  const std::string here = __FILE__;
-  const std::string path = here.substr(0, here.find_last_of("/\\") + 1) + "data/" + name;
+  const std::string path = std::string(LINATTN_TEST_DATA_DIR) + "/" + name;
   std::ifstream in(path, std::ios::binary);
   std::ostringstream bytes;
   bytes << in.rdbuf();
