@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <linattn/delta_rule.hpp>
+#include <linattn/layer.hpp>
 #include <linattn/recurrent_state.hpp>
 #include <linattn/session_pool.hpp>
 #include <linattn/state_batch.hpp>
@@ -94,10 +95,10 @@ struct Tokens {
   }
 };
 
-/// A pool of range(0) sessions, keys 0..sessions-1, one layer of `fresh`'s heads.
-template <class Batch>
-linattn::SessionPool<Batch> make_pool(Eigen::Index sessions, const Batch& fresh) {
-  linattn::SessionPool<Batch> pool(1, fresh);
+/// A pool of range(0) sessions, keys 0..sessions-1, of the one layer `layer`.
+template <class Layer>
+linattn::SessionPool<typename Layer::States> make_pool(Eigen::Index sessions, const Layer& layer) {
+  linattn::SessionPool pool(1, layer);
   for (Eigen::Index s = 0; s < sessions; ++s) pool.add(s);
   return pool;
 }
@@ -108,7 +109,8 @@ void BM_PoolStep_C64(benchmark::State& state) {
   const Eigen::Index rows = sessions * kHeads;
   linattn::Options options;
   options.threads = static_cast<int>(state.range(1));
-  auto pool = make_pool(sessions, linattn::RecurrentStateBatch<float>(kHeads, kC64, kC64, options));
+  auto pool = make_pool(sessions, linattn::LinearAttentionLayer<float, linattn::Identity>(
+                                      linattn::Identity{}, kHeads, kC64, kC64, options));
   const Tokens in(rows, kC64, kC64, false);
   Matrix<float> out(rows, kC64);
   std::size_t t = 0;
@@ -127,8 +129,7 @@ void BM_PoolStep_Delta128(benchmark::State& state) {
   const Eigen::Index rows = sessions * kHeads;
   linattn::DeltaOptions options;
   options.threads = static_cast<int>(state.range(1));
-  auto pool =
-      make_pool(sessions, linattn::DeltaRuleStateBatch<float>(kHeads, kDelta, kDelta, options));
+  auto pool = make_pool(sessions, linattn::DeltaRuleLayer<float>(kHeads, kDelta, kDelta, options));
   const Tokens in(rows, kDelta, kDelta, true);
   Matrix<float> out(rows, kDelta);
   std::size_t t = 0;

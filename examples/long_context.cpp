@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
     TokenSource source(/*seed=*/42);
 
     const std::size_t state_bytes =
-        sizeof(float) * static_cast<std::size_t>(state.s().size() + state.z().size());
+        sizeof(float) * static_cast<std::size_t>((state.value_dim() + 1) * state.feature_dim());
     const std::size_t block_bytes =
         sizeof(float) * static_cast<std::size_t>(q.size() + k.size() + v.size() + phi_q.size() +
                                                  phi_k.size() + out.size() + prefilled.size());
@@ -115,8 +115,8 @@ int main(int argc, char** argv) {
     std::printf(
         "state: S %lld x %lld + z %lld = %zu bytes, the same after every token; block "
         "buffers %zu bytes\n",
-        static_cast<long long>(state.s().rows()), static_cast<long long>(state.s().cols()),
-        static_cast<long long>(state.z().size()), state_bytes, block_bytes);
+        static_cast<long long>(state.feature_dim()), static_cast<long long>(state.value_dim()),
+        static_cast<long long>(state.feature_dim()), state_bytes, block_bytes);
     std::printf("a softmax KV cache of this context would hold %.1f MiB\n",
                 static_cast<double>(tokens) * static_cast<double>(key_dim + value_dim) *
                     sizeof(float) / (1024.0 * 1024.0));

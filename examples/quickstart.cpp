@@ -40,7 +40,8 @@ int main() {
 
   const double scale = parallel.cwiseAbs().maxCoeff();
   std::printf("tokens: %lld, state: %lld x %lld\n", static_cast<long long>(state.tokens()),
-              static_cast<long long>(state.s().rows()), static_cast<long long>(state.s().cols()));
+              static_cast<long long>(state.feature_dim()),
+              static_cast<long long>(state.value_dim()));
   std::printf("largest |parallel - recurrent|: %.3g (relative %.3g)\n", max_diff, max_diff / scale);
   return max_diff / scale <= 1e-12 ? 0 : 1;
 }

@@ -122,24 +122,16 @@ Request request(std::int64_t i) {
 /// the pool holds that, so one model serves any number of sessions.
 class Model {
  public:
-  Model() : w_q_(projection(1)), w_k_(projection(2)), w_v_(projection(3)) {}
+  Model()
+      : retention_(linattn::EluPlusOne{}, kHeads, kDim, kDim, retention_decays(),
+                   retention_options()),
+        plain_(linattn::EluPlusOne{}, kHeads, kDim, kDim, plain_options()),
+        w_q_(projection(1)),
+        w_k_(projection(2)),
+        w_v_(projection(3)) {}
 
-  /// A pool for this model: layer 0 RetNet's decays, layer 1 the plain normalised form.
-  Pool make_pool() const {
-    // One thread: H = 4 heads of 16 gain nothing from more, and the crash test forks, which an
-    // OpenMP program's thread pool does not survive.
-    linattn::Options retention;
-    retention.normalize = false;   // RetNet reads the state without a denominator...
-    retention.scale = 1.0 / kDim;  // ...so a scale keeps its outputs moderate
-    retention.threads = 1;
-    linattn::Options plain;
-    plain.threads = 1;
-    linattn::HeadDecays decays;
-    for (Eigen::Index h = 0; h < kHeads; ++h)
-      decays.values.push_back(1.0 - std::ldexp(1.0, -5 - static_cast<int>(h)));
-    return Pool(std::vector<Batch>{Batch(kHeads, kDim, kDim, decays, retention),
-                                   Batch(kHeads, kDim, kDim, plain)});
-  }
+  /// A pool for this model: each session holds what its two layers make.
+  Pool make_pool() const { return Pool(retention_, plain_); }
 
   const linattn::EluPlusOne& map() const { return map_; }
 
@@ -165,6 +157,29 @@ class Model {
   }
 
  private:
+  using Layer = linattn::LinearAttentionLayer<float, linattn::EluPlusOne>;
+
+  // One thread: H = 4 heads of 16 gain nothing from more, and the crash test forks, which an
+  // OpenMP program's thread pool does not survive.
+  static linattn::Options retention_options() {
+    linattn::Options retention;
+    retention.normalize = false;   // RetNet reads the state without a denominator...
+    retention.scale = 1.0 / kDim;  // ...so a scale keeps its outputs moderate
+    retention.threads = 1;
+    return retention;
+  }
+  static linattn::Options plain_options() {
+    linattn::Options plain;
+    plain.threads = 1;
+    return plain;
+  }
+  static linattn::HeadDecays retention_decays() {
+    linattn::HeadDecays decays;
+    for (Eigen::Index h = 0; h < kHeads; ++h)
+      decays.values.push_back(1.0 - std::ldexp(1.0, -5 - static_cast<int>(h)));
+    return decays;
+  }
+
   /// Layer `layer` for session `key`: q, k, v and out are [B = 1, N, H, D] buffers (a token's
   /// row holds its H heads), viewed in place.
   void attend(Pool& pool, Eigen::Index layer, Key key, const Mat& q, const Mat& k, const Mat& v,
@@ -186,6 +201,8 @@ class Model {
   }
 
   linattn::EluPlusOne map_;
+  Layer retention_;      // layer 0: RetNet's multi-scale decays, no denominator
+  Layer plain_;          // layer 1: the plain normalised form
   Mat w_q_, w_k_, w_v_;  // layer 1's q, k, v from layer 0's outputs
 };
 

@@ -95,12 +95,14 @@ std::string save_bytes(const linattn::RecurrentState<T, Acc>& state, const Map& 
 
 template <class T, class Acc>
 bool same_sums(const linattn::RecurrentState<T, Acc>& a, const linattn::RecurrentState<T, Acc>& b) {
-  // Bit for bit (memcmp: -0.0 and 0.0 differ, as they do in the stream).
-  const double log_a = a.log_scale(), log_b = b.log_scale();
+  // Bit for bit, as the states hold them (memcmp: -0.0 and 0.0 differ, as in the stream).
+  const auto& held_a = linattn::detail::StateAccess::held(a);
+  const auto& held_b = linattn::detail::StateAccess::held(b);
   return a.feature_dim() == b.feature_dim() && a.value_dim() == b.value_dim() &&
-         std::memcmp(a.s().data(), b.s().data(), sizeof(Acc) * a.s().size()) == 0 &&
-         std::memcmp(a.z().data(), b.z().data(), sizeof(Acc) * a.z().size()) == 0 &&
-         a.tokens() == b.tokens() && std::memcmp(&log_a, &log_b, sizeof(double)) == 0;
+         std::memcmp(held_a.s.data(), held_b.s.data(), sizeof(Acc) * held_a.s.size()) == 0 &&
+         std::memcmp(held_a.z.data(), held_b.z.data(), sizeof(Acc) * held_a.z.size()) == 0 &&
+         a.tokens() == b.tokens() &&
+         std::memcmp(&held_a.log_scale, &held_b.log_scale, sizeof(double)) == 0;
 }
 
 bool same_result_options(const linattn::Options& a, const linattn::Options& b) {
@@ -147,9 +149,10 @@ void exercise(linattn::RecurrentState<T, Acc>& state, std::size_t size) {
   }
   // Whatever the steps did, the state must still save; if it holds finite sums it must load,
   // unchecked and checked.
-  const bool finite =
-      state.s().allFinite() && state.z().allFinite() && !std::isnan(state.log_scale()) &&
-      state.log_scale() != std::numeric_limits<double>::infinity() && state.tokens() >= 0;
+  const auto& held = linattn::detail::StateAccess::held(state);
+  const bool finite = held.s.allFinite() && held.z.allFinite() && !std::isnan(held.log_scale) &&
+                      held.log_scale != std::numeric_limits<double>::infinity() &&
+                      state.tokens() >= 0;
   const std::string bytes = save_bytes(state, linattn::EluPlusOne{});
   std::istringstream is(bytes);
   try {

@@ -563,6 +563,19 @@ TEST_CASE("the delta rule on heads rejects bad input and writes nothing", "[delt
                                                           linattn::log_gates(three_heads.cview()),
                                                           beta.cview(), out.view()),
                     Contains("gates is [2, 3, 24, 1]"));
+  // Beta and gates with q/k's 2 heads where out has 4 value heads (a divisor: these ran, 0.88
+  // off): one per value head, as FLA's [B, T, HV].
+  Heads<double> two_heads({batch, 2, n, 1}, true);
+  for (double& x : two_heads.data) x = 0.5;
+  CHECK_THROWS_WITH(linattn::causal_delta_rule_into(q.cview(), k.cview(), v.cview(),
+                                                    two_heads.cview(), out.view()),
+                    Contains("beta is [2, 2, 24, 1] but must be [2, 4, 24, 1]") &&
+                        Contains("beta needs one head per value head"));
+  for (double& x : two_heads.data) x = -0.1;
+  CHECK_THROWS_WITH(linattn::causal_gated_delta_rule_into(q.cview(), k.cview(), v.cview(),
+                                                          linattn::log_gates(two_heads.cview()),
+                                                          beta.cview(), out.view()),
+                    Contains("gates needs one head per value head"));
   CHECK_THROWS_WITH(linattn::causal_delta_rule_varlen_into(q.cview(), k.cview(), v.cview(),
                                                            beta.cview(), {0, 30}, out.view()),
                     Contains("B must be 1"));

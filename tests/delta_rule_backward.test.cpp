@@ -809,8 +809,8 @@ TEMPLATE_TEST_CASE(
   const Eigen::Index batch = 2, heads = 4, n = 29, dk = 8, dv = 6;
   for (const Layout layout : {Layout::bhnd, Layout::bnhd, Layout::padded}) {
     for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
-      // KDA's gates shared by pairs of heads (a gate head with two readers).
-      const Eigen::Index gate_heads = gate_cols == dk ? heads / 2 : heads;
+      // Gates per value head (FLA's [B, T, HV]): sharing them between heads is refused.
+      const Eigen::Index gate_heads = heads;
       CAPTURE(linattn_test::layout_name(layout), variant_name(gate_cols));
       ViewProblem<T> p(layout, batch, heads, n, dk, dv, gate_cols, gate_heads, 500);
       DeltaOptions options;

@@ -174,7 +174,7 @@ TEMPLATE_TEST_CASE("the state holds the documented sums", "[recurrent_state]", f
   options.decay = decay;
   RecurrentState<T> state(c, dv, options);
   CHECK(state.tokens() == 0);
-  CHECK(state.log_scale() == -std::numeric_limits<double>::infinity());
+  CHECK(state.sums().log_scale == -std::numeric_limits<double>::infinity());
   state.prefill(phi_q, phi_k, v, linattn::Identity{});
   Matrix<double> s = Matrix<double>::Zero(c, dv);
   Eigen::VectorXd z = Eigen::VectorXd::Zero(c);
@@ -183,7 +183,7 @@ TEMPLATE_TEST_CASE("the state holds the documented sums", "[recurrent_state]", f
     s += w * phi_k.row(j).transpose().template cast<double>() * v.row(j).template cast<double>();
     z += w * phi_k.row(j).transpose().template cast<double>();
   }
-  CHECK(state.log_scale() == 0.0);
+  CHECK(state.sums().log_scale == 0.0);
   CHECK(relative_error(state.s(), s) <= agreement_tolerance<T>());
   CHECK(relative_error(state.z(), z) <= agreement_tolerance<T>());
   CHECK(state.tokens() == n);
@@ -269,7 +269,7 @@ TEMPLATE_TEST_CASE("save and load round-trip bit for bit and continue the sequen
   RecurrentState<T> loaded = RecurrentState<T>::load(stream, map, options);
   CHECK(loaded.s() == original.s());
   CHECK(loaded.z() == original.z());
-  CHECK(loaded.log_scale() == original.log_scale());
+  CHECK(loaded.sums().log_scale == original.sums().log_scale);
   CHECK(loaded.tokens() == original.tokens());
   CHECK(loaded.options().decay == options.decay);
   CHECK(loaded.options().eps == options.eps);
@@ -654,7 +654,7 @@ TEMPLATE_TEST_CASE("save(os, map) and load(is, map, options) round-trip every ki
     CHECK(in.peek() == std::char_traits<char>::eof());  // read to its last byte, no further
     CHECK(loaded.s() == original.s());
     CHECK(loaded.z() == original.z());
-    CHECK(loaded.log_scale() == original.log_scale());
+    CHECK(loaded.sums().log_scale == original.sums().log_scale);
     CHECK(loaded.tokens() == n);
     CHECK(loaded.options().chunk == 7);
     CHECK_FALSE(loaded.options().check_finite);
@@ -1045,7 +1045,7 @@ TEST_CASE("format-1 golden files of linattn 0.1.0 load with their exact sums",
     CHECK(state.z() == z);
     CHECK(state.tokens() == 3);
     CHECK(state.transition() == linattn::TransitionKind::decay);  // 0.1.0 had no gated state
-    CHECK(state.log_scale() == 0.0);
+    CHECK(state.sums().log_scale == 0.0);
     CHECK(state.options().eps == 1e-5);
     CHECK(state.options().decay == 0.5);
     CHECK_FALSE(state.options().normalize);
@@ -1087,10 +1087,11 @@ TEST_CASE("format-1 golden files of linattn 0.1.0 load with their exact sums",
         0x1.8776dap-2f, -0x1.c4bbp-3f;
     Vector<float> z(4);
     z << 0x1.4a72ccp+0f, 0x1.09aaecp+1f, 0x1.524426p+0f, 0x1.3ad22cp+1f;
-    CHECK(state.s() == s);
-    CHECK(state.z() == z);
+    const linattn::ScaledSums<float> held = state.sums();  // the file's bits
+    CHECK(held.s == s);
+    CHECK(held.z == z);
     CHECK(state.tokens() == 4);
-    CHECK(state.log_scale() == -0x1.b78f4f7d1cf78p-4);
+    CHECK(held.log_scale == -0x1.b78f4f7d1cf78p-4);
     CHECK(state.options().decay == 1.0);
     CHECK(state.options().eps == 1e-6);
     CHECK(state.options().normalize);
@@ -1101,10 +1102,8 @@ TEST_CASE("format-1 golden files of linattn 0.1.0 load with their exact sums",
     v << 1.0, 2.0, -1.0, 0.5, -0.5, 3.0, -2.0, 1.0, 0.25, 4.0, 0.0, -3.0;
     const Matrix<double> phi = map.keys(x);
     const Matrix<double> true_s = phi.transpose() * v;
-    const double scale = std::exp(state.log_scale());
-    CHECK(relative_error(Matrix<double>(state.s().cast<double>() * scale), true_s) <= 2e-6);
-    CHECK(relative_error(Vector<double>(state.z().cast<double>() * scale),
-                         Vector<double>(phi.colwise().sum().transpose())) <= 2e-6);
+    CHECK(relative_error(state.s(), true_s) <= 2e-6);  // s() and z() are the true sums
+    CHECK(relative_error(state.z(), Vector<double>(phi.colwise().sum().transpose())) <= 2e-6);
   }
 }
 
@@ -1145,14 +1144,13 @@ TEMPLATE_TEST_CASE("from_sums: prefilling B after the sums of A is one call over
             RecurrentState<T>::from_sums((a.s * shrink).template cast<T>(),
                                          (a.z * shrink).template cast<T>(), options, log_scale);
         CHECK(state.tokens() == 0);
-        CHECK(state.log_scale() == log_scale);
+        CHECK(state.sums().log_scale == log_scale);
         const Matrix<T> out =
             state.prefill(q.bottomRows(n_b), k.bottomRows(n_b), v.bottomRows(n_b), map);
         const Matrix<T> whole = linattn::causal_linear_attention(q, k, v, map, options);
         const double vs_naive = relative_error(out, b.out);
         const double vs_call = relative_error(out, whole.bottomRows(n_b));
-        const double s_error = relative_error(
-            Matrix<double>(state.s().template cast<double>() * std::exp(state.log_scale())), b.s);
+        const double s_error = relative_error(state.s(), b.s);
         CHECK(vs_naive <= bound);
         CHECK(vs_call <= bound);
         CHECK(s_error <= bound);
@@ -1179,7 +1177,7 @@ TEMPLATE_TEST_CASE("from_sums takes any expression and validates what it is give
   CHECK(state.value_dim() == 2);
   CHECK(state.s() == Matrix<T>::Constant(3, 2, T(0.5)));
   CHECK(state.z() == Vector<T>::Constant(3, T(2)));
-  CHECK(state.log_scale() == 0.0);
+  CHECK(state.sums().log_scale == 0.0);
   // A double accumulator keeps double sums exactly.
   const Matrix<double> fine = Matrix<double>::Constant(2, 2, 1.0 + 1e-12);
   const auto wide = RecurrentState<T, double>::from_sums(fine, Vector<double>::Ones(2));
@@ -1217,9 +1215,11 @@ TEMPLATE_TEST_CASE("from_sums takes any expression and validates what it is give
   linattn::Options numerator;
   numerator.normalize = false;
   const State plain = State::from_sums(s_t.transpose(), numerator, 0.5);
-  CHECK(plain.s() == Matrix<T>::Constant(3, 2, T(0.5)));
+  CHECK(plain.sums().s == Matrix<T>::Constant(3, 2, T(0.5)));
+  CHECK(plain.sums().log_scale == 0.5);
+  CHECK(relative_error(plain.s(), Matrix<double>::Constant(3, 2, 0.5 * std::exp(0.5))) <=
+        2 * std::numeric_limits<T>::epsilon());
   CHECK(plain.z() == Vector<T>::Zero(3));
-  CHECK(plain.log_scale() == 0.5);
   CHECK_THROWS_WITH(State::from_sums(s, linattn::Options{}),
                     Contains("Options::normalize is on, so the state needs z0"));
   CHECK_THROWS_WITH(State::from_sums(Matrix<T>(0, 2), numerator), Contains("s0 is empty"));
@@ -1229,7 +1229,61 @@ TEMPLATE_TEST_CASE("from_sums takes any expression and validates what it is give
   const Matrix<T> x = gaussian<T>(2, 3, 360), vals = gaussian<T>(2, 2, 361);
   const linattn::PositiveRandomFeatures map(3, 3, 1);
   CHECK(from_zero.prefill(x, x, vals, map) == fresh.prefill(x, x, vals, map));
-  CHECK(from_zero.log_scale() == fresh.log_scale());
+  CHECK(from_zero.sums().log_scale == fresh.sums().log_scale);
+}
+
+TEST_CASE("a gated state's s() and z() are the true sums, as FLA's final state",
+          "[recurrent_state][gates]") {
+  // Per-feature gates near 1 leave factors pending inside the state: s() and z() apply them.
+  // (Before 0.4.0 s() was the held, scaled S: 1.03 relative error read as FLA's final state.)
+  using Catch::Matchers::Contains;
+  using T = float;
+  const Eigen::Index n = 48, c = 6, dv = 5;
+  const Matrix<T> phi_q = gaussian<T>(n, c, 601).array().exp().matrix();
+  const Matrix<T> phi_k = gaussian<T>(n, c, 602).array().exp().matrix();
+  const Matrix<T> v = gaussian<T>(n, dv, 603);
+  const Matrix<T> logs = (gaussian<T>(n, c, 604).array().abs() * T(-0.02)).matrix();
+  RecurrentState<T> state(c, dv);
+  Matrix<double> s = Matrix<double>::Zero(c, dv);
+  Eigen::VectorXd z = Eigen::VectorXd::Zero(c);
+  const Eigen::Index split = 40;
+  for (Eigen::Index t = 0; t < split; ++t) {
+    state.step(phi_q.row(t), phi_k.row(t), v.row(t), linattn::log_gates(logs.row(t)),
+               linattn::Identity{});
+    const Eigen::ArrayXd a = logs.row(t).transpose().cast<double>().array().exp();
+    s = (a.matrix().asDiagonal() * s).eval() +
+        phi_k.row(t).transpose().cast<double>() * v.row(t).cast<double>();
+    z = (a * z.array()).matrix() + phi_k.row(t).transpose().cast<double>();
+  }
+  const auto& held = linattn::detail::StateAccess::held(state);
+  REQUIRE((held.row_log < 0.0).any());        // factors are pending
+  REQUIRE(relative_error(held.s, s) > 1e-2);  // so the held S is not the true one
+  CHECK(relative_error(state.s(), s) <= 1e-5);
+  CHECK(relative_error(state.z(), z) <= 1e-5);
+
+  // A state made from s() and z() goes on as this one does; from sums() too, closer still.
+  RecurrentState<T> handed = RecurrentState<T>::from_sums(state.s(), state.z());
+  RecurrentState<T> exact = RecurrentState<T>::from_sums(state.sums());
+  for (Eigen::Index t = split; t < n; ++t) {
+    const auto gate = linattn::log_gates(logs.row(t));
+    const Vector<T> want =
+        state.step(phi_q.row(t), phi_k.row(t), v.row(t), gate, linattn::Identity{});
+    CHECK(relative_error(
+              handed.step(phi_q.row(t), phi_k.row(t), v.row(t), gate, linattn::Identity{}), want) <=
+          1e-6);
+    CHECK(relative_error(
+              exact.step(phi_q.row(t), phi_k.row(t), v.row(t), gate, linattn::Identity{}), want) <=
+          1e-6);
+  }
+
+  // Sums that float cannot hold as they are say where to read them.
+  const auto big =
+      RecurrentState<T>::from_sums(Matrix<T>::Ones(2, 2), Vector<T>::Ones(2), {}, 200.0);
+  CHECK_THROWS_WITH(big.s(), Contains("RecurrentState::s: the true sums overflow float") &&
+                                 Contains("read sums()"));
+  CHECK_THROWS_WITH(big.z(), Contains("RecurrentState::z"));
+  CHECK(big.sums().log_scale == 200.0);
+  CHECK(big.sums().s == Matrix<T>::Ones(2, 2));
 }
 
 }  // namespace linattn_test_recurrent_state

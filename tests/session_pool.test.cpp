@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <linattn/layer.hpp>
 #include <linattn/session_pool.hpp>
 #include <map>
 #include <random>
 #include <sstream>
+#include <type_traits>
 #include <vector>
 
 #include "support.hpp"
@@ -15,6 +17,12 @@
 namespace linattn_test_session_pool {
 
 namespace {
+
+/// Where a state keeps its S (a pool moves handles, never this memory).
+template <class State>
+const void* memory_of(const State& state) {
+  return linattn::detail::StateAccess::held_s(state).data();
+}
 
 using linattn::DeltaOptions;
 using linattn::DeltaRuleState;
@@ -53,7 +61,7 @@ std::map<std::tuple<Key, Eigen::Index, Eigen::Index>, const void*> addresses(con
   for (Key key : pool.keys()) {
     for (Eigen::Index l = 0; l < pool.layers(); ++l) {
       for (Eigen::Index h = 0; h < pool.heads(l); ++h) {
-        at[{key, l, h}] = pool.state(key, l, h).s().data();
+        at[{key, l, h}] = memory_of(pool.state(key, l, h));
       }
     }
   }
@@ -72,27 +80,29 @@ int differing_states(
         const State& state = pool.state(key, l, h);
         if (!same_state(state, sessions.at(key)[l][h])) ++differing;
         const auto was = before.find({key, l, h});
-        if (was != before.end() && was->second != state.s().data()) ++differing;
+        if (was != before.end() && was->second != memory_of(state)) ++differing;
       }
     }
   }
   return differing;
 }
 
-/// A pool's layer-0 engine states: H = 3 heads with RetNet's decays, normalised, 2 threads.
+/// A pool's engine layer 0: H = 3 heads with RetNet's decays, normalised, 2 threads.
 template <class T>
-RecurrentStateBatch<T> decay_heads() {
+linattn::LinearAttentionLayer<T, linattn::Identity> decay_layer() {
   linattn::Options options;
   options.threads = 2;
-  return RecurrentStateBatch<T>(3, kDk, kDv, linattn::HeadDecays{{0.9, 0.97, 1.0}}, options);
+  return linattn::LinearAttentionLayer<T, linattn::Identity>(
+      linattn::Identity{}, 3, kDk, kDv, linattn::HeadDecays{{0.9, 0.97, 1.0}}, options);
 }
 
 /// Layer 1: H = 2 gated heads, unnormalised.
 template <class T>
-RecurrentStateBatch<T> gated_heads() {
+linattn::LinearAttentionLayer<T, linattn::Identity> gated_layer() {
   linattn::Options options;
   options.normalize = false;
-  return RecurrentStateBatch<T>(2, kDk, kDv, options);
+  return linattn::LinearAttentionLayer<T, linattn::Identity>(linattn::Identity{}, 2, kDk, kDv,
+                                                             options);
 }
 
 }  // namespace
@@ -102,12 +112,12 @@ TEMPLATE_TEST_CASE("pool steps equal each session stepped alone across adds, dro
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
   using State = RecurrentState<T>;
-  SessionPool<Batch> pool(std::vector<Batch>{decay_heads<T>(), gated_heads<T>()});
+  SessionPool<Batch> pool(decay_layer<T>(), gated_layer<T>());
   CHECK(pool.layers() == 2);
   CHECK(pool.heads(0) == 3);
   CHECK(pool.heads(1) == 2);
   CHECK(pool.size() == 0);
-  const Batch fresh[2] = {decay_heads<T>(), gated_heads<T>()};
+  const Batch fresh[2] = {decay_layer<T>().make_states(1), gated_layer<T>().make_states(1)};
   Sessions<State> alone;
   std::mt19937_64 random(77);
   Key next_key = 100;
@@ -189,7 +199,7 @@ TEMPLATE_TEST_CASE(
   DeltaOptions options;
   options.l2_normalize = true;
   options.threads = GENERATE(1, 2);
-  SessionPool<Batch> pool(1, Batch(H, kDk, kDv, options));
+  SessionPool<Batch> pool(1, linattn::DeltaRuleLayer<T>(H, kDk, kDv, options));
   Sessions<State> alone;
   const State fresh(kDk, kDv, options);
   auto step_all = [&](std::uint64_t seed) {
@@ -231,7 +241,7 @@ TEMPLATE_TEST_CASE(
   const std::vector<std::int64_t> offsets = {0, 7, 7, 10};
   const Eigen::Index tokens = offsets.back();
   std::vector<T> qd(static_cast<std::size_t>(Hqk * tokens * kDk)), kd(qd.size()),
-      vd(static_cast<std::size_t>(H * tokens * kDv)), gd(static_cast<std::size_t>(Hqk * tokens)),
+      vd(static_cast<std::size_t>(H * tokens * kDv)), gd(static_cast<std::size_t>(H * tokens)),
       bd(gd.size());
   std::mt19937_64 random(9);
   std::normal_distribution<double> normal;
@@ -243,8 +253,8 @@ TEMPLATE_TEST_CASE(
   const auto q = HeadsView<const T>::bnhd(qd.data(), linattn::BnhdShape{1, tokens, Hqk, kDk});
   const auto k = HeadsView<const T>::bnhd(kd.data(), linattn::BnhdShape{1, tokens, Hqk, kDk});
   const auto v = HeadsView<const T>::bnhd(vd.data(), linattn::BnhdShape{1, tokens, H, kDv});
-  const auto g = HeadsView<const T>::bnhd(gd.data(), linattn::BnhdShape{1, tokens, Hqk, 1});
-  const auto beta = HeadsView<const T>::bnhd(bd.data(), linattn::BnhdShape{1, tokens, Hqk, 1});
+  const auto g = HeadsView<const T>::bnhd(gd.data(), linattn::BnhdShape{1, tokens, H, 1});
+  const auto beta = HeadsView<const T>::bnhd(bd.data(), linattn::BnhdShape{1, tokens, H, 1});
   std::vector<T> got(vd.size()), want(vd.size());
   // The reference: the same states in a batch of their own.
   Batch reference(static_cast<Eigen::Index>(prompted.size()) * H, kDk, kDv, options);
@@ -280,7 +290,7 @@ TEMPLATE_TEST_CASE("pool: equal-length engine prefill of new sessions equals a b
                    "[session_pool]", float, double) {
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
-  SessionPool<Batch> pool(1, decay_heads<T>());
+  SessionPool<Batch> pool(1, decay_layer<T>());
   for (Key key : {10, 20, 30}) pool.add(key);
   const Eigen::Index B = 2, H = 3, N = 70;
   std::vector<T> qd(static_cast<std::size_t>(B * H * N * kDk)), kd(qd.size()),
@@ -306,7 +316,7 @@ TEMPLATE_TEST_CASE("pool: equal-length engine prefill of new sessions equals a b
     differing += same_state(pool.state(30, 0, h), reference[h]) ? 0 : 1;
     differing += same_state(pool.state(10, 0, h), reference[H + h]) ? 0 : 1;
     differing += pool.state(20, 0, h).tokens() == 0 ? 0 : 1;
-    differing += pool.state(20, 0, h).s().data() == before.at({20, 0, h}) ? 0 : 1;
+    differing += memory_of(pool.state(20, 0, h)) == before.at({20, 0, h}) ? 0 : 1;
   }
   CHECK(differing == 0);
 }
@@ -315,7 +325,7 @@ TEMPLATE_TEST_CASE("pool: a session saved and loaded continues bit for bit", "[s
                    float, double) {
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
-  SessionPool<Batch> pool(std::vector<Batch>{decay_heads<T>(), gated_heads<T>()});
+  SessionPool<Batch> pool(decay_layer<T>(), gated_layer<T>());
   pool.add(1);
   pool.add(2);
   for (std::uint64_t t = 0; t < 6; ++t) {
@@ -364,9 +374,11 @@ TEMPLATE_TEST_CASE("pool errors name what was wrong and change nothing", "[sessi
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
   using Catch::Matchers::Contains;
-  CHECK_THROWS_WITH(SessionPool<Batch>(std::vector<Batch>{}), Contains("no layers"));
-  CHECK_THROWS_WITH(SessionPool<Batch>(0, decay_heads<T>()), Contains("layers"));
-  SessionPool<Batch> pool(1, decay_heads<T>());
+  CHECK_THROWS_WITH(
+      SessionPool<Batch>(std::vector<linattn::LinearAttentionLayer<T, linattn::Identity>>{}),
+      Contains("no layers"));
+  CHECK_THROWS_WITH(SessionPool<Batch>(0, decay_layer<T>()), Contains("layers"));
+  SessionPool<Batch> pool(1, decay_layer<T>());
   const Matrix<T> q = gaussian<T>(6, kDk, 1), k = gaussian<T>(6, kDk, 2),
                   v = gaussian<T>(6, kDv, 3);
   Matrix<T> out(6, kDv);
@@ -397,7 +409,7 @@ TEMPLATE_TEST_CASE("pool errors name what was wrong and change nothing", "[sessi
     for (Key key : {7, 8}) {
       for (Eigen::Index h = 0; h < 3; ++h, ++i) {
         differing += same_state(pool.state(key, 0, h), kept[i]) ? 0 : 1;
-        differing += pool.state(key, 0, h).s().data() == before.at({key, 0, h}) ? 0 : 1;
+        differing += memory_of(pool.state(key, 0, h)) == before.at({key, 0, h}) ? 0 : 1;
       }
     }
     return differing;
@@ -438,7 +450,7 @@ TEMPLATE_TEST_CASE("pool: a packed engine prefill of some sessions equals a batc
                    "[session_pool][varlen]", float, double) {
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
-  SessionPool<Batch> pool(std::vector<Batch>{gated_heads<T>()});
+  SessionPool<Batch> pool(gated_layer<T>());
   for (Key key : {10, 20, 30}) pool.add(key);
   // Every session steps once; then prompts of 4 tokens for 20 and 9 for 10, in that order.
   const Matrix<T> q0 = gaussian<T>(6, kDk, 11).cwiseAbs(), k0 = gaussian<T>(6, kDk, 12).cwiseAbs();
@@ -458,7 +470,7 @@ TEMPLATE_TEST_CASE("pool: a packed engine prefill of some sessions equals a batc
   const auto k = HeadsView<const T>::bnhd(kd.data(), linattn::BnhdShape{1, tokens, H, kDk});
   const auto v = HeadsView<const T>::bnhd(vd.data(), linattn::BnhdShape{1, tokens, H, kDv});
   const auto g = HeadsView<const T>::bnhd(gd.data(), linattn::BnhdShape{1, tokens, H, 1});
-  Batch reference(2 * H, kDk, kDv, gated_heads<T>().options());
+  Batch reference(2 * H, kDk, kDv, gated_layer<T>().options());
   for (Eigen::Index h = 0; h < H; ++h) {
     reference[h] = pool.state(20, 0, h);
     reference[H + h] = pool.state(10, 0, h);
@@ -477,7 +489,7 @@ TEMPLATE_TEST_CASE("pool: a packed engine prefill of some sessions equals a batc
   for (Eigen::Index h = 0; h < H; ++h) {
     differing += same_state(pool.state(20, 0, h), reference[h]) ? 0 : 1;
     differing += same_state(pool.state(10, 0, h), reference[H + h]) ? 0 : 1;
-    differing += pool.state(30, 0, h).s().data() == before.at({30, 0, h}) ? 0 : 1;
+    differing += memory_of(pool.state(30, 0, h)) == before.at({30, 0, h}) ? 0 : 1;
   }
   CHECK(differing == 0);
   CHECK(same_state(pool.state(30, 0, 1), untouched));
@@ -491,7 +503,7 @@ TEMPLATE_TEST_CASE("pool: a whole session as one blob, added back in place or re
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
   using Catch::Matchers::Contains;
-  SessionPool<Batch> pool(std::vector<Batch>{decay_heads<T>(), decay_heads<T>()});
+  SessionPool<Batch> pool(2, decay_layer<T>());
   pool.add(1);
   for (std::uint64_t t = 0; t < 4; ++t) {
     for (Eigen::Index l = 0; l < 2; ++l) {
@@ -504,10 +516,10 @@ TEMPLATE_TEST_CASE("pool: a whole session as one blob, added back in place or re
   pool.save(1, stream, linattn::EluPlusOne{});
   CHECK(stream.str() == std::string(blob.begin(), blob.end()));
   // Another server (a fresh pool of the same model) takes the session from the blob.
-  SessionPool<Batch> other(std::vector<Batch>{decay_heads<T>(), decay_heads<T>()});
+  SessionPool<Batch> other(2, decay_layer<T>());
   other.add(5);
   CHECK(other.add_bytes(1, blob.data(), blob.size(), linattn::EluPlusOne{}) == 1);
-  SessionPool<Batch> third(std::vector<Batch>{decay_heads<T>(), decay_heads<T>()});
+  SessionPool<Batch> third(2, decay_layer<T>());
   CHECK(third.add(1, stream, linattn::EluPlusOne{}) == 0);
   int differing = 0;
   for (Eigen::Index l = 0; l < 2; ++l) {
@@ -536,7 +548,7 @@ TEMPLATE_TEST_CASE("pool: a whole session as one blob, added back in place or re
   flipped[blob.size() / 2] ^= 0x10;
   CHECK_THROWS_AS(third.add_bytes(2, flipped.data(), flipped.size(), linattn::EluPlusOne{}),
                   linattn::Error);
-  SessionPool<Batch> gated(std::vector<Batch>{decay_heads<T>(), gated_heads<T>()});
+  SessionPool<Batch> gated(decay_layer<T>(), gated_layer<T>());
   CHECK_THROWS_AS(gated.add_bytes(2, blob.data(), blob.size(), linattn::EluPlusOne{}),
                   linattn::Error);
   CHECK_THROWS_WITH(third.add_bytes(1, blob.data(), blob.size(), linattn::EluPlusOne{}),
@@ -553,7 +565,7 @@ TEMPLATE_TEST_CASE("pool: a step of named sessions moves only them", "[session_p
   using State = DeltaRuleState<T>;
   DeltaOptions options;
   options.l2_normalize = true;
-  SessionPool<Batch> pool(1, Batch(2, kDk, kDv, options));
+  SessionPool<Batch> pool(1, linattn::DeltaRuleLayer<T>(2, kDk, kDv, options));
   for (Key key : {4, 5, 6}) pool.add(key);
   const State fresh(kDk, kDv, options);
   std::map<Key, std::vector<State>> alone;
@@ -581,6 +593,35 @@ TEMPLATE_TEST_CASE("pool: a step of named sessions moves only them", "[session_p
   }
   CHECK(pool.state(5, 0, 1).tokens() == 0);
   CHECK(pool.state(4, 0, 1).tokens() == 5);
+}
+
+TEST_CASE("a pool is made from its layers: every session runs with its layer's options",
+          "[session_pool]") {
+  // A pool of hand-made batches could hold states without the layer's l2_normalize and ran
+  // them silently (3e7 relative error); it no longer compiles (compile_fail
+  // session_pool_from_batches), and a pool from the layers holds what they would make.
+  using T = float;
+  DeltaOptions options;
+  options.l2_normalize = true;
+  options.scale = 0.5;
+  const linattn::DeltaRuleLayer<T> layer(2, kDk, kDv, options);
+  SessionPool pool(layer, layer);
+  static_assert(std::is_same_v<decltype(pool), SessionPool<DeltaRuleStateBatch<T>>>);
+  pool.add(7);
+  for (Eigen::Index l = 0; l < 2; ++l) {
+    for (Eigen::Index h = 0; h < 2; ++h) {
+      CHECK(pool.state(7, l, h).options().l2_normalize);
+      CHECK(pool.state(7, l, h).options().scale == 0.5);
+    }
+  }
+  // Its steps are the layer's own steps on the states it makes, bit for bit.
+  const Matrix<T> q = gaussian<T>(2, kDk, 90), k = gaussian<T>(2, kDk, 91);
+  const Matrix<T> v = gaussian<T>(2, kDv, 92);
+  const Vector<T> beta = Vector<T>::Constant(2, T(0.5));
+  auto states = layer.make_states(1);
+  Matrix<T> want(2, kDv);
+  layer.step_into(states, q, k, v, beta, want);
+  CHECK(pool.step(0, q, k, v, beta) == want);
 }
 
 }  // namespace linattn_test_session_pool

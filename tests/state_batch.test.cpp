@@ -85,8 +85,10 @@ Vector<T> single_step(Kind kind, RecurrentState<T>& state, const Eigen::MatrixBa
 template <class T>
 bool same_state(const RecurrentState<T>& a, const RecurrentState<T>& b) {
   // -infinity == -infinity, so fresh states compare equal too.
-  return a.s() == b.s() && a.z() == b.z() && a.tokens() == b.tokens() &&
-         a.log_scale() == b.log_scale();
+  const auto& held_a = linattn::detail::StateAccess::held(a);
+  const auto& held_b = linattn::detail::StateAccess::held(b);
+  return held_a.s == held_b.s && held_a.z == held_b.z && a.tokens() == b.tokens() &&
+         held_a.log_scale == held_b.log_scale;
 }
 
 /// Steps `batch` and the per-session states `single` through `steps` random tokens; returns
@@ -534,7 +536,9 @@ int gated_step_both(Kind kind, RecurrentStateBatch<T>& batch,
 
 template <class T>
 bool same_gated_state(const RecurrentState<T>& a, const RecurrentState<T>& b) {
-  return same_state(a, b) && (a.row_log_scale() == b.row_log_scale()).all();
+  return same_state(a, b) && (linattn::detail::StateAccess::held(a).row_log ==
+                              linattn::detail::StateAccess::held(b).row_log)
+                                 .all();
 }
 
 }  // namespace

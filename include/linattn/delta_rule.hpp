@@ -12,6 +12,7 @@
 #include <linattn/detail/openmp.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
+#include <linattn/detail/state_access.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/gates.hpp>
@@ -213,18 +214,25 @@ struct delta_head_gates<LogGates<HeadsView<G>>, Scalar>
 template <class Gates, class O>
 using enable_if_delta_head_gates = std::enable_if_t<delta_head_gates<Gates, O>::valid>;
 
-/// Throws unless `view` is [B, H', N, dim] for out's B and N, with H' dividing out's H;
+/// Throws unless `view` is [B, H, N, dim] for out's B, H and N: beta and the gates belong to
+/// the value heads (FLA's beta and g are [B, T, HV]); only q and k may have fewer heads.
 /// `out_name` is how messages name out (grad_out in the backward).
 template <class T, class O>
 void require_head_view(const HeadsView<T>& view, const HeadsView<O>& out, Eigen::Index dim,
                        const char* what, const char* where, const char* name,
                        const char* out_name = "out") {
-  if (view.batch() != out.batch() || view.tokens() != out.tokens() ||
-      out.heads() % view.heads() != 0 || view.dim() != dim) {
-    throw Error(std::string(where) + ": " + name + " is " + view.sizes_string() + " but must be [" +
-                std::to_string(out.batch()) + ", H, " + std::to_string(out.tokens()) + ", " + what +
-                "] with H dividing " + out_name + "'s " + std::to_string(out.heads()) + " (" +
-                out_name + " is " + out.sizes_string() + ")");
+  if (view.batch() != out.batch() || view.tokens() != out.tokens() || view.heads() != out.heads() ||
+      view.dim() != dim) {
+    std::string message = std::string(where) + ": " + name + " is " + view.sizes_string() +
+                          " but must be [" + std::to_string(out.batch()) + ", " +
+                          std::to_string(out.heads()) + ", " + std::to_string(out.tokens()) + ", " +
+                          what + "] (" + out_name + " is " + out.sizes_string() + ")";
+    if (view.heads() != out.heads()) {
+      message += ": " + std::string(name) + " needs one head per value head (" + out_name +
+                 "'s H), as FLA's [B, T, HV]; only q and k may have fewer heads (grouped: value " +
+                 "head h reads q/k head h / (H_v / H_k))";
+    }
+    throw Error(message);
   }
 }
 
@@ -826,6 +834,9 @@ class DeltaRuleState {
 
   template <class, class>
   friend class DeltaRuleStateBatch;
+  friend struct detail::StateAccess;
+
+  const Matrix<Acc>& held_s() const { return s_; }
 
   /// Throws unless q, k, v, beta and out fit one step (shapes, beta's range, finite).
   template <class DQ, class DK, class DV>

@@ -15,6 +15,7 @@
 #include <linattn/detail/fingerprint.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
+#include <linattn/detail/state_access.hpp>
 #include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
@@ -30,6 +31,17 @@ namespace linattn {
 template <class T, class Acc>
 class RecurrentStateBatch;
 
+/// A RecurrentState's sums in the form that never overflows (RecurrentState::sums()): the true
+/// S is exp(log_scale) * s and the true z is exp(log_scale) * z.
+template <class Acc>
+struct ScaledSums {
+  Matrix<Acc> s;  ///< C x Dv
+  Vector<Acc> z;  ///< C
+  /// Natural log of the factor s and z miss: 0 for plain maps without pending gate factors,
+  /// -infinity before the first token.
+  double log_scale = 0.0;
+};
+
 /// The running sums of causal linear attention for one sequence: S (C x Dv), z (C) and the
 /// tokens seen. `step` adds one token in O(C * Dv); `prefill` adds many through the chunked
 /// form; both give the outputs of one causal_linear_attention call over the whole sequence.
@@ -37,9 +49,10 @@ class RecurrentStateBatch;
 /// step and prefill (scalar or per feature, a_t or log_gates(g)), as
 /// causal_gated_linear_attention computes them.
 ///
-/// S and z are stored scaled: the true sums are exp(log_scale()) * s() and z(). With plain
-/// feature maps log_scale() is 0 and s(), z() are the sums themselves; exponential maps
-/// (PositiveRandomFeatures, passed to the map overloads) move it so nothing overflows.
+/// s() and z() are the true sums. Inside, the state keeps gate factors in double until they
+/// pass a factor of e, and exponential maps (PositiveRandomFeatures, passed to the map
+/// overloads) keep a log scale so nothing overflows; sums() gives that exact form
+/// (exp(log_scale) times s and z), which from_sums takes back.
 ///
 /// Acc is the type of the state and of every sum (default T): RecurrentState<float, double>
 /// takes and returns float but accumulates in double, for sequences long enough that float
@@ -97,8 +110,7 @@ class RecurrentState {
 
   /// Adds one token with a gate (instead of Options::decay, which must be 1) and returns its
   /// output: S <- diag(a) S + phi(k) v^T, z alike. Pending gate factors stay in double
-  /// (row_log_scale(), log_scale()) until they pass a factor of e, so gates of 1 - 1e-8 are
-  /// not rounded away in a float state.
+  /// until they pass a factor of e, so gates of 1 - 1e-8 are not rounded away in a float state.
   /// @param q     Dk query (features, with Identity)
   /// @param k     Dk key
   /// @param v     Dv value
@@ -385,16 +397,31 @@ class RecurrentState {
                   "linattn::Identity{} when q and k are already features");
   }
 
-  /// S scaled by exp(-log_scale()), C x Dv.
-  const Matrix<Acc>& s() const { return state_.s; }
-  /// z scaled by exp(-log_scale()), C.
-  const Vector<Acc>& z() const { return state_.z; }
-  /// Natural log of the factor s() and z() miss: 0 for plain maps, -infinity before any token;
-  /// after gated tokens also the scalar gates' pending factor (within [-1, 0] for plain maps).
-  double log_scale() const { return state_.log_scale; }
-  /// Per-feature gates' pending factors, C entries in [-1, 0] (0 without per-feature gates):
-  /// row c of the true S is exp(log_scale() + row_log_scale()(c)) times row c of s().
-  const Eigen::Array<double, Eigen::Dynamic, 1>& row_log_scale() const { return state_.row_log; }
+  /// S, C x Dv: the true sums, whatever the state holds internally (gate factors kept in
+  /// double, an exponential map's scale): FLA's final state for the features. Throws Error when
+  /// they overflow Acc (an exponential map with large inputs): read sums() then.
+  Matrix<Acc> s() const {
+    Matrix<Acc> out(state_.s.rows(), state_.s.cols());
+    for (Eigen::Index c = 0; c < out.rows(); ++c) {
+      out.row(c) = state_.s.row(c) * true_factor(c, "s");
+    }
+    require_representable(out, "s");
+    return out;
+  }
+  /// z, C: the true normaliser sums (see s()).
+  Vector<Acc> z() const {
+    Vector<Acc> out(state_.z.size());
+    for (Eigen::Index c = 0; c < out.size(); ++c) out(c) = state_.z(c) * true_factor(c, "z");
+    require_representable(out, "z");
+    return out;
+  }
+  /// The sums in a form that never overflows: S = exp(log_scale) s, z = exp(log_scale) z, as
+  /// save() writes them and from_sums(sums, options) takes them back.
+  ScaledSums<Acc> sums() const {
+    detail::CarriedState<Acc> folded = state_;
+    folded.fold_rows();
+    return ScaledSums<Acc>{std::move(folded.s), std::move(folded.z), folded.log_scale};
+  }
   /// Tokens added since construction or reset.
   std::int64_t tokens() const { return tokens_; }
   /// What has moved the state since construction or reset: none before its first token (or
@@ -431,7 +458,7 @@ class RecurrentState {
   /// @param options    as for the constructor
   /// @param log_scale  log of the factor s0 and z0 miss: 0 for plain sums (exponential maps
   ///                   may use any finite value; -infinity only with all-zero sums, a fresh
-  ///                   state, as log_scale() reports it)
+  ///                   state, as sums() reports it)
   template <class DS, class DZ>
   static RecurrentState from_sums(const Eigen::MatrixBase<DS>& s0, const Eigen::MatrixBase<DZ>& z0,
                                   const Options& options = {}, double log_scale = 0.0) {
@@ -483,6 +510,12 @@ class RecurrentState {
           "attention");
     }
     return from_sums(s0, Vector<Acc>::Zero(s0.rows()), options, log_scale);
+  }
+
+  /// The state whose sums() are `sums` (another state's, or save's), as if its tokens had been
+  /// added: from_sums(sums.s, sums.z, options, sums.log_scale).
+  static RecurrentState from_sums(const ScaledSums<Acc>& sums, const Options& options = {}) {
+    return from_sums(sums.s, sums.z, options, sums.log_scale);
   }
 
   /// Writes the state without a record of its feature map (the map kind "unknown"): only
@@ -1114,6 +1147,33 @@ class RecurrentState {
 
   template <class T2, class Acc2>
   friend class RecurrentStateBatch;
+  friend struct detail::StateAccess;
+
+  const Matrix<Acc>& held_s() const { return state_.s; }
+  const detail::CarriedState<Acc>& held() const { return state_; }
+
+  /// The factor row c of the held sums misses, in Acc (0 before any token).
+  Acc true_factor(Eigen::Index c, const char* what) const {
+    if (state_.empty()) return Acc(0);
+    const double log_factor = state_.log_scale + (state_.rows_pending ? state_.row_log(c) : 0.0);
+    if (log_factor == 0.0) return Acc(1);
+    const auto factor = static_cast<Acc>(std::exp(log_factor));
+    if (!std::isfinite(factor)) overflow(what, log_factor);
+    return factor;
+  }
+
+  template <class Derived>
+  void require_representable(const Eigen::MatrixBase<Derived>& sums, const char* what) const {
+    if (!sums.allFinite()) overflow(what, state_.log_scale);
+  }
+
+  [[noreturn]] static void overflow(const char* what, double log_factor) {
+    throw Error(std::string("RecurrentState::") + what + ": the true sums overflow " +
+                (std::is_same_v<Acc, float> ? "float" : "double") + " (a scale of exp(" +
+                detail::format_double(log_factor) +
+                "), from an exponential feature map's large inputs): read sums(), which holds "
+                "them as exp(log_scale) times finite sums");
+  }
 
   /// The bonus prefill on validated input (gates: a gate argument, u: C weights) into `out`
   /// (N x Dv rows, any strides): row 0 reads the state as it stands; rows 1.. are the chunked

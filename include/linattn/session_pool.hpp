@@ -37,6 +37,16 @@ struct batch_traits<DeltaRuleStateBatch<T, Acc>> {
   using Scalar = T;
 };
 
+/// Whether Layer is a layer whose make_states gives a Batch (the layers of a SessionPool).
+template <class Layer, class Batch, class = void>
+inline constexpr bool is_layer_of = false;
+template <class Layer, class Batch>
+inline constexpr bool
+    is_layer_of<Layer, Batch,
+                std::enable_if_t<
+                    std::is_same_v<decltype(std::declval<const Layer&>().make_states(1)), Batch>>> =
+        true;
+
 }  // namespace detail
 
 /// The decoding states of many sessions of one model: for each of its recurrent layers, each
@@ -51,6 +61,8 @@ struct batch_traits<DeltaRuleStateBatch<T, Acc>> {
 /// so a step checks every state and input before the first state moves and splits the
 /// sessions x heads across the threads of the layer's options, exactly as that batch would.
 /// Layers run one after another (layer l + 1 reads layer l's outputs): one call per layer.
+/// A pool is made from the model's layers (SessionPool pool(layer_0, layer_1, ...)), so every
+/// session's states have their layer's heads, options and decays.
 /// @tparam Batch  RecurrentStateBatch<T, Acc> or DeltaRuleStateBatch<T, Acc>
 template <class Batch>
 class SessionPool {
@@ -62,20 +74,50 @@ class SessionPool {
   /// How the caller names a session (a user or conversation id).
   using Key = std::int64_t;
 
-  /// @param fresh  one batch per layer holding a new session's states of that layer: H_l
-  ///               states, each with its head's options (e.g. RecurrentStateBatch(H, C, Dv,
-  ///               HeadDecays{...})); at least one layer
-  explicit SessionPool(std::vector<Batch> fresh) : fresh_(std::move(fresh)), live_(fresh_.size()) {
-    if (fresh_.empty()) throw Error("SessionPool: fresh has no layers; give one batch per layer");
+  /// A pool for a model's recurrent layers, in order: each session holds, for layer l, the
+  /// states layer l's make_states(1) makes (its H heads, its options, its decays), so no
+  /// session runs with other settings than its layer (a pool of hand-made batches could).
+  /// @param first, rest  LinearAttentionLayer or DeltaRuleLayer whose States is Batch
+  template <class First, class... Rest,
+            class = std::enable_if_t<detail::is_layer_of<First, Batch> &&
+                                     (detail::is_layer_of<Rest, Batch> && ...)>>
+  explicit SessionPool(const First& first, const Rest&... rest)
+      : SessionPool(FromLayers{},
+                    std::vector<Batch>{first.make_states(1), rest.make_states(1)...}) {}
+
+  /// A pool for `layers` layers in order (a model's layers of one type), each as above.
+  /// @param layers  at least one
+  template <class Layer, class = std::enable_if_t<detail::is_layer_of<Layer, Batch>>>
+  explicit SessionPool(const std::vector<Layer>& layers)
+      : SessionPool(FromLayers{}, fresh_of(layers)) {}
+
+  /// A pool is made from its layers (above): batches made by hand could hold other options
+  /// than the layers that feed them, and ran with them silently. Does not compile.
+  template <class B = Batch>
+  explicit SessionPool(std::vector<Batch>) {
+    static_assert(detail::always_false<B>,
+                  "linattn: a SessionPool is made from the model's layers: SessionPool "
+                  "pool(layer_0, layer_1, ...) or pool(layers_vector), each session holding "
+                  "layer_l.make_states(1) (batches made by hand could hold other options than "
+                  "their layer's)");
+  }
+  /// As above: SessionPool(count, layer) instead.
+  template <class B = Batch>
+  SessionPool(Eigen::Index, const Batch&) {
+    static_assert(detail::always_false<B>,
+                  "linattn: a SessionPool is made from the model's layers: SessionPool "
+                  "pool(count, layer) for count layers alike, each session holding "
+                  "layer.make_states(1)");
   }
 
-  /// `layers` layers that all start from `fresh` (H states: a new session's heads).
+  /// A pool for `layers` layers alike, each `layer`.
   /// @param layers  number of layers, >= 1
-  /// @param fresh   a new session's H states of each layer
-  SessionPool(Eigen::Index layers, const Batch& fresh)
-      : SessionPool(std::vector<Batch>(
-            static_cast<std::size_t>(detail::require_positive_dim(layers, "SessionPool", "layers")),
-            fresh)) {}
+  template <class Layer, class = std::enable_if_t<detail::is_layer_of<Layer, Batch>>>
+  SessionPool(Eigen::Index layers, const Layer& layer)
+      : SessionPool(FromLayers{},
+                    std::vector<Batch>(static_cast<std::size_t>(detail::require_positive_dim(
+                                           layers, "SessionPool", "layers")),
+                                       layer.make_states(1))) {}
 
   /// Number of layers.
   Eigen::Index layers() const { return static_cast<Eigen::Index>(fresh_.size()); }
@@ -289,6 +331,22 @@ class SessionPool {
   }
 
  private:
+  /// Marks the one constructor that takes the fresh batches: the layers' make_states(1).
+  struct FromLayers {};
+
+  SessionPool(FromLayers, std::vector<Batch> fresh)
+      : fresh_(std::move(fresh)), live_(fresh_.size()) {
+    if (fresh_.empty()) throw Error("SessionPool: no layers given; give the model's layers");
+  }
+
+  template <class Layer>
+  static std::vector<Batch> fresh_of(const std::vector<Layer>& layers) {
+    std::vector<Batch> fresh;
+    fresh.reserve(layers.size());
+    for (const Layer& layer : layers) fresh.push_back(layer.make_states(1));
+    return fresh;
+  }
+
   static std::vector<State>& states_of(Batch& batch) {
     return static_cast<detail::StateBatch<State>&>(batch).states_;
   }
@@ -437,5 +495,13 @@ class SessionPool {
   std::vector<Key> keys_;                 // by position
   std::unordered_map<Key, Eigen::Index> positions_;
 };
+
+/// SessionPool pool(layer_0, layer_1, ...) holds those layers' States.
+template <class First, class... Rest>
+SessionPool(const First&, const Rest&...) -> SessionPool<typename First::States>;
+template <class Layer>
+SessionPool(const std::vector<Layer>&) -> SessionPool<typename Layer::States>;
+template <class Layer>
+SessionPool(Eigen::Index, const Layer&) -> SessionPool<typename Layer::States>;
 
 }  // namespace linattn

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <linattn/config.hpp>
 #include <linattn/detail/parallel.hpp>
+#include <linattn/detail/state_access.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/gates.hpp>
 #include <string>
@@ -74,9 +75,9 @@ class StateBatch {
   /// may not), so that no state moves before another one throws.
   /// @param dims  how the message names S's dimensions, e.g. "C x Dv"
   void require_uniform_dims(const char* dims, const char* where) const {
-    const auto& first = states_.front().s();
+    const auto& first = StateAccess::held_s(states_.front());
     for (std::size_t i = 0; i < states_.size(); ++i) {
-      const auto& s = states_[i].s();
+      const auto& s = StateAccess::held_s(states_[i]);
       if (s.rows() != first.rows() || s.cols() != first.cols()) {
         throw Error(std::string(where) + ": state " + std::to_string(i) + " is " + shape_string(s) +
                     " (" + dims + ") but state 0 is " + shape_string(first) +
@@ -117,14 +118,14 @@ class StateBatch {
 
   /// The states' S in bytes, all together.
   std::size_t state_bytes() const {
-    const auto& s = states_.front().s();
+    const auto& s = StateAccess::held_s(states_.front());
     return states_.size() * static_cast<std::size_t>(s.size()) * sizeof(*s.data());
   }
 
   /// Asks for every cache line of `state`'s S, to be written (the step updates it in place).
   static void prefetch_state(const State& state) {
 #if defined(__GNUC__) || defined(__clang__)
-    const auto& s = state.s();
+    const auto& s = StateAccess::held_s(state);
     const char* bytes = reinterpret_cast<const char*>(s.data());
     const std::size_t size = static_cast<std::size_t>(s.size()) * sizeof(*s.data());
     for (std::size_t at = 0; at < size; at += 64) __builtin_prefetch(bytes + at, 1, 2);

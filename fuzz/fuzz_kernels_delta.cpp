@@ -1,0 +1,355 @@
+// SPDX-License-Identifier: MIT
+// fuzz_kernels: the checks of the softmax baselines and of the delta rule.
+#include "kernel_checks.hpp"
+
+namespace linattn_fuzz {
+
+/// Every entry of out inside [min, max] of v's column (softmax weights are a convex combination).
+template <class T>
+void require_in_hull(const char* what, const Matrix<T>& out, const Matrix<T>& v, double tol) {
+  require_finite(what, out);
+  for (Index c = 0; c < v.cols(); ++c) {
+    const double lo = static_cast<double>(v.col(c).minCoeff()) - tol;
+    const double hi = static_cast<double>(v.col(c).maxCoeff()) + tol;
+    for (Index r = 0; r < out.rows(); ++r) {
+      const double x = static_cast<double>(out(r, c));
+      if (!(x >= lo && x <= hi)) fail(std::string(what) + ": output outside the range of v");
+    }
+  }
+}
+
+template <class T>
+void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                 bool bounded) {
+  const bool ok_scale = bounded && in.scale_valid;
+  const bool ok_window = ok_scale && in.window_valid;
+  const bool causal = in.softmax_causal;
+  // Rounding of a score s moves its weight by ~ |s| u relative; bound the scores to size it.
+  const double scale = in.scale < 0 ? 1.0 / std::sqrt(static_cast<double>(in.dk)) : in.scale;
+  const double max_score = std::abs(scale) * static_cast<double>(in.dk) * max_abs(q) * max_abs(k);
+  const double unit = std::numeric_limits<T>::epsilon();
+  const double tol =
+      (8.0 * unit * (max_score + 1.0) * static_cast<double>(in.dk + 2) + 1e-5) * max_abs(v) + 1e-6;
+
+  Matrix<T> tiled, tiled_causal, materialized, window;
+  const bool tiled_ok = attempt("softmax_attention", ok_scale, [&] {
+    tiled = linattn::softmax_attention(
+        q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, in.scale);
+  });
+  attempt("softmax_attention(causal)", ok_scale, [&] {
+    tiled_causal = linattn::softmax_attention(q, k, v, linattn::Mask::causal, in.scale);
+  });
+  attempt("materialized_softmax_attention", ok_scale, [&] {
+    materialized = linattn::materialized_softmax_attention(
+        q, k, v, causal ? linattn::Mask::causal : linattn::Mask::none, in.scale);
+  });
+  attempt("sliding_window_attention", ok_window,
+          [&] { window = linattn::sliding_window_attention(q, k, v, in.window, in.scale); });
+
+  // KV cache: append the first `split` tokens, step the rest, then roll back and step again.
+  Matrix<T> cached(in.n - in.split, in.dv);
+  std::optional<Vector<T>> first, replay;
+  attempt("SoftmaxKVCache", ok_scale, [&] {
+    linattn::SoftmaxKVCache<T> cache(in.dk, in.dv, in.scale);
+    cache.append(k.topRows(in.split), v.topRows(in.split));  // split may be 0: a no-op
+    for (Index i = in.split; i < in.n; ++i) {
+      cached.row(i - in.split) = cache.step(q.row(i), k.row(i), v.row(i)).transpose();
+    }
+    if (cache.tokens() != in.n) fail("SoftmaxKVCache::tokens() is not the number of tokens");
+    if (in.split < in.n) {
+      cache.truncate(in.split);
+      replay = cache.step(q.row(in.split), k.row(in.split), v.row(in.split));
+      first = cached.row(0).transpose();
+    }
+  });
+  Matrix<T> ring(in.n, in.dv);
+  attempt("SlidingWindowCache", ok_window, [&] {
+    linattn::SlidingWindowCache<T> cache(in.dk, in.dv, in.window, in.scale);
+    for (Index i = 0; i < in.n; ++i) {
+      ring.row(i) = cache.step(q.row(i), k.row(i), v.row(i)).transpose();
+    }
+  });
+
+  if (!ok_scale || !tiled_ok) return;
+  require_in_hull("softmax_attention", tiled, v, tol);
+  require_in_hull("softmax_attention(causal)", tiled_causal, v, tol);
+  require_in_hull("materialized_softmax_attention", materialized, v, tol);
+  require_in_hull("SoftmaxKVCache::step", cached, v, tol);
+  require_close("softmax_attention vs materialized", tiled, materialized, tol);
+  require_close("softmax_attention(causal) vs SoftmaxKVCache",
+                tiled_causal.bottomRows(in.n - in.split), cached, tol);
+  if (first && !bit_equal(*first, *replay)) fail("SoftmaxKVCache::truncate did not roll back");
+  if (!ok_window) return;
+  require_in_hull("sliding_window_attention", window, v, tol);
+  require_in_hull("SlidingWindowCache::step", ring, v, tol);
+  require_close("sliding_window_attention vs SlidingWindowCache", window, ring, tol);
+  if (in.window >= in.n) {
+    require_close("sliding_window_attention (window >= N) vs causal softmax", window, tiled_causal,
+                  tol);
+  }
+}
+
+/// The delta rule's backward on run_delta's inputs, grad_out = v with its rows reversed: the
+/// allocating call, the workspace form and the 1 x 1 x N view call give the same gradients
+/// bit for bit (or all throw), finite where the forward's outputs must be.
+template <class T>
+void run_delta_backward(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                        const Matrix<T>& g, const Vector<T>& beta, bool gated,
+                        const linattn::DeltaOptions& opt, bool must, bool check) {
+  const Matrix<T> grad_out = v.colwise().reverse();
+  static linattn::DeltaBackwardWorkspace<T> workspace;  // reused by every input of this type
+  linattn::DeltaRuleGradients<T> alloc, held, viewed;
+  const auto shape = [&](linattn::DeltaRuleGradients<T>& d) {
+    d.q.resize(in.n, in.dk);
+    d.k.resize(in.n, in.dk);
+    d.v.resize(in.n, in.dv);
+    d.beta.resize(in.n);
+    d.gates.resize(in.n, gated ? g.cols() : 0);
+  };
+  shape(held);
+  shape(viewed);
+  const bool alloc_ok = attempt("causal_(gated_)delta_rule_backward", must, [&] {
+    alloc = gated ? linattn::causal_gated_delta_rule_backward(q, k, v, linattn::log_gates(g), beta,
+                                                              grad_out, opt)
+                  : linattn::causal_delta_rule_backward(q, k, v, beta, grad_out, opt);
+  });
+  const bool held_ok = attempt("causal_(gated_)delta_rule_backward(workspace)", must, [&] {
+    if (gated) {
+      linattn::causal_gated_delta_rule_backward_into(q, k, v, linattn::log_gates(g), beta, grad_out,
+                                                     held.q, held.k, held.v, held.gates, held.beta,
+                                                     opt, workspace);
+    } else {
+      linattn::causal_delta_rule_backward_into(q, k, v, beta, grad_out, held.q, held.k, held.v,
+                                               held.beta, opt, workspace);
+    }
+  });
+  const auto view = [&](auto* data, Index dim) {
+    return linattn::HeadsView<std::remove_pointer_t<decltype(data)>>::bhnd(data, {1, 1, in.n, dim});
+  };
+  const bool viewed_ok = attempt("causal_(gated_)delta_rule_backward(views)", must, [&] {
+    if (gated) {
+      linattn::causal_gated_delta_rule_backward_into(
+          view(q.data(), in.dk), view(k.data(), in.dk), view(v.data(), in.dv),
+          linattn::log_gates(view(g.data(), g.cols())), view(beta.data(), 1),
+          view(grad_out.data(), in.dv), view(viewed.q.data(), in.dk), view(viewed.k.data(), in.dk),
+          view(viewed.v.data(), in.dv), view(viewed.gates.data(), g.cols()),
+          view(viewed.beta.data(), 1), opt);
+    } else {
+      linattn::causal_delta_rule_backward_into(
+          view(q.data(), in.dk), view(k.data(), in.dk), view(v.data(), in.dv), view(beta.data(), 1),
+          view(grad_out.data(), in.dv), view(viewed.q.data(), in.dk), view(viewed.k.data(), in.dk),
+          view(viewed.v.data(), in.dv), view(viewed.beta.data(), 1), opt);
+    }
+  });
+  if (alloc_ok != held_ok || alloc_ok != viewed_ok) {
+    fail("the delta rule's backward forms disagree on whether the input is valid");
+  }
+  if (!alloc_ok) return;
+  const auto same = [](const linattn::DeltaRuleGradients<T>& a,
+                       const linattn::DeltaRuleGradients<T>& b) {
+    return bit_equal(a.q, b.q) && bit_equal(a.k, b.k) && bit_equal(a.v, b.v) &&
+           bit_equal(a.beta, b.beta) && bit_equal(a.gates, b.gates);
+  };
+  if (!same(alloc, held)) fail("the delta rule's backward with a workspace differs");
+  if (!same(alloc, viewed)) fail("the delta rule's view backward differs from the matrix one");
+  if (!check) return;
+  require_finite("delta rule backward: grad_q", alloc.q);
+  require_finite("delta rule backward: grad_k", alloc.k);
+  require_finite("delta rule backward: grad_v", alloc.v);
+  require_finite("delta rule backward: grad_beta", alloc.beta);
+  if (gated) require_finite("delta rule backward: grad_gates", alloc.gates);
+}
+
+/// The delta rule on the same inputs: DeltaNet, Gated DeltaNet or KDA by the seed (gates from
+/// draw_log_gates, resets included), beta in (0, 1] or (0, 2] drawn from the seed. With L2
+/// normalisation (Options::normalize stands for DeltaOptions::l2_normalize) and bounded input
+/// every S_t stays bounded: then the outputs are finite and both forms, the steps,
+/// prefill-then-step, the 1 x 1 x N view and a batch of one state (prefill from views, then
+/// batch steps) agree, and a saved state continues bit for bit.
+template <class T>
+void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+               bool bounded) {
+  const bool gated = (in.seed & 4u) == 0;
+  const Matrix<T> g = draw_log_gates<T>(in, in.dk);
+  linattn::DeltaOptions opt;
+  opt.scale = in.scale;
+  opt.l2_normalize = in.options.normalize;
+  opt.chunk = in.options.chunk;
+  opt.check_finite = in.options.check_finite;
+  opt.allow_negative_eigenvalues = (in.seed & 8u) != 0;
+  Vector<T> beta(in.n);
+  for (Index t = 0; t < in.n; ++t) {
+    const double u = static_cast<double>((in.seed * 31 + static_cast<std::uint64_t>(t) * 17) % 20);
+    beta(t) = static_cast<T>((opt.allow_negative_eigenvalues ? 0.1 : 0.05) * (u + 1.0));
+  }
+  // Keys the kernel does not normalise must give stable steps (beta |k|^2 <= 2), or it throws.
+  bool stable = true;
+  for (Index t = 0; t < in.n && !opt.l2_normalize; ++t) {
+    const double gain =
+        static_cast<double>(beta(t)) * k.row(t).template cast<double>().squaredNorm();
+    if (gain > linattn::detail::kMaxStepGain) stable = false;
+  }
+  const bool valid = opt.chunk >= 1 && std::isfinite(in.scale) && in.scale != 0.0 && stable;
+  const bool must = bounded && valid;
+  const bool check = must && opt.l2_normalize;
+  Matrix<T> par(in.n, in.dv), steps(in.n, in.dv), split(in.n, in.dv), viewed(in.n, in.dv);
+  const bool par_ok = attempt("causal_(gated_)delta_rule", must, [&] {
+    if (gated) {
+      par = linattn::causal_gated_delta_rule(q, k, v, linattn::log_gates(g), beta, opt);
+    } else {
+      par = linattn::causal_delta_rule(q, k, v, beta, opt);
+    }
+  });
+  Matrix<T> chunked(in.n, in.dv);
+  linattn::DeltaOptions chunked_opt = opt;
+  chunked_opt.form = linattn::DeltaForm::chunked;
+  const bool chunked_ok = attempt("causal_(gated_)delta_rule(chunked)", must, [&] {
+    if (gated) {
+      chunked = linattn::causal_gated_delta_rule(q, k, v, linattn::log_gates(g), beta, chunked_opt);
+    } else {
+      chunked = linattn::causal_delta_rule(q, k, v, beta, chunked_opt);
+    }
+  });
+  using State = linattn::DeltaRuleState<T>;
+  const auto step = [&](State& state, Index i) {
+    if (gated) {
+      return state.step(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)), beta(i));
+    }
+    return state.step(q.row(i), k.row(i), v.row(i), beta(i));
+  };
+  std::optional<State> stepped, pieces;
+  const bool steps_ok = attempt("DeltaRuleState::step", must, [&] {
+    stepped.emplace(in.dk, in.dv, opt);
+    for (Index i = 0; i < in.n; ++i) steps.row(i) = step(*stepped, i).transpose();
+  });
+  const bool split_ok = attempt("DeltaRuleState::prefill", must, [&] {
+    pieces.emplace(in.dk, in.dv, opt);
+    const Index s = in.split;
+    if (s > 0) {
+      if (gated) {
+        split.topRows(s) = pieces->prefill(q.topRows(s), k.topRows(s), v.topRows(s),
+                                           linattn::log_gates(g.topRows(s)), beta.head(s));
+      } else {
+        split.topRows(s) = pieces->prefill(q.topRows(s), k.topRows(s), v.topRows(s), beta.head(s));
+      }
+    }
+    for (Index i = s; i < in.n; ++i) split.row(i) = step(*pieces, i).transpose();
+  });
+  const linattn::HeadShape qk_shape{1, 1, in.n, in.dk}, v_shape{1, 1, in.n, in.dv};
+  const auto qv = linattn::HeadsView<const T>::bhnd(q.data(), qk_shape);
+  const auto kv = linattn::HeadsView<const T>::bhnd(k.data(), qk_shape);
+  const auto vv = linattn::HeadsView<const T>::bhnd(v.data(), v_shape);
+  const auto bv = linattn::HeadsView<const T>::bhnd(beta.data(), {1, 1, in.n, 1});
+  const auto gv = linattn::HeadsView<const T>::bhnd(g.data(), {1, 1, in.n, g.cols()});
+  const auto ov = linattn::HeadsView<T>::bhnd(viewed.data(), v_shape);
+  const bool viewed_ok = attempt("causal_(gated_)delta_rule_into(views)", must, [&] {
+    if (gated) {
+      linattn::causal_gated_delta_rule_into(qv, kv, vv, linattn::log_gates(gv), bv, ov, opt);
+    } else {
+      linattn::causal_delta_rule_into(qv, kv, vv, bv, ov, opt);
+    }
+  });
+  // A batch of one state: a prefill from views of the first tokens, then batch steps.
+  Matrix<T> batched(in.n, in.dv);
+  const bool batched_ok = attempt("DeltaRuleStateBatch", must, [&] {
+    linattn::DeltaRuleStateBatch<T> batch(1, in.dk, in.dv, opt);
+    const Index s = in.split;
+    if (s > 0) {
+      const auto prefix = [&](const auto& view, Index dim) {
+        return std::decay_t<decltype(view)>::bhnd(view.data(), {1, 1, s, dim});
+      };
+      const auto out = linattn::HeadsView<T>::bhnd(batched.data(), {1, 1, s, in.dv});
+      if (gated) {
+        batch.prefill_into(prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv),
+                           linattn::log_gates(prefix(gv, g.cols())), prefix(bv, 1), out);
+      } else {
+        batch.prefill_into(prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv), prefix(bv, 1),
+                           out);
+      }
+    }
+    for (Index i = s; i < in.n; ++i) {
+      if (gated) {
+        batch.step_into(q.row(i), k.row(i), v.row(i), linattn::log_gates(g.row(i)),
+                        beta.segment(i, 1), batched.row(i));
+      } else {
+        batch.step_into(q.row(i), k.row(i), v.row(i), beta.segment(i, 1), batched.row(i));
+      }
+    }
+  });
+  // The same through a session pool, beside a second session dropped half way through the
+  // steps (its states' handles move): bit for bit the batch of one.
+  Matrix<T> pooled(in.n, in.dv);
+  const bool pooled_ok = attempt("SessionPool<DeltaRuleStateBatch>", must, [&] {
+    linattn::SessionPool pool(1, linattn::DeltaRuleLayer<T>(1, in.dk, in.dv, opt));
+    pool.add(7);
+    pool.add(3);
+    const Index s = in.split;
+    if (s > 0) {
+      const auto prefix = [&](const auto& view, Index dim) {
+        return std::decay_t<decltype(view)>::bhnd(view.data(), {1, 1, s, dim});
+      };
+      const auto out = linattn::HeadsView<T>::bhnd(pooled.data(), {1, 1, s, in.dv});
+      if (gated) {
+        pool.prefill_into(0, {3}, prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv),
+                          linattn::log_gates(prefix(gv, g.cols())), prefix(bv, 1), out);
+      } else {
+        pool.prefill_into(0, {3}, prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv),
+                          prefix(bv, 1), out);
+      }
+    }
+    for (Index i = s; i < in.n; ++i) {
+      if (i == (s + in.n) / 2) pool.drop(7);
+      const Index rows = pool.size();  // every live session takes token i
+      const Matrix<T> qi = q.row(i).replicate(rows, 1), ki = k.row(i).replicate(rows, 1),
+                      vi = v.row(i).replicate(rows, 1), gi = g.row(i).replicate(rows, 1);
+      const Vector<T> bi = beta.segment(i, 1).replicate(rows, 1);
+      Matrix<T> oi(rows, in.dv);
+      if (gated) {
+        pool.step_into(0, qi, ki, vi, linattn::log_gates(gi), bi, oi);
+      } else {
+        pool.step_into(0, qi, ki, vi, bi, oi);
+      }
+      pooled.row(i) = oi.row(pool.position(3));
+    }
+  });
+  if (batched_ok && pooled_ok && !bit_equal(batched, pooled)) {
+    fail("a session pool differs from a batch of one delta-rule state");
+  }
+  // beta = 0 is never a learning rate: every form refuses it.
+  Vector<T> zero_beta = beta;
+  zero_beta(in.n - 1) = T(0);
+  if (attempt("causal_delta_rule(beta = 0)", false,
+              [&] { (void)linattn::causal_delta_rule(q, k, v, zero_beta, opt); })) {
+    fail("the delta rule took beta = 0");
+  }
+  run_delta_backward(in, q, k, v, g, beta, gated, opt, must, check);
+  if (!check || !par_ok) return;
+  require_finite("causal_(gated_)delta_rule", par);
+  // Normalised keys and beta <= 2 keep |S| within the sum of beta |v|: size the bound by it.
+  const double tol = kRelTol<T> * (1.0 + 2.0 * static_cast<double>(in.n) * max_abs(v));
+  if (chunked_ok) require_close("delta rule: streamed vs chunked", par, chunked, tol);
+  if (steps_ok) require_close("delta rule: streamed vs steps", par, steps, tol);
+  if (split_ok) require_close("delta rule: chunked vs prefill then steps", par, split, tol);
+  if (viewed_ok) require_close("delta rule: matrix vs 1 x 1 x N view", par, viewed, tol);
+  if (batched_ok) require_close("delta rule: batch prefill then batch steps", par, batched, tol);
+  if (!steps_ok || !stepped->s().allFinite()) return;
+  std::stringstream saved;
+  stepped->save(saved);
+  std::optional<State> loaded;
+  attempt("DeltaRuleState::load", true, [&] { loaded.emplace(State::load(saved, opt)); });
+  if (!bit_equal(loaded->s(), stepped->s())) fail("a loaded delta-rule state differs");
+  const Vector<T> a = step(*stepped, in.n - 1);
+  const Vector<T> b = step(*loaded, in.n - 1);
+  if (!bit_equal(a, b)) fail("a loaded delta-rule state steps to other outputs");
+}
+
+template void run_softmax<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
+                                 const Matrix<float>&, bool);
+template void run_softmax<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
+                                  const Matrix<double>&, bool);
+template void run_delta<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
+                               const Matrix<float>&, bool);
+template void run_delta<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
+                                const Matrix<double>&, bool);
+
+}  // namespace linattn_fuzz

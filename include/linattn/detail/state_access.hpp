@@ -1,0 +1,23 @@
+// SPDX-License-Identifier: MIT
+// The sums a state holds, as it holds them, for the library's own code and its tests.
+#pragma once
+
+namespace linattn::detail {
+
+/// What a state holds, as it holds it (a RecurrentState's sums are stored scaled; its s() and
+/// z() are the true S and z): for a batch's shape checks and prefetches, and for tests that
+/// compare two states bit for bit. Not a way to read a state's S.
+struct StateAccess {
+  /// The stored S (its shape and memory are the state's).
+  template <class State>
+  static const auto& held_s(const State& state) {
+    return state.held_s();
+  }
+  /// Everything a state stores (a RecurrentState's detail::CarriedState).
+  template <class State>
+  static const auto& held(const State& state) {
+    return state.held();
+  }
+};
+
+}  // namespace linattn::detail
