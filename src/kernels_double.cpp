@@ -3,6 +3,7 @@
 // double.
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
+#include <linattn/detail/delta_rule_backward.hpp>
 
 #define LINATTN_DEFINE_DOUBLE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(template, T, O)
 LINATTN_DEFINE_DOUBLE_KERNELS(double, double)
@@ -19,3 +20,4 @@ LINATTN_DEFINE_DOUBLE_DELTA_KERNELS(double, Eigen::bfloat16)
 // The stream kernels behind every step, prefill and backward, and the delta rule's step.
 LINATTN_STREAM_INSTANCES(template, double)
 LINATTN_DELTA_STEP_INSTANCES(template, double)
+LINATTN_DELTA_BACKWARD_INSTANCES(template, double)

@@ -3,6 +3,7 @@
 // float.
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
+#include <linattn/detail/delta_rule_backward.hpp>
 
 #define LINATTN_DEFINE_FLOAT_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(template, T, O)
 LINATTN_DEFINE_FLOAT_KERNELS(float, float)
@@ -17,3 +18,4 @@ LINATTN_DEFINE_FLOAT_DELTA_KERNELS(float, Eigen::bfloat16)
 // The stream kernels behind every step, prefill and backward, and the delta rule's step.
 LINATTN_STREAM_INSTANCES(template, float)
 LINATTN_DELTA_STEP_INSTANCES(template, float)
+LINATTN_DELTA_BACKWARD_INSTANCES(template, float)

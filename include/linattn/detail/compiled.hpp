@@ -39,6 +39,10 @@
   prefix void linattn::detail::delta_step<T>(   \
       linattn::Matrix<T>&, linattn::detail::DeltaStepBuffers<T>&, T, Eigen::Index);
 
+/// The delta rule's backward workspace of one accumulation type T: the members that do not
+/// depend on the inputs' types (declared in detail/delta_rule_backward.hpp).
+#define LINATTN_DELTA_BACKWARD_INSTANCES(prefix, T) prefix class linattn::detail::DeltaBackward<T>;
+
 #ifdef LINATTN_COMPILED
 #define LINATTN_DECLARE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(extern template, T, O)
 LINATTN_KERNEL_TYPES(LINATTN_DECLARE_KERNELS)

@@ -98,31 +98,7 @@ class DeltaBackward {
   /// Sizes the workspace for a call (as the constructor): buffers of the same size as the last
   /// call's are kept, others reallocated.
   void reshape(Eigen::Index rows, Eigen::Index key_dim, Eigen::Index value_dim,
-               Eigen::Index gate_dim, const DeltaOptions& options) {
-    n_ = rows;
-    dk_ = key_dim;
-    dv_ = value_dim;
-    gates_ = gate_dim;
-    block_ = checkpoint_interval(options.chunk, rows);
-    scale_ = static_cast<T>(delta_scale(options, key_dim));
-    l2_normalize_ = options.l2_normalize;
-    options_ = options;
-    const Eigen::Index g = std::max<Eigen::Index>(gate_dim, 1);
-    checkpoints_.resize(blocks() * key_dim, value_dim);
-    states_.resize(block_ * key_dim, value_dim);
-    for (Matrix<T>* m : {&q_, &k_, &grad_q_, &grad_k_}) m->resize(block_, key_dim);
-    for (Matrix<T>* m : {&raw_q_, &raw_k_}) m->resize(l2_normalize_ ? block_ : 0, key_dim);
-    for (Matrix<T>* m : {&v_, &u_, &grad_out_, &grad_v_}) m->resize(block_, value_dim);
-    gate_.resize(block_, g);
-    grad_gates_.resize(block_, g);
-    beta_.resize(block_);
-    grad_beta_.resize(block_);
-    ds_.resize(key_dim, value_dim);
-    state_.resize(key_dim, value_dim);
-    for (Vector<T>* x : {&dout_, &du_, &dpred_}) x->resize(value_dim);
-    for (Vector<T>* x : {&dq_, &dkey_, &product_}) x->resize(key_dim);
-    step_.resize(key_dim, value_dim);
-  }
+               Eigen::Index gate_dim, const DeltaOptions& options);
 
   /// Bytes of T the buffers hold now.
   std::size_t held_bytes() const {
@@ -159,7 +135,7 @@ class DeltaBackward {
       const Eigen::Index len = std::min(block_, n_ - begin);
       load_block<LogSpace>(q, k, v, beta, gate_values, grad_out, begin, len);
       recompute(b, len);
-      for (Eigen::Index i = len - 1; i >= 0; --i) reverse_token<LogSpace>(i);
+      for (Eigen::Index i = len - 1; i >= 0; --i) reverse_token(i, LogSpace);
       finish_block(len);
       store(grad_q_, len, grad_q.middleRows(begin, len));
       store(grad_k_, len, grad_k.middleRows(begin, len));
@@ -216,59 +192,11 @@ class DeltaBackward {
   }
 
   /// S_{t-1} and u_t of the block's tokens from its checkpoint, by delta_step.
-  void recompute(Eigen::Index b, Eigen::Index len) {
-    state_ = checkpoints_.middleRows(b * dk_, dk_);
-    for (Eigen::Index i = 0; i < len; ++i) {
-      states_.middleRows(i * dk_, dk_) = state_;
-      step_.q = q_.row(i).transpose();
-      step_.k = k_.row(i).transpose();
-      step_.v = v_.row(i).transpose();
-      if (gates_ > 0) step_.gate.head(gates_) = gate_.row(i).head(gates_).transpose();
-      delta_step(state_, step_, beta_(i), gates_);
-      u_.row(i) = step_.pred.transpose();  // delta_step leaves u = beta (v - pred) there
-    }
-  }
+  void recompute(Eigen::Index b, Eigen::Index len);
 
-  /// Token i of the loaded block: its gradients into the block's rows, ds_ moved to S_{t-1}.
-  template <bool LogSpace>
-  void reverse_token(Eigen::Index i) {
-    const auto s_prev = states_.middleRows(i * dk_, dk_);
-    const auto q = q_.row(i).transpose();
-    const auto k = k_.row(i).transpose();
-    const auto u = u_.row(i).transpose();
-    const T beta = beta_(i);
-    dout_ = grad_out_.row(i).transpose();
-    ds_.noalias() += q * dout_.transpose();
-    // dq^ = S_t do with S_t = S' + k^ u^T: one pass over S_{t-1}, none over S_t.
-    product_.noalias() = s_prev * dout_;
-    decay(i, product_);
-    dq_ = product_ + k * u.dot(dout_);
-    dkey_.noalias() = ds_ * u;
-    du_.noalias() = ds_.transpose() * k;
-    // v - pred = u / beta, beta > 0 by validation.
-    grad_beta_(i) = du_.dot(u) / beta;
-    grad_v_.row(i) = beta * du_.transpose();
-    dpred_ = -beta * du_;
-    ds_.noalias() += k * dpred_.transpose();  // now dS'
-    product_.noalias() = s_prev * dpred_;
-    decay(i, product_);
-    dkey_ += product_;
-    if (gates_ == 1) {
-      const T da = (ds_.array() * s_prev.array()).sum();
-      grad_gates_(i, 0) = LogSpace ? da * gate_(i, 0) : da;
-      ds_ *= gate_(i, 0);
-    } else if (gates_ > 1) {
-      product_ = (ds_.array() * s_prev.array()).rowwise().sum().matrix();
-      if constexpr (LogSpace) {
-        grad_gates_.row(i) = product_.transpose().cwiseProduct(gate_.row(i));
-      } else {
-        grad_gates_.row(i) = product_.transpose();
-      }
-      ds_.array().colwise() *= gate_.row(i).transpose().array();
-    }
-    grad_q_.row(i) = dq_.transpose();
-    grad_k_.row(i) = dkey_.transpose();
-  }
+  /// Token i of the loaded block: its gradients into the block's rows, ds_ moved to S_{t-1}
+  /// (log_space: the gates were given as log gates, so their gradient is d / d log a_t).
+  void reverse_token(Eigen::Index i, bool log_space);
 
   /// y <- diag(a_t) y: S' y from S_{t-1} y.
   void decay(Eigen::Index i, Vector<T>& y) const {
@@ -280,25 +208,11 @@ class DeltaBackward {
   }
 
   /// The block's dq^ and dk^ through the scale and the L2 norm, to dq and dk.
-  void finish_block(Eigen::Index len) {
-    if (!l2_normalize_) {
-      grad_q_.topRows(len) *= scale_;
-      return;
-    }
-    norm_backward(raw_q_, grad_q_, len, scale_);
-    norm_backward(raw_k_, grad_k_, len, T(1));
-  }
+  void finish_block(Eigen::Index len);
 
   /// grad rows <- factor J_n(x)^T grad, J_n^T y = (y - x^ (x^ . y)) / r, r = sqrt(|x|^2 + eps),
   /// x^ = x / r: 1 / r as l2_normalize computes it.
-  static void norm_backward(const Matrix<T>& raw, Matrix<T>& grad, Eigen::Index len, T factor) {
-    for (Eigen::Index r = 0; r < len; ++r) {
-      const T inv = static_cast<T>(
-          1.0 / std::sqrt(static_cast<double>(raw.row(r).squaredNorm()) + kL2NormEps));
-      const T along = inv * raw.row(r).dot(grad.row(r));  // x^ . y
-      grad.row(r) = (factor * inv) * (grad.row(r) - (along * inv) * raw.row(r));
-    }
-  }
+  static void norm_backward(const Matrix<T>& raw, Matrix<T>& grad, Eigen::Index len, T factor);
 
   /// Rows [0, len) of a block buffer into the caller's gradient rows.
   template <class Out>
@@ -331,6 +245,117 @@ class DeltaBackward {
   Vector<T> dq_, dkey_, product_;  ///< Dk
   DeltaStepBuffers<T> step_;
 };
+
+// DeltaBackward's members that do not depend on the inputs' types, outside the class so that
+// the compiled mode's `extern template` keeps them out of every other translation unit.
+
+template <class T>
+void DeltaBackward<T>::reshape(Eigen::Index rows, Eigen::Index key_dim, Eigen::Index value_dim,
+                               Eigen::Index gate_dim, const DeltaOptions& options) {
+  n_ = rows;
+  dk_ = key_dim;
+  dv_ = value_dim;
+  gates_ = gate_dim;
+  block_ = checkpoint_interval(options.chunk, rows);
+  scale_ = static_cast<T>(delta_scale(options, key_dim));
+  l2_normalize_ = options.l2_normalize;
+  options_ = options;
+  const Eigen::Index g = std::max<Eigen::Index>(gate_dim, 1);
+  checkpoints_.resize(blocks() * key_dim, value_dim);
+  states_.resize(block_ * key_dim, value_dim);
+  for (Matrix<T>* m : {&q_, &k_, &grad_q_, &grad_k_}) m->resize(block_, key_dim);
+  for (Matrix<T>* m : {&raw_q_, &raw_k_}) m->resize(l2_normalize_ ? block_ : 0, key_dim);
+  for (Matrix<T>* m : {&v_, &u_, &grad_out_, &grad_v_}) m->resize(block_, value_dim);
+  gate_.resize(block_, g);
+  grad_gates_.resize(block_, g);
+  beta_.resize(block_);
+  grad_beta_.resize(block_);
+  ds_.resize(key_dim, value_dim);
+  state_.resize(key_dim, value_dim);
+  for (Vector<T>* x : {&dout_, &du_, &dpred_}) x->resize(value_dim);
+  for (Vector<T>* x : {&dq_, &dkey_, &product_}) x->resize(key_dim);
+  step_.resize(key_dim, value_dim);
+}
+
+template <class T>
+void DeltaBackward<T>::recompute(Eigen::Index b, Eigen::Index len) {
+  state_ = checkpoints_.middleRows(b * dk_, dk_);
+  for (Eigen::Index i = 0; i < len; ++i) {
+    states_.middleRows(i * dk_, dk_) = state_;
+    step_.q = q_.row(i).transpose();
+    step_.k = k_.row(i).transpose();
+    step_.v = v_.row(i).transpose();
+    if (gates_ > 0) step_.gate.head(gates_) = gate_.row(i).head(gates_).transpose();
+    delta_step(state_, step_, beta_(i), gates_);
+    u_.row(i) = step_.pred.transpose();  // delta_step leaves u = beta (v - pred) there
+  }
+}
+
+template <class T>
+void DeltaBackward<T>::reverse_token(Eigen::Index i, bool log_space) {
+  const auto s_prev = states_.middleRows(i * dk_, dk_);
+  const auto q = q_.row(i).transpose();
+  const auto k = k_.row(i).transpose();
+  const auto u = u_.row(i).transpose();
+  const T beta = beta_(i);
+  dout_ = grad_out_.row(i).transpose();
+  ds_.noalias() += q * dout_.transpose();
+  // dq^ = S_t do with S_t = S' + k^ u^T: one pass over S_{t-1}, none over S_t.
+  product_.noalias() = s_prev * dout_;
+  decay(i, product_);
+  dq_ = product_ + k * u.dot(dout_);
+  dkey_.noalias() = ds_ * u;
+  du_.noalias() = ds_.transpose() * k;
+  // v - pred = u / beta, beta > 0 by validation.
+  grad_beta_(i) = du_.dot(u) / beta;
+  grad_v_.row(i) = beta * du_.transpose();
+  dpred_ = -beta * du_;
+  ds_.noalias() += k * dpred_.transpose();  // now dS'
+  product_.noalias() = s_prev * dpred_;
+  decay(i, product_);
+  dkey_ += product_;
+  if (gates_ == 1) {
+    const T da = (ds_.array() * s_prev.array()).sum();
+    grad_gates_(i, 0) = log_space ? da * gate_(i, 0) : da;
+    ds_ *= gate_(i, 0);
+  } else if (gates_ > 1) {
+    product_ = (ds_.array() * s_prev.array()).rowwise().sum().matrix();
+    if (log_space) {
+      grad_gates_.row(i) = product_.transpose().cwiseProduct(gate_.row(i));
+    } else {
+      grad_gates_.row(i) = product_.transpose();
+    }
+    ds_.array().colwise() *= gate_.row(i).transpose().array();
+  }
+  grad_q_.row(i) = dq_.transpose();
+  grad_k_.row(i) = dkey_.transpose();
+}
+
+template <class T>
+void DeltaBackward<T>::finish_block(Eigen::Index len) {
+  if (!l2_normalize_) {
+    grad_q_.topRows(len) *= scale_;
+    return;
+  }
+  norm_backward(raw_q_, grad_q_, len, scale_);
+  norm_backward(raw_k_, grad_k_, len, T(1));
+}
+
+template <class T>
+void DeltaBackward<T>::norm_backward(const Matrix<T>& raw, Matrix<T>& grad, Eigen::Index len,
+                                     T factor) {
+  for (Eigen::Index r = 0; r < len; ++r) {
+    const T inv =
+        static_cast<T>(1.0 / std::sqrt(static_cast<double>(raw.row(r).squaredNorm()) + kL2NormEps));
+    const T along = inv * raw.row(r).dot(grad.row(r));  // x^ . y
+    grad.row(r) = (factor * inv) * (grad.row(r) - (along * inv) * raw.row(r));
+  }
+}
+
+#ifdef LINATTN_COMPILED
+LINATTN_DELTA_BACKWARD_INSTANCES(extern template, float)
+LINATTN_DELTA_BACKWARD_INSTANCES(extern template, double)
+#endif
 
 /// The matrix entry points: the scalar checks, validation, then the backward in Acc.
 template <class Acc, class DQ, class DK, class DV, class DB, class DO, class Gates>
