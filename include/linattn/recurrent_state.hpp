@@ -665,12 +665,7 @@ class RecurrentState {
     out.put<std::int64_t>(tokens_);
     out.put<double>(state_.log_scale);
     // Pending per-feature gate factors are applied to the written sums (the format has no field).
-    detail::CarriedState<Acc> folded(0, 0);
-    if (state_.rows_pending) {
-      folded = state_;
-      folded.fold_rows();
-    }
-    const detail::CarriedState<Acc>& sums = state_.rows_pending ? folded : state_;
+    const ScaledSums<Acc> sums = this->sums();
     for (Eigen::Index r = 0; r < feature_dim(); ++r) {
       for (Eigen::Index c = 0; c < value_dim(); ++c) out.put<Acc>(sums.s(r, c));
     }
