@@ -212,12 +212,14 @@ using linattn_test::Layout;
 template <class T>
 constexpr T kSentinel = T(-7.25);  // fills gradient views before a call
 
-/// A view problem: B x H output heads, q and k grouped in pairs (H / 2 heads), v, beta and
-/// grad_out per output head, gates per gate_heads heads (a_t for KDA, log gates otherwise),
-/// every head filled from its Inputs; the gradient views full of the sentinel.
+/// A view problem: B x H output heads, q and k grouped in pairs (H / 2 heads: output head h
+/// reads h / 2 interleaved, h % (H / 2) tiled), v, beta and grad_out per output head, gates per
+/// gate_heads heads (a_t for KDA, log gates otherwise), every head filled from its Inputs; the
+/// gradient views full of the sentinel.
 template <class T>
 struct ViewProblem {
   Eigen::Index batch, heads, gate_cols;
+  linattn::HeadGrouping grouping;
   std::vector<Inputs> inputs;  // per (b, h), b * H + h
   std::vector<Matrix<double>> grad_out;
   Heads<T> q, k, v, beta, gates, go;
@@ -225,10 +227,12 @@ struct ViewProblem {
 
   ViewProblem(Layout layout, Eigen::Index batch_, Eigen::Index heads_, Eigen::Index n,
               Eigen::Index dk, Eigen::Index dv, Eigen::Index gate_cols_, Eigen::Index gate_heads,
-              std::uint64_t seed)
+              std::uint64_t seed,
+              linattn::HeadGrouping grouping_ = linattn::HeadGrouping::interleaved)
       : batch(batch_),
         heads(heads_),
         gate_cols(gate_cols_),
+        grouping(grouping_),
         q(layout, batch, heads / 2, n, dk, T(0)),
         k(layout, batch, heads / 2, n, dk, T(0)),
         v(layout, batch, heads, n, dv, T(0)),
@@ -250,9 +254,9 @@ struct ViewProblem {
       for (Eigen::Index h = 0; h < heads; ++h) {
         // Each input head holds the Inputs of the first output head that reads it.
         const Inputs& in = at(b, h);
-        if (h % 2 == 0) {
-          q.set_head(b, h / 2, in.q.cast<T>());
-          k.set_head(b, h / 2, in.k.cast<T>());
+        if (first_reader(h)) {
+          q.set_head(b, qk_head(h), in.q.cast<T>());
+          k.set_head(b, qk_head(h), in.k.cast<T>());
         }
         v.set_head(b, h, in.v.cast<T>());
         beta.set_head(b, h, in.beta.cast<T>());
@@ -269,12 +273,24 @@ struct ViewProblem {
   const Inputs& at(Eigen::Index b, Eigen::Index h) const {
     return inputs[static_cast<std::size_t>(b * heads + h)];
   }
+  /// The q/k head output head h reads, written out: FLA's h / 2, or ggml's h % (H / 2).
+  Eigen::Index qk_head(Eigen::Index h) const {
+    return grouping == linattn::HeadGrouping::tiled ? h % (heads / 2) : h / 2;
+  }
+  /// Whether h is the first (lowest) output head reading its q/k head.
+  bool first_reader(Eigen::Index h) const {
+    return grouping == linattn::HeadGrouping::tiled ? h < heads / 2 : h % 2 == 0;
+  }
+  /// The first output head reading q/k head qk_head(h): its Inputs fill that head.
+  Eigen::Index lead(Eigen::Index h) const {
+    return grouping == linattn::HeadGrouping::tiled ? h % (heads / 2) : h - h % 2;
+  }
   /// The inputs output head h reads: its own v and beta, q and k of its pair's first head,
   /// the gates of its gate head's first reader.
   Inputs seen_by(Eigen::Index b, Eigen::Index h) const {
     Inputs in = at(b, h);
-    in.q = at(b, h - h % 2).q;
-    in.k = at(b, h - h % 2).k;
+    in.q = at(b, lead(h)).q;
+    in.k = at(b, lead(h)).k;
     const Eigen::Index per_gate = heads / gates.heads();
     in.log_gates = at(b, h - h % per_gate).log_gates;
     return in;
@@ -333,8 +349,8 @@ struct ViewProblem {
         for (std::size_t part = 0; part + 1 < bounds.size(); ++part) {
           const Eigen::Index begin = bounds[part], rows = bounds[part + 1] - begin;
           if (rows == 0) continue;
-          const Matrix<T> qh = q.head(b, h / 2).middleRows(begin, rows);
-          const Matrix<T> kh = k.head(b, h / 2).middleRows(begin, rows);
+          const Matrix<T> qh = q.head(b, qk_head(h)).middleRows(begin, rows);
+          const Matrix<T> kh = k.head(b, qk_head(h)).middleRows(begin, rows);
           const Matrix<T> vh = v.head(b, h).middleRows(begin, rows);
           const Vector<T> bh = beta.head(b, h).middleRows(begin, rows).col(0);
           const Matrix<T> gh = gates.head(b, hg).middleRows(begin, rows);
@@ -357,8 +373,8 @@ struct ViewProblem {
               rows_of = grad;
             }
           };
-          put(e.q, b * q.heads() + h / 2, q, g.q, h % 2 != 0);
-          put(e.k, b * k.heads() + h / 2, k, g.k, h % 2 != 0);
+          put(e.q, b * q.heads() + qk_head(h), q, g.q, !first_reader(h));
+          put(e.k, b * k.heads() + qk_head(h), k, g.k, !first_reader(h));
           put(e.v, b * heads + h, v, g.v, false);
           put(e.beta, b * heads + h, beta, Matrix<T>(g.beta), false);
           if (gate_cols > 0)
@@ -838,6 +854,42 @@ TEMPLATE_TEST_CASE(
               bound<T>());
       }
     }
+  }
+}
+
+TEST_CASE("the delta rule's backward on heads with ggml's tiled grouping sums h % H_k's readers",
+          "[delta_rule_backward][heads][grouped]") {
+  // Value head h reads q/k head h % (H / 2) (ggml_repeat); the readers of one q/k head are
+  // h, h + H / 2, ..., and their gradients are summed in increasing h.
+  const Eigen::Index batch = 2, heads = 8, n = 21, dk = 8, dv = 6;
+  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
+    CAPTURE(variant_name(gate_cols));
+    ViewProblem<double> p(Layout::bnhd, batch, heads, n, dk, dv, gate_cols, heads, 650,
+                          linattn::HeadGrouping::tiled);
+    DeltaOptions options;
+    options.chunk = 8;
+    options.l2_normalize = true;
+    options.head_grouping = linattn::HeadGrouping::tiled;
+    for (const int threads : {1, 2}) {
+      options.threads = threads;
+      p.run(options);
+      CHECK(p.matches(p.expected({0, n}, options)));
+    }
+    // The same inputs read interleaved give other gradients: the grouping is honoured.
+    const std::vector<double> tiled_q = p.gq.data();
+    options.head_grouping = linattn::HeadGrouping::interleaved;
+    p.run(options);
+    CHECK(relative_error(
+              Eigen::Map<const Eigen::VectorXd>(p.gq.data().data(), Eigen::Index(tiled_q.size())),
+              Eigen::Map<const Eigen::VectorXd>(tiled_q.data(), Eigen::Index(tiled_q.size()))) >
+          0.1);
+    // Head 5 reads q/k head 1 (5 % 4): its v gradient against the naive reverse mode.
+    const DeltaRuleGradients<double> naive =
+        naive_backward(p.seen_by(1, 5), p.grad_out[static_cast<std::size_t>(heads + 5)],
+                       1.0 / std::sqrt(static_cast<double>(dk)), true);
+    options.head_grouping = linattn::HeadGrouping::tiled;
+    p.run(options);
+    CHECK(relative_error(p.gv.head(1, 5), naive.v) <= 1e-10);
   }
 }
 

@@ -820,14 +820,22 @@ TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and pr
   using T = TestType;
   const Eigen::Index n = 300, prompt = 129;
   const linattn::EluPlusOne elu;
-  linattn::Options options;
-  options.threads = 2;
-  const LinearAttentionLayer<T, linattn::EluPlusOne> layer(elu, kH, kDk, kDv, options);
   // Qwen3-Next's grouping (fewer q/k heads than v and out), and grouped-query attention's
-  // (fewer k/v heads than q and out).
-  for (const auto& [hq, hk, hv] :
-       {std::tuple<Eigen::Index, Eigen::Index, Eigen::Index>{2, 2, kH}, {kH, 2, 2}, {1, 1, 1}}) {
-    INFO("H_q = " << hq << ", H_k = " << hk << ", H_v = " << hv);
+  // (fewer k/v heads than q and out); FLA's and HF's interleaved heads, and ggml's tiled ones.
+  for (const auto& [hq, hk, hv, grouping] :
+       {std::tuple<Eigen::Index, Eigen::Index, Eigen::Index, linattn::HeadGrouping>{
+            2, 2, kH, linattn::HeadGrouping::interleaved},
+        {kH, 2, 2, linattn::HeadGrouping::interleaved},
+        {1, 1, 1, linattn::HeadGrouping::interleaved},
+        {2, 2, kH, linattn::HeadGrouping::tiled},
+        {kH, 2, 2, linattn::HeadGrouping::tiled}}) {
+    const bool tiled = grouping == linattn::HeadGrouping::tiled;
+    INFO("H_q = " << hq << ", H_k = " << hk << ", H_v = " << hv
+                  << (tiled ? ", tiled" : ", interleaved"));
+    linattn::Options options;
+    options.threads = 2;
+    options.head_grouping = grouping;
+    const LinearAttentionLayer<T, linattn::EluPlusOne> layer(elu, kH, kDk, kDv, options);
     auto heads = [&](Eigen::Index h, Eigen::Index d, std::uint64_t seed) {
       std::vector<Matrix<T>> m;
       for (Eigen::Index i = 0; i < kB * h; ++i) {
@@ -856,8 +864,9 @@ TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and pr
                        forward);
     for (Eigen::Index i = 0; i < kB * kH; ++i) {
       const Eigen::Index b = i / kH, h = i % kH;
+      // The grouping written out: h / (H / H_in) (repeat_interleave), or h % H_in (ggml_repeat).
       const auto pick = [&](const std::vector<Matrix<T>>& m, Eigen::Index hin) {
-        return m[static_cast<std::size_t>(b * hin + h / (kH / hin))];
+        return m[static_cast<std::size_t>(b * hin + (tiled ? h % hin : h / (kH / hin)))];
       };
       const Matrix<T> expected =
           linattn::causal_linear_attention(pick(q, hq), pick(k, hk), pick(v, hv), elu, options);
@@ -888,6 +897,9 @@ TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and pr
     CHECK(states[0].tokens() == n);
   }
   // Head counts that do not divide H, and out with other than H heads, throw.
+  linattn::Options options;
+  options.threads = 2;
+  const LinearAttentionLayer<T, linattn::EluPlusOne> layer(elu, kH, kDk, kDv, options);
   auto states = layer.make_states(kB);
   const Matrix<T> q3 = gaussian<T>(kB * 3, kDk, 1), v = gaussian<T>(kB * kH, kDv, 2);
   Matrix<T> out(kB * kH, kDv);
@@ -899,6 +911,12 @@ TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and pr
                                        HeadsView<T>::bhnd(out_data.data(), {kB, kH, 10, kDv})),
                     Catch::Contains("grouped heads"));
   CHECK(states[0].tokens() == 0);
+  // Tiled grouping needs the heads per sequence: a batch made by hand does not know them.
+  options.head_grouping = linattn::HeadGrouping::tiled;
+  linattn::RecurrentStateBatch<T> by_hand(kB * kH, kDk, kDv, options);
+  const Matrix<T> q2 = gaussian<T>(kB * 2, kDk, 3);
+  CHECK_THROWS_WITH(by_hand.step_into(q2, q2, v, elu, out), Catch::Contains("make_states(B)"));
+  CHECK(by_hand[0].tokens() == 0);
 }
 
 TEMPLATE_TEST_CASE("delta layer: forward equals prefill then steps and the naive recurrence",
@@ -906,8 +924,16 @@ TEMPLATE_TEST_CASE("delta layer: forward equals prefill then steps and the naive
   using T = TestType;
   const Eigen::Index n = 70, prompt = 50, hqk = 2;
   const Eigen::Index gate_cols = GENERATE(Eigen::Index(0), Eigen::Index(1), kDk);
-  INFO((gate_cols == 0 ? "DeltaNet" : gate_cols == 1 ? "Gated DeltaNet" : "KDA"));
+  // FLA's and HF's interleaved q/k heads (Qwen3.5), and ggml's tiled ones.
+  const linattn::HeadGrouping grouping =
+      GENERATE(linattn::HeadGrouping::interleaved, linattn::HeadGrouping::tiled);
+  const bool tiled = grouping == linattn::HeadGrouping::tiled;
+  INFO((gate_cols == 0   ? "DeltaNet"
+        : gate_cols == 1 ? "Gated DeltaNet"
+                         : "KDA")
+       << (tiled ? ", tiled" : ", interleaved"));
   linattn::DeltaOptions options;
+  options.head_grouping = grouping;
   options.l2_normalize = true;
   options.chunk = 16;
   options.threads = 2;
@@ -947,9 +973,9 @@ TEMPLATE_TEST_CASE("delta layer: forward equals prefill then steps and the naive
                        linattn::log_gates(view(gd, kH, gate_dim, 0, n)), view(bd, kH, 1, 0, n),
                        forward);
   }
-  // Every head against the naive recurrence, FLA's grouping: head h reads q/k head h / 2.
+  // Every head against the naive recurrence: head h reads q/k head h / 2 (FLA) or h % 2 (ggml).
   for (Eigen::Index i = 0; i < kB * kH; ++i) {
-    const Eigen::Index b = i / kH, h = i % kH, hq = h / (kH / hqk);
+    const Eigen::Index b = i / kH, h = i % kH, hq = tiled ? h % hqk : h / (kH / hqk);
     const Matrix<double> q = view(qd, hqk, kDk, 0, n).head(b, hq).template cast<double>();
     const Matrix<double> k = view(kd, hqk, kDk, 0, n).head(b, hq).template cast<double>();
     const Matrix<double> v = view(vd, kH, kDv, 0, n).head(b, h).template cast<double>();

@@ -1466,11 +1466,14 @@ TEMPLATE_TEST_CASE("token-major views: a bad value is named by its head and noth
   }
 }
 
-TEMPLATE_TEST_CASE("grouped heads: output head h reads head h / (H / H_in) of each input",
-                   "[multi_head][grouped]", float, double) {
+TEMPLATE_TEST_CASE(
+    "grouped heads: output head h reads head h / (H / H_in) of each input, or "
+    "h % H_in tiled",
+    "[multi_head][grouped]", float, double) {
   using T = TestType;
-  // FLA's grouping (and ggml's, ik2 = iq2 / (neq2 / nek2)): Qwen3-Next's fewer q/k heads than
-  // v heads, and grouped-query / multi-query attention's fewer k/v heads than q heads.
+  // FLA's and HF's grouping (repeat_interleave): Qwen3-Next's fewer q/k heads than v heads, and
+  // grouped-query / multi-query attention's fewer k/v heads than q heads; and ggml's
+  // (ggml_repeat over heads: h % H_in) with HeadGrouping::tiled.
   const Eigen::Index B = 2, H = 4, N = 150;
   struct Grouping {
     Eigen::Index q, k, v;
@@ -1479,40 +1482,51 @@ TEMPLATE_TEST_CASE("grouped heads: output head h reads head h / (H / H_in) of ea
   double worst = 0.0;
   for (const Grouping heads :
        {Grouping{2, 2, 4}, Grouping{4, 2, 2}, Grouping{4, 1, 1}, Grouping{1, 4, 2}}) {
-    for (const Layout layout : {Layout::bhnd, Layout::bnhd, Layout::padded}) {
-      const Heads<T> q = random_heads<T>(layout, B, heads.q, N, kDk, 1200, true);
-      const Heads<T> k = random_heads<T>(layout, B, heads.k, N, kDk, 1210, true);
-      const Heads<T> v = random_heads<T>(layout, B, heads.v, N, kDv, 1220);
-      const Heads<T> g = random_log_gates<T>(layout, B, H, N, 1, 1230);
-      for (const bool gated : {false, true}) {
-        linattn::Options options;
-        options.threads = 2;
-        Heads<T> out(layout, B, H, N, kDv, kSentinel<T>);
-        if (gated) {
-          linattn::causal_gated_linear_attention_into(q.cview(), k.cview(), v.cview(),
-                                                      linattn::log_gates(g.cview()),
-                                                      linattn::Identity{}, out.view(), options);
-        } else {
-          linattn::causal_linear_attention_into(q.cview(), k.cview(), v.cview(),
-                                                linattn::Identity{}, out.view(), options);
-        }
-        CHECK(out.gaps_hold(kSentinel<T>));
-        for (Eigen::Index b = 0; b < B; ++b) {
-          for (Eigen::Index h = 0; h < H; ++h) {
-            INFO("heads q " << heads.q << ", k " << heads.k << ", v " << heads.v << ", "
-                            << layout_name(layout) << ", gated = " << gated << ", head " << h);
-            // The grouping written out: output head h reads input head h * H_in / H.
-            const Matrix<T> qh = q.head(b, h * heads.q / H), kh = k.head(b, h * heads.k / H),
-                            vh = v.head(b, h * heads.v / H), gh = g.head(b, h);
-            const Matrix<T> expected =
-                gated ? linattn::causal_gated_linear_attention(qh, kh, vh, linattn::log_gates(gh),
+    for (const linattn::HeadGrouping grouping :
+         {linattn::HeadGrouping::interleaved, linattn::HeadGrouping::tiled}) {
+      const bool tiled = grouping == linattn::HeadGrouping::tiled;
+      // The grouping written out: output head h reads input head h * H_in / H, or h % H_in.
+      const auto reads = [&](Eigen::Index h, Eigen::Index count) {
+        return tiled ? h % count : h * count / H;
+      };
+      for (const Layout layout : {Layout::bhnd, Layout::bnhd, Layout::padded}) {
+        if (tiled && layout == Layout::padded) continue;  // layouts are covered interleaved
+        const Heads<T> q = random_heads<T>(layout, B, heads.q, N, kDk, 1200, true);
+        const Heads<T> k = random_heads<T>(layout, B, heads.k, N, kDk, 1210, true);
+        const Heads<T> v = random_heads<T>(layout, B, heads.v, N, kDv, 1220);
+        const Heads<T> g = random_log_gates<T>(layout, B, H, N, 1, 1230);
+        for (const bool gated : {false, true}) {
+          linattn::Options options;
+          options.threads = 2;
+          options.head_grouping = grouping;
+          Heads<T> out(layout, B, H, N, kDv, kSentinel<T>);
+          if (gated) {
+            linattn::causal_gated_linear_attention_into(q.cview(), k.cview(), v.cview(),
+                                                        linattn::log_gates(g.cview()),
+                                                        linattn::Identity{}, out.view(), options);
+          } else {
+            linattn::causal_linear_attention_into(q.cview(), k.cview(), v.cview(),
+                                                  linattn::Identity{}, out.view(), options);
+          }
+          CHECK(out.gaps_hold(kSentinel<T>));
+          for (Eigen::Index b = 0; b < B; ++b) {
+            for (Eigen::Index h = 0; h < H; ++h) {
+              INFO("heads q " << heads.q << ", k " << heads.k << ", v " << heads.v << ", "
+                              << layout_name(layout) << ", gated = " << gated << ", head " << h
+                              << (tiled ? ", tiled" : ", interleaved"));
+              const Matrix<T> qh = q.head(b, reads(h, heads.q)), kh = k.head(b, reads(h, heads.k)),
+                              vh = v.head(b, reads(h, heads.v)), gh = g.head(b, h);
+              const Matrix<T> expected =
+                  gated
+                      ? linattn::causal_gated_linear_attention(qh, kh, vh, linattn::log_gates(gh),
                                                                linattn::Identity{}, options)
                       : linattn::causal_linear_attention(qh, kh, vh, linattn::Identity{}, options);
-            const Matrix<T> got = out.head(b, h);
-            const double error = relative_error(got, expected);
-            CHECK(error <= tolerance<T>());
-            worst = std::max(worst, error);
-            (layout == Layout::bnhd ? token_major : tally).add(got, expected);
+              const Matrix<T> got = out.head(b, h);
+              const double error = relative_error(got, expected);
+              CHECK(error <= tolerance<T>());
+              worst = std::max(worst, error);
+              (layout == Layout::bnhd ? token_major : tally).add(got, expected);
+            }
           }
         }
       }

@@ -313,8 +313,10 @@ TEMPLATE_TEST_CASE("view backward: each head gets the matrix backward, every lay
        << " of " << non_causal_tally.compared << " (worst " << non_causal_tally.worst << ")");
 }
 
-TEMPLATE_TEST_CASE("grouped heads: a shared input head's gradient is the sum over its readers",
-                   "[multi_head_backward][grouped]", float, double) {
+TEMPLATE_TEST_CASE(
+    "grouped heads: a shared input head's gradient is the sum over its readers, "
+    "interleaved and tiled",
+    "[multi_head_backward][grouped]", float, double) {
   using T = TestType;
   const Eigen::Index B = 2, N = 29;
   struct Grouping {
@@ -322,54 +324,68 @@ TEMPLATE_TEST_CASE("grouped heads: a shared input head's gradient is the sum ove
   };
   // 6 output heads: q pairs (3 heads), k triples (2 heads), one v head each: the groups of
   // 6 = lcm(2, 3, 1) heads; then multi-query (1 k/v head) and Qwen3-Next's fewer q/k heads.
+  // Both groupings: FLA's and HF's interleaved (output head h reads h / (H / H_in)) and ggml's
+  // tiled (h % H_in), each written out here.
   Tally tally;
-  for (const Grouping g : {Grouping{6, 3, 2, 6}, Grouping{4, 4, 1, 1}, Grouping{4, 2, 2, 4}}) {
-    for (const Layout layout : {Layout::bhnd, Layout::bnhd, Layout::padded}) {
-      const Problem<T> p = make_problem<T>(layout, B, g.h, g.hq, g.hk, g.hv, N, false, 300);
-      linattn::Options options;
-      options.chunk = 8;
-      Matrix<T> previous_q;
-      for (const int threads : {1, 4}) {
-        options.threads = threads;
-        GradViews<T> grads = sentinel_grads<T>(layout, p, B, N, g.h, 0);
-        linattn::causal_linear_attention_backward_into(
-            p.q.cview(), p.k.cview(), p.v.cview(), p.grad_out.cview(), linattn::EluPlusOne{},
-            grads.q.view(), grads.k.view(), grads.v.view(), options);
-        // The reference sum, written out: head i of an input with H_in heads collects output
-        // heads i * G ... i * G + G - 1, G = H / H_in, each by its own matrix backward.
-        Expected<T> e;
-        auto sum_into = [&](std::vector<Matrix<T>>& want, Eigen::Index count, Eigen::Index dim,
-                            int which) {
-          const Eigen::Index group = g.h / count;
-          for (Eigen::Index b = 0; b < B; ++b) {
-            for (Eigen::Index i = 0; i < count; ++i) {
-              Matrix<T> total = Matrix<T>::Zero(N, dim);
-              for (Eigen::Index h = i * group; h < (i + 1) * group; ++h) {
-                const auto head = linattn::causal_linear_attention_backward(
-                    p.q.cview().head(b, h / (g.h / g.hq)), p.k.cview().head(b, h / (g.h / g.hk)),
-                    p.v.cview().head(b, h / (g.h / g.hv)), p.grad_out.cview().head(b, h),
-                    linattn::EluPlusOne{}, options);
-                const Matrix<T>& part = which == 0 ? head.q : which == 1 ? head.k : head.v;
-                if (h == i * group) {
-                  total = part;
-                } else {
-                  total += part;
+  for (const linattn::HeadGrouping grouping :
+       {linattn::HeadGrouping::interleaved, linattn::HeadGrouping::tiled}) {
+    const bool tiled = grouping == linattn::HeadGrouping::tiled;
+    for (const Grouping g : {Grouping{6, 3, 2, 6}, Grouping{4, 4, 1, 1}, Grouping{4, 2, 2, 4}}) {
+      const auto reads = [&](Eigen::Index h, Eigen::Index count) {
+        return tiled ? h % count : h / (g.h / count);
+      };
+      for (const Layout layout : {Layout::bhnd, Layout::bnhd, Layout::padded}) {
+        if (tiled && layout != Layout::bnhd) continue;  // layouts are covered interleaved
+        const Problem<T> p = make_problem<T>(layout, B, g.h, g.hq, g.hk, g.hv, N, false, 300);
+        linattn::Options options;
+        options.chunk = 8;
+        options.head_grouping = grouping;
+        Matrix<T> previous_q;
+        for (const int threads : {1, 4}) {
+          options.threads = threads;
+          GradViews<T> grads = sentinel_grads<T>(layout, p, B, N, g.h, 0);
+          linattn::causal_linear_attention_backward_into(
+              p.q.cview(), p.k.cview(), p.v.cview(), p.grad_out.cview(), linattn::EluPlusOne{},
+              grads.q.view(), grads.k.view(), grads.v.view(), options);
+          // The reference sum, written out: head i of an input with H_in heads collects the
+          // output heads that read it, in increasing h, each by its own matrix backward.
+          Expected<T> e;
+          auto sum_into = [&](std::vector<Matrix<T>>& want, Eigen::Index count, Eigen::Index dim,
+                              int which) {
+            for (Eigen::Index b = 0; b < B; ++b) {
+              for (Eigen::Index i = 0; i < count; ++i) {
+                Matrix<T> total = Matrix<T>::Zero(N, dim);
+                bool first = true;
+                for (Eigen::Index h = 0; h < g.h; ++h) {
+                  if (reads(h, count) != i) continue;
+                  const auto head = linattn::causal_linear_attention_backward(
+                      p.q.cview().head(b, reads(h, g.hq)), p.k.cview().head(b, reads(h, g.hk)),
+                      p.v.cview().head(b, reads(h, g.hv)), p.grad_out.cview().head(b, h),
+                      linattn::EluPlusOne{}, options);
+                  const Matrix<T>& part = which == 0 ? head.q : which == 1 ? head.k : head.v;
+                  if (first) {
+                    total = part;
+                  } else {
+                    total += part;
+                  }
+                  first = false;
                 }
+                want.push_back(total);
               }
-              want.push_back(total);
             }
-          }
-        };
-        sum_into(e.q, g.hq, kDk, 0);
-        sum_into(e.k, g.hk, kDk, 1);
-        sum_into(e.v, g.hv, kDv, 2);
-        INFO("H = " << g.h << ", Hq = " << g.hq << ", Hk = " << g.hk << ", Hv = " << g.hv << ", "
-                    << layout_name(layout) << ", threads = " << threads);
-        require_expected(grads, e, B, false, tally);
-        // The sums are race-free and in a fixed order: any thread count gives the same bits.
-        const Matrix<T> q0 = grads.q.head(B - 1, g.hq - 1);
-        if (threads > 1) CHECK(q0 == previous_q);
-        previous_q = q0;
+          };
+          sum_into(e.q, g.hq, kDk, 0);
+          sum_into(e.k, g.hk, kDk, 1);
+          sum_into(e.v, g.hv, kDv, 2);
+          INFO("H = " << g.h << ", Hq = " << g.hq << ", Hk = " << g.hk << ", Hv = " << g.hv << ", "
+                      << layout_name(layout) << ", threads = " << threads
+                      << (tiled ? ", tiled" : ", interleaved"));
+          require_expected(grads, e, B, false, tally);
+          // The sums are race-free and in a fixed order: any thread count gives the same bits.
+          const Matrix<T> q0 = grads.q.head(B - 1, g.hq - 1);
+          if (threads > 1) CHECK(q0 == previous_q);
+          previous_q = q0;
+        }
       }
     }
   }

@@ -42,6 +42,26 @@ using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>
 template <class T>
 using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
 
+/// Which head of a grouped input (H_in heads, a divisor of the output's H heads) output head h
+/// reads. Models differ, and their weights are laid out for their own rule, so a port must
+/// name the rule its model was trained or converted with.
+enum class HeadGrouping {
+  /// h / (H / H_in): consecutive output heads share an input head. FLA's kernels
+  /// (i_h = i_hv // (HV // H)), HF transformers' repeat_interleave (Qwen3-Next, Qwen3.5) and
+  /// repeat_kv (GQA), ggml's broadcast in mul_mat and flash attention.
+  interleaved,
+  /// h % H_in: the input heads repeat as a whole, as ggml_repeat lays them out when a graph
+  /// repeats q/k up to the value heads before an op that takes equal head counts.
+  tiled,
+};
+
+/// The input head that output head h of `heads` reads from an input of `input_heads` heads
+/// (a divisor of `heads`) under `grouping`.
+inline Eigen::Index grouped_input_head(HeadGrouping grouping, Eigen::Index h, Eigen::Index heads,
+                                       Eigen::Index input_heads) {
+  return grouping == HeadGrouping::tiled ? h % input_heads : h / (heads / input_heads);
+}
+
 /// Settings shared by every kernel.
 struct Options {
   /// Added to the denominator outside the dot product; must be >= 0 and finite.
@@ -63,6 +83,8 @@ struct Options {
   /// 0 takes OpenMP's default (omp_get_max_threads(), 1 inside a parallel region), n > 0 at
   /// most n. Ignored without OpenMP. Results do not depend on it beyond rounding.
   int threads = 0;
+  /// How output heads share the heads of grouped q, k and v (fewer heads than the output).
+  HeadGrouping head_grouping = HeadGrouping::interleaved;
 };
 
 /// The form a delta-rule call over many tokens runs in; the results agree within docs/design.md's
@@ -93,6 +115,10 @@ struct DeltaOptions {
   bool check_finite = true;
   /// Threads for one call when linattn is built with OpenMP; as Options::threads.
   int threads = 0;
+  /// How value heads share the heads of grouped q and k (Qwen3.5's 16 q/k heads over 32 value
+  /// heads): HeadGrouping::interleaved as FLA and HF, HeadGrouping::tiled as ggml_repeat lays them
+  /// out.
+  HeadGrouping head_grouping = HeadGrouping::interleaved;
 };
 
 /// Thrown for bad input at the API boundary; the message names the argument and the shapes.

@@ -281,9 +281,8 @@ SequenceRows check_heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k
   if (!options.l2_normalize) {  // every head's steps, through the heads it reads
     for (Eigen::Index b = 0; b < out.batch(); ++b) {
       for (Eigen::Index h = 0; h < out.heads(); ++h) {
-        const Eigen::Index hk = input_head(k, out.heads(), h);
-        require_stable_steps(k.head(b, hk), beta.head(b, input_head(beta, out.heads(), h)), options,
-                             where, head_name("k", b, hk));
+        const Eigen::Index hk = input_head(k, out.heads(), h, options.head_grouping);
+        require_stable_steps(k.head(b, hk), beta.head(b, h), options, where, head_name("k", b, hk));
       }
     }
   }
@@ -299,26 +298,24 @@ void run_heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const He
                           const SequenceRows& sequences, const DeltaOptions& options,
                           const char* where, const WithState& with_state) {
   using T = accumulator_t<Acc, O>;
-  for_each_sequence_head(
-      q, k, v, out, sequences, engine_options(options),
-      [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
-          int inner_threads) {
-        const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
-        const auto beta_rows =
-            beta.head(b, input_head(beta, out.heads(), h)).col(0).segment(begin, qs.rows());
-        with_state(s, h, [&](Matrix<T>& state) {
-          OutRows<O> rows(os);
-          if constexpr (std::is_void_v<Gates>) {
-            run_delta_rule<T, O>(qs, ks, vs, beta_rows, nullptr, options, state, &rows, where,
-                                 inner_threads);
-          } else {
-            const HeadGateRows<O, Gates::log_space> gate_rows(
-                gates->view.head(b, input_head(gates->view, out.heads(), h)), begin);
-            run_delta_rule<T, O>(qs, ks, vs, beta_rows, &gate_rows, options, state, &rows, where,
-                                 inner_threads);
-          }
-        });
-      });
+  for_each_sequence_head(q, k, v, out, sequences, engine_options(options),
+                         [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks,
+                             const auto& vs, auto os, int inner_threads) {
+                           const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
+                           const auto beta_rows = beta.head(b, h).col(0).segment(begin, qs.rows());
+                           with_state(s, h, [&](Matrix<T>& state) {
+                             OutRows<O> rows(os);
+                             if constexpr (std::is_void_v<Gates>) {
+                               run_delta_rule<T, O>(qs, ks, vs, beta_rows, nullptr, options, state,
+                                                    &rows, where, inner_threads);
+                             } else {
+                               const HeadGateRows<O, Gates::log_space> gate_rows(
+                                   gates->view.head(b, h), begin);
+                               run_delta_rule<T, O>(qs, ks, vs, beta_rows, &gate_rows, options,
+                                                    state, &rows, where, inner_threads);
+                             }
+                           });
+                         });
 }
 
 /// The delta rule over every sequence and head of the views, each from a zero state. Every

@@ -83,16 +83,19 @@ void heads_delta_rule_backward(const HeadsView<Q>& q, const HeadsView<K>& k, con
   const Eigen::Index heads = grad_out.heads();
   Eigen::Index gate_heads = heads;
   if constexpr (!std::is_void_v<Gates>) gate_heads = gates->view.heads();
-  const Eigen::Index group =
-      backward_head_group(heads, {q.heads(), k.heads(), v.heads(), beta.heads(), gate_heads});
+  const HeadGrouping grouping = options.head_grouping;
+  const Eigen::Index group = backward_head_group(
+      heads, {q.heads(), k.heads(), v.heads(), beta.heads(), gate_heads}, grouping);
 
   auto one_head = [&](Eigen::Index s, Eigen::Index h, DeltaHeadBuffers<T, A>& buffers) {
     const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s),
                        rows = sequences.rows(s);
-    const Eigen::Index hq = input_head(q, heads, h), hk = input_head(k, heads, h),
-                       hv = input_head(v, heads, h), hb = input_head(beta, heads, h);
+    const Eigen::Index hq = input_head(q, heads, h, grouping),
+                       hk = input_head(k, heads, h, grouping),
+                       hv = input_head(v, heads, h, grouping),
+                       hb = input_head(beta, heads, h, grouping);
     // The first reader of an input head writes its gradient, the later ones add to it.
-    auto later = [&](const auto& input) { return adds_to_input_head(input, heads, h); };
+    auto later = [&](const auto& input) { return adds_to_input_head(input, heads, h, grouping); };
     const auto qs = q.head(b, hq).middleRows(begin, rows);
     const auto ks = k.head(b, hk).middleRows(begin, rows);
     const auto vs = v.head(b, hv).middleRows(begin, rows);
@@ -110,7 +113,7 @@ void heads_delta_rule_backward(const HeadsView<Q>& q, const HeadsView<K>& k, con
           &buffers.backward);
     } else {
       const auto& gate_view = gates->view;
-      const Eigen::Index hg = input_head(gate_view, heads, h);
+      const Eigen::Index hg = input_head(gate_view, heads, h, grouping);
       const auto gate_rows = gate_view.head(b, hg).middleRows(begin, rows);
       Eigen::Ref<Matrix<T>> dg = buffer_rows(buffers.gates, rows, gate_view.dim());
       if constexpr (Gates::log_space) {

@@ -162,8 +162,11 @@ class LinearAttentionLayer {
   States make_states(Eigen::Index batch) const {
     const Eigen::Index count =
         detail::require_positive_dim(batch, "LinearAttentionLayer", "batch") * heads_;
-    if (decays_.values.empty()) return States(count, feature_dim_, value_dim_, options_);
-    return States(count, feature_dim_, value_dim_, decays_, options_);
+    States states = decays_.values.empty()
+                        ? States(count, feature_dim_, value_dim_, options_)
+                        : States(count, feature_dim_, value_dim_, decays_, options_);
+    detail::BatchHeads::set(states, heads_);  // for grouped rows (HeadGrouping::tiled)
+    return states;
   }
 
   /// A prompt through the parallel form that also leaves each sequence's states ready to step.
@@ -398,8 +401,10 @@ class DeltaRuleLayer {
   /// Fresh (zero) states for `batch` sequences: batch * heads() of them, state b * H + h for
   /// head h of sequence b.
   States make_states(Eigen::Index batch) const {
-    return States(detail::require_positive_dim(batch, "DeltaRuleLayer", "batch") * heads_, key_dim_,
+    States states(detail::require_positive_dim(batch, "DeltaRuleLayer", "batch") * heads_, key_dim_,
                   value_dim_, options_);
+    detail::BatchHeads::set(states, heads_);  // for grouped rows (HeadGrouping::tiled)
+    return states;
   }
 
   /// DeltaNet: a prompt through the parallel form that also leaves each sequence's states

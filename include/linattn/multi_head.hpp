@@ -237,12 +237,13 @@ void scan_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>
   scan(v, "v");
 }
 
-/// The head of `input` that output head h reads: h / (H_out / H_in), FLA's grouping (with
-/// 16 q/k heads and 32 v heads, v head h reads q/k head h / 2; with fewer k/v heads than q
-/// heads, multi-query, q head h reads k/v head h / G alike).
+/// The head of `input` that output head h reads under `grouping`: h / (H_out / H_in)
+/// interleaved, FLA's and HF's (with 16 q/k heads and 32 v heads, v head h reads q/k head
+/// h / 2), or h % H_in tiled, ggml's.
 template <class T>
-Eigen::Index input_head(const HeadsView<T>& input, Eigen::Index out_heads, Eigen::Index h) {
-  return h / (out_heads / input.heads());
+Eigen::Index input_head(const HeadsView<T>& input, Eigen::Index out_heads, Eigen::Index h,
+                        HeadGrouping grouping) {
+  return grouped_input_head(grouping, h, out_heads, input.heads());
 }
 
 /// Calls body(q_head, k_head, v_head, out_head) with N x D maps of output head h of batch entry
@@ -250,10 +251,11 @@ Eigen::Index input_head(const HeadsView<T>& input, Eigen::Index out_heads, Eigen
 /// so loads vectorise.
 template <class Q, class K, class V, class O, class Body>
 void with_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                const HeadsView<O>& out, Eigen::Index b, Eigen::Index h, const Body& body) {
+                const HeadsView<O>& out, Eigen::Index b, Eigen::Index h, HeadGrouping grouping,
+                const Body& body) {
   const Eigen::Index heads = out.heads();
-  const Eigen::Index hq = input_head(q, heads, h), hk = input_head(k, heads, h),
-                     hv = input_head(v, heads, h);
+  const Eigen::Index hq = input_head(q, heads, h, grouping), hk = input_head(k, heads, h, grouping),
+                     hv = input_head(v, heads, h, grouping);
   if (q.strides().dim == 1 && k.strides().dim == 1 && v.strides().dim == 1 &&
       out.strides().dim == 1) {
     body(q.head_rows(b, hq), k.head_rows(b, hk), v.head_rows(b, hv),
@@ -282,7 +284,7 @@ void for_each_sequence_head(const HeadsView<Q>& q, const HeadsView<K>& k, const 
     const Eigen::Index rows = sequences.rows(s);
     if (rows == 0) return;
     const Eigen::Index key_rows = sequences.key_rows(s);
-    with_heads(q, k, v, out, sequences.batch_of(s), h,
+    with_heads(q, k, v, out, sequences.batch_of(s), h, options.head_grouping,
                [&](const auto& qh, const auto& kh, const auto& vh, auto oh) {
                  run(s, h, qh.middleRows(begin, rows), kh.middleRows(begin, key_rows),
                      vh.middleRows(begin, key_rows), decltype(oh)(oh.middleRows(begin, rows)),
@@ -528,9 +530,10 @@ void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const Heads
       const Eigen::Index r = t - first - begin;
       for (Eigen::Index h = h0; h < h1; ++h) {
         Head& head = heads[static_cast<std::size_t>(h - h0)];
-        head.q.row(r) = q.head_rows(b, input_head(q, out.heads(), h)).row(t);
-        head.k.row(r) = k.head_rows(b, input_head(k, out.heads(), h)).row(t);
-        head.v.row(r) = v.head_rows(b, input_head(v, out.heads(), h)).row(t);
+        const HeadGrouping grouping = options.head_grouping;
+        head.q.row(r) = q.head_rows(b, input_head(q, out.heads(), h, grouping)).row(t);
+        head.k.row(r) = k.head_rows(b, input_head(k, out.heads(), h, grouping)).row(t);
+        head.v.row(r) = v.head_rows(b, input_head(v, out.heads(), h, grouping)).row(t);
         if constexpr (is_head_gates<Transition>) {
           if (transition.view.strides().dim == 1) {
             head.g.row(r) = transition.view.head_rows(b, h).row(t);

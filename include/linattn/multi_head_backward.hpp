@@ -137,16 +137,20 @@ void heads_backward(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVie
     head_options.threads = 1;
     head_options.check_finite = false;
     const Eigen::Index heads = grad_out.heads();
-    const Eigen::Index group = backward_head_group(heads, {q.heads(), k.heads(), v.heads()});
+    const HeadGrouping grouping = options.head_grouping;
+    const Eigen::Index group =
+        backward_head_group(heads, {q.heads(), k.heads(), v.heads()}, grouping);
 
     auto one_head = [&](Eigen::Index s, Eigen::Index h, HeadGradientBuffers<T>& buffers) {
       const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s),
                          rows = sequences.rows(s);
-      const Eigen::Index hq = input_head(q, heads, h), hk = input_head(k, heads, h),
-                         hv = input_head(v, heads, h);
+      const Eigen::Index hq = input_head(q, heads, h, grouping),
+                         hk = input_head(k, heads, h, grouping),
+                         hv = input_head(v, heads, h, grouping);
       // The first reader of an input head writes its gradient, the later ones add to it.
-      const bool add_q = adds_to_input_head(q, heads, h), add_k = adds_to_input_head(k, heads, h),
-                 add_v = adds_to_input_head(v, heads, h);
+      const bool add_q = adds_to_input_head(q, heads, h, grouping),
+                 add_k = adds_to_input_head(k, heads, h, grouping),
+                 add_v = adds_to_input_head(v, heads, h, grouping);
       Options run_options = head_options;
       if constexpr (std::is_same_v<Transition, HeadDecays>) {
         run_options.decay = transition.values[static_cast<std::size_t>(h)];

@@ -44,6 +44,7 @@ inline Options engine_options(const DeltaOptions& options) {
   engine.chunk = options.chunk;
   engine.check_finite = options.check_finite;
   engine.threads = options.threads;
+  engine.head_grouping = options.head_grouping;
   return engine;
 }
 

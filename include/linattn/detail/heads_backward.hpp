@@ -96,19 +96,26 @@ void store_head_rows(const HeadsView<T>& view, Eigen::Index b, Eigen::Index h, E
 }
 
 /// True when output head h is a later reader of its head of `input` (grouped heads): it adds
-/// its gradient to what the first reader, h - h % (H / H_in), wrote.
+/// its gradient to what the first reader wrote, h - h % (H / H_in) interleaved, h % H_in tiled.
 template <class I>
-bool adds_to_input_head(const HeadsView<I>& input, Eigen::Index heads, Eigen::Index h) {
+bool adds_to_input_head(const HeadsView<I>& input, Eigen::Index heads, Eigen::Index h,
+                        HeadGrouping grouping) {
+  if (grouping == HeadGrouping::tiled) return h >= input.heads();
   return h % (heads / input.heads()) != 0;
 }
 
-/// The output heads one thread takes at a time: the least common multiple of H / H_in over
-/// the inputs, so that every output head reading a shared input head falls in one group and
-/// one thread writes (first reader) and adds (the later ones, in increasing h) its gradient.
+/// The output heads one thread takes at a time, so that every output head reading a shared
+/// input head falls in one group and one thread writes (first reader) and adds (the later
+/// ones, in increasing h) its gradient: interleaved, the least common multiple of H / H_in over
+/// the inputs; tiled, all H heads when any input is grouped (its readers h % H_in span them).
 inline Eigen::Index backward_head_group(Eigen::Index heads,
-                                        std::initializer_list<Eigen::Index> input_heads) {
+                                        std::initializer_list<Eigen::Index> input_heads,
+                                        HeadGrouping grouping) {
   Eigen::Index group = 1;
-  for (const Eigen::Index in : input_heads) group = std::lcm(group, heads / in);
+  for (const Eigen::Index in : input_heads) {
+    if (in == heads) continue;
+    group = grouping == HeadGrouping::tiled ? heads : std::lcm(group, heads / in);
+  }
   return group;
 }
 

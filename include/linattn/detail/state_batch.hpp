@@ -51,23 +51,48 @@ class StateBatch {
   StateBatch& operator=(StateBatch&&) noexcept = default;
   ~StateBatch() = default;  // protected: a batch is not deleted through its base
 
-  /// The row of a grouped input of `rows` rows that state i reads, i / (size() / rows): with
-  /// H states per sequence and H_in rows, state b * H + h reads row b * H_in + h / (H / H_in),
-  /// FLA's grouping (the views' too).
-  Eigen::Index input_row(Eigen::Index rows, Eigen::Index i) const { return i / (size() / rows); }
+  /// The row of a grouped input of `rows` rows that state i reads. With H states per sequence
+  /// and H_in rows per sequence, state b * H + h reads row b * H_in + j, j the input head of
+  /// Options::head_grouping: h / (H / H_in) interleaved (FLA's, the views' default), which is
+  /// i / (size() / rows) whatever H is, or h % H_in tiled (ggml's), which needs H.
+  Eigen::Index input_row(Eigen::Index rows, Eigen::Index i) const {
+    if (rows == size()) return i;
+    const HeadGrouping grouping = states_.front().options().head_grouping;
+    if (grouping == HeadGrouping::interleaved) return i / (size() / rows);
+    const Eigen::Index in = rows / (size() / heads_);  // H_in
+    return (i / heads_) * in + grouped_input_head(grouping, i % heads_, heads_, in);
+  }
 
-  /// Throws unless an argument of a batch step is size() x cols, or with `grouped` R x cols
-  /// with R dividing size().
+  /// Throws unless an argument of a batch step is size() x cols, or with `grouped` R x cols:
+  /// B * H_in rows with H_in dividing H when the batch knows its H heads per sequence (made by
+  /// a layer's make_states), else R dividing size() with interleaved heads.
   void require_rows(Eigen::Index rows, Eigen::Index cols, Eigen::Index want_cols,
                     const std::string& shape, const char* name, bool grouped,
                     const char* where) const {
-    const bool rows_ok = grouped ? rows >= 1 && size() % rows == 0 : rows == size();
+    const Eigen::Index sequences = heads_ > 0 ? size() / heads_ : 0;
+    bool rows_ok = rows == size();
+    if (grouped && !rows_ok && rows >= 1) {
+      rows_ok = heads_ > 0 ? rows % sequences == 0 && heads_ % (rows / sequences) == 0
+                           : size() % rows == 0;
+    }
     if (!rows_ok || cols != want_cols) {
-      throw Error(
-          std::string(where) + ": " + name + " is " + shape + " but the batch needs " +
-          shape_string(size(), want_cols) + " (one row per state" +
-          (grouped ? ", or R rows with R dividing " + std::to_string(size()) + ": grouped heads)"
-                   : ")"));
+      std::string grouping = ")";
+      if (grouped && heads_ > 0) {
+        grouping = ", or B * H_in rows with H_in dividing H = " + std::to_string(heads_) +
+                   " for B = " + std::to_string(sequences) +
+                   " sequences: grouped heads, row b * H_in + j for input head j of sequence b)";
+      } else if (grouped) {
+        grouping = ", or R rows with R dividing " + std::to_string(size()) + ": grouped heads)";
+      }
+      throw Error(std::string(where) + ": " + name + " is " + shape + " but the batch needs " +
+                  shape_string(size(), want_cols) + " (one row per state" + grouping);
+    }
+    if (rows != size() && heads_ == 0 &&
+        states_.front().options().head_grouping == HeadGrouping::tiled) {
+      throw Error(std::string(where) + ": " + name + " is " + shape +
+                  ", grouped heads with HeadGrouping::tiled, but this batch was made by hand and "
+                  "does not know its heads per sequence; make it with the layer's "
+                  "make_states(B), or give every state its own row");
     }
   }
 
@@ -135,11 +160,22 @@ class StateBatch {
   }
 
   std::vector<State> states_;
+  /// H, the states per sequence, when a layer's make_states made the batch (0: made by hand).
+  Eigen::Index heads_ = 0;
 
  private:
+  friend struct BatchHeads;
   // The pool lends its sessions' states to a batch for each call, by swapping vectors.
   template <class Batch>
   friend class linattn::SessionPool;
+};
+
+/// Lets a layer tell the batch it makes its heads per sequence.
+struct BatchHeads {
+  template <class State>
+  static void set(StateBatch<State>& batch, Eigen::Index heads) {
+    batch.heads_ = heads;
+  }
 };
 
 }  // namespace linattn::detail

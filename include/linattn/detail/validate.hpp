@@ -97,6 +97,12 @@ inline void validate_options(const Options& options, const char* where,
                 "::threads must be >= 0 (0 = OpenMP's default), got " +
                 std::to_string(options.threads));
   }
+  if (options.head_grouping != HeadGrouping::interleaved &&
+      options.head_grouping != HeadGrouping::tiled) {
+    throw Error(std::string(where) + ": " + owner +
+                "::head_grouping must be HeadGrouping::interleaved or HeadGrouping::tiled, got " +
+                std::to_string(static_cast<int>(options.head_grouping)));
+  }
 }
 
 /// log Options::scale, the log factor every output row gets for it (0 for the default 1).
