@@ -179,13 +179,15 @@ int main(int argc, char** argv) {
     const Mat x = random_matrix(batch * total, shape.model_dim, 1.0f, rng);  // [B, T, d_model]
     const LayerInputs in = project(x, weights);
 
-    const linattn::DeltaRuleLayer<float> layer(hv, dim, dim, options);
+    const linattn::DeltaRuleLayer<float> layer(linattn::LayerHeads::grouped_query_key(hv, hk), dim,
+                                               dim, options);
 
     // The reference: the parallel form over prompt + decoded tokens, in the chunked (WY) form
     // (the layer itself picks the streamed recurrence, the faster one on CPU).
     linattn::DeltaOptions chunked_options = options;
     chunked_options.form = linattn::DeltaForm::chunked;
-    const linattn::DeltaRuleLayer<float> chunked(hv, dim, dim, chunked_options);
+    const linattn::DeltaRuleLayer<float> chunked(linattn::LayerHeads::grouped_query_key(hv, hk),
+                                                 dim, dim, chunked_options);
     Mat full_out(batch * total, hv * dim);  // [B, T, Hv, Dv]
     const OutView full_out_view =
         OutView::bnhd(full_out.data(), linattn::BnhdShape{batch, total, hv, dim});

@@ -835,7 +835,8 @@ TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and pr
     linattn::Options options;
     options.threads = 2;
     options.head_grouping = grouping;
-    const LinearAttentionLayer<T, linattn::EluPlusOne> layer(elu, kH, kDk, kDv, options);
+    const LinearAttentionLayer<T, linattn::EluPlusOne> layer(
+        elu, linattn::LayerHeads(kH, hq, hk, hv), kDk, kDv, options);
     auto heads = [&](Eigen::Index h, Eigen::Index d, std::uint64_t seed) {
       std::vector<Matrix<T>> m;
       for (Eigen::Index i = 0; i < kB * h; ++i) {
@@ -903,7 +904,7 @@ TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and pr
   auto states = layer.make_states(kB);
   const Matrix<T> q3 = gaussian<T>(kB * 3, kDk, 1), v = gaussian<T>(kB * kH, kDv, 2);
   Matrix<T> out(kB * kH, kDv);
-  CHECK_THROWS_WITH(layer.step_into(states, q3, q3, v, out), Catch::Contains("B * H_in rows"));
+  CHECK_THROWS_WITH(layer.step_into(states, q3, q3, v, out), Catch::Contains("B * 4 = 8 rows"));
   std::vector<T> data(static_cast<std::size_t>(kB * 3 * 10 * kDk));
   const auto three = HeadsView<const T>::bhnd(data.data(), {kB, 3, 10, kDk});
   std::vector<T> out_data(static_cast<std::size_t>(kB * kH * 10 * kDv));
@@ -911,6 +912,57 @@ TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and pr
                                        HeadsView<T>::bhnd(out_data.data(), {kB, kH, 10, kDv})),
                     Catch::Contains("grouped heads"));
   CHECK(states[0].tokens() == 0);
+  // Head counts are exactly the layer's: with 2 q/k heads per sequence and B = 2, the q/k rows
+  // of one sequence (2, which divides B * H) were read as one head per sequence (2.08 off).
+  const LinearAttentionLayer<T, linattn::EluPlusOne> grouped(
+      elu, linattn::LayerHeads::grouped_query_key(kH, 2), kDk, kDv, options);
+  auto grouped_states = grouped.make_states(kB);
+  const Matrix<T> one_sequence = gaussian<T>(2, kDk, 4);
+  CHECK_THROWS_WITH(grouped.step_into(grouped_states, one_sequence, one_sequence, v, out),
+                    Catch::Contains("B * 2 = 4 rows"));
+  CHECK_THROWS_WITH(grouped_states.step_into(one_sequence, one_sequence, v, elu, out),
+                    Catch::Contains("needs 4 x") && Catch::Contains("LayerHeads"));
+  // A view whose head count divides H but is not the layer's: the layer, and its states.
+  std::vector<T> one_head(static_cast<std::size_t>(kB * 10 * kDk));
+  const auto single = HeadsView<const T>::bhnd(one_head.data(), {kB, 1, 10, kDk});
+  std::vector<T> v_data(static_cast<std::size_t>(kB * kH * 10 * kDv));
+  const auto full_v = HeadsView<const T>::bhnd(v_data.data(), {kB, kH, 10, kDv});
+  const auto grouped_out = HeadsView<T>::bhnd(out_data.data(), {kB, kH, 10, kDv});
+  CHECK_THROWS_WITH(grouped.forward_into(single, single, full_v, grouped_out),
+                    Catch::Contains("q 2, k 2, v 4 heads"));
+  CHECK_THROWS_WITH(grouped_states.prefill_into(single, single, full_v, elu, grouped_out),
+                    Catch::Contains("the layer that made these states"));
+  CHECK(grouped_states[0].tokens() == 0);
+  // States with another grouping than the layer's, or than each other, are refused: grouped
+  // rows would be read by another rule.
+  linattn::Options tiled = options;
+  tiled.head_grouping = linattn::HeadGrouping::tiled;
+  const LinearAttentionLayer<T, linattn::EluPlusOne> tiled_layer(
+      elu, linattn::LayerHeads::grouped_query_key(kH, 2), kDk, kDv, tiled);
+  const Matrix<T> qk4 = gaussian<T>(kB * 2, kDk, 5);
+  CHECK_THROWS_WITH(tiled_layer.step_into(grouped_states, qk4, qk4, v, out),
+                    Catch::Contains("are not this layer's"));
+  grouped_states[1] = tiled_layer.make_states(1)[1];
+  CHECK_THROWS_WITH(grouped_states.step_into(qk4, qk4, v, elu, out),
+                    Catch::Contains("state 1 has another head_grouping"));
+  CHECK(grouped_states[0].tokens() == 0);
+  // RWKV-6's bonus through a layer's states: u has a row per head (or per state), not any
+  // divisor of the B * H states.
+  linattn::Options plain = options;
+  plain.normalize = false;
+  const LinearAttentionLayer<T, linattn::Identity> rwkv(linattn::Identity{}, kH, kDk, kDv, plain);
+  auto rwkv_states = rwkv.make_states(kB);
+  const Matrix<T> qb = gaussian<T>(kB * kH, kDk, 6).cwiseAbs();
+  const Matrix<T> gb = (T(-0.1) * gaussian<T>(kB * kH, kDk, 7).array().abs()).matrix();
+  const Matrix<T> u2 = gaussian<T>(2, kDk, 8);
+  CHECK_THROWS_WITH(
+      rwkv_states.step_into(qb, qb, v, linattn::with_bonus(linattn::log_gates(gb), u2),
+                            linattn::Identity{}, out),
+      Catch::Contains("R = 4 (one row per head)"));
+  CHECK(rwkv_states[0].tokens() == 0);
+  CHECK_THROWS_WITH(static_cast<void>(LinearAttentionLayer<T, linattn::EluPlusOne>(
+                        elu, linattn::LayerHeads(kH, 3, kH, kH), kDk, kDv)),
+                    Catch::Contains("a divisor of H"));
   // Tiled grouping needs the heads per sequence: a batch made by hand does not know them.
   options.head_grouping = linattn::HeadGrouping::tiled;
   linattn::RecurrentStateBatch<T> by_hand(kB * kH, kDk, kDv, options);
@@ -937,8 +989,10 @@ TEMPLATE_TEST_CASE("delta layer: forward equals prefill then steps and the naive
   options.l2_normalize = true;
   options.chunk = 16;
   options.threads = 2;
-  const linattn::DeltaRuleLayer<T> layer(kH, kDk, kDv, options);
+  const linattn::DeltaRuleLayer<T> layer(linattn::LayerHeads::grouped_query_key(kH, hqk), kDk, kDv,
+                                         options);
   CHECK(layer.heads() == kH);
+  CHECK(layer.layer_heads().key == hqk);
   CHECK(layer.key_dim() == kDk);
   CHECK(layer.value_dim() == kDv);
   CHECK(layer.options().chunk == 16);
@@ -1062,13 +1116,14 @@ TEMPLATE_TEST_CASE("delta layer: errors name the argument and move no state",
   const Matrix<T> q4 = gaussian<T>(4, kDk, 3), v12 = gaussian<T>(12, kDv, 4);
   const linattn::Vector<T> beta12 = linattn::Vector<T>::Constant(12, T(0.5));
   Matrix<T> out12(12, kDv);
-  CHECK_THROWS_WITH(layer.step_into(three_sequences, q4, q4, v12, beta12, out12),
-                    Contains("q has 4 rows but the states hold 3 sequences of 4 heads"));
+  CHECK_THROWS_WITH(
+      layer.step_into(three_sequences, q4, q4, v12, beta12, out12),
+      Contains("q has 4 rows but the states hold 3 sequences") && Contains("B * 4 = 12 rows"));
   CHECK(three_sequences[0].tokens() == 0);
   // Views of other widths or head counts.
   auto states = layer.make_states(kB);
   const Eigen::Index n = 10;
-  std::vector<T> qd(static_cast<std::size_t>(kB * 3 * n * kDk), T(0.1)),
+  std::vector<T> qd(static_cast<std::size_t>(kB * kH * n * kDk), T(0.1)),
       vd(static_cast<std::size_t>(kB * kH * n * kDv), T(0.1)),
       bd(static_cast<std::size_t>(kB * kH * n), T(0.5)), od(vd.size());
   const auto three = HeadsView<const T>::bhnd(qd.data(), {kB, 3, n, kDk});
@@ -1078,7 +1133,7 @@ TEMPLATE_TEST_CASE("delta layer: errors name the argument and move no state",
   CHECK_THROWS_WITH(layer.forward_into(three, three, vv, bv, ov), Contains("grouped heads"));
   CHECK_THROWS_WITH(layer.prefill_into(states, three, three, vv, bv, ov),
                     Contains("grouped heads"));
-  const auto qk = HeadsView<const T>::bhnd(qd.data(), {kB, 2, n, kDk});
+  const auto qk = HeadsView<const T>::bhnd(qd.data(), {kB, kH, n, kDk});
   CHECK_THROWS_WITH(layer.prefill_into(normalised, qk, qk, vv, bv, ov),
                     Contains("are not this layer's"));
   std::vector<T> packed(static_cast<std::size_t>(kH * n * kDk), T(0.1));

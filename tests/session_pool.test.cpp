@@ -96,13 +96,19 @@ linattn::LinearAttentionLayer<T, linattn::Identity> decay_layer() {
       linattn::Identity{}, 3, kDk, kDv, linattn::HeadDecays{{0.9, 0.97, 1.0}}, options);
 }
 
-/// Layer 1: H = 2 gated heads, unnormalised.
+/// Layer 1: H = 2 gated heads (q and k with `heads`' counts), unnormalised.
 template <class T>
-linattn::LinearAttentionLayer<T, linattn::Identity> gated_layer() {
+linattn::LinearAttentionLayer<T, linattn::Identity> gated_layer(linattn::LayerHeads heads = 2) {
   linattn::Options options;
   options.normalize = false;
-  return linattn::LinearAttentionLayer<T, linattn::Identity>(linattn::Identity{}, 2, kDk, kDv,
+  return linattn::LinearAttentionLayer<T, linattn::Identity>(linattn::Identity{}, heads, kDk, kDv,
                                                              options);
+}
+
+/// Layer 1 with one q/k head per sequence over its 2 heads.
+template <class T>
+linattn::LinearAttentionLayer<T, linattn::Identity> grouped_gated_layer() {
+  return gated_layer<T>(linattn::LayerHeads::grouped_query_key(2, 1));
 }
 
 }  // namespace
@@ -112,12 +118,12 @@ TEMPLATE_TEST_CASE("pool steps equal each session stepped alone across adds, dro
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
   using State = RecurrentState<T>;
-  SessionPool<Batch> pool(decay_layer<T>(), gated_layer<T>());
+  SessionPool<Batch> pool(decay_layer<T>(), grouped_gated_layer<T>());
   CHECK(pool.layers() == 2);
   CHECK(pool.heads(0) == 3);
   CHECK(pool.heads(1) == 2);
   CHECK(pool.size() == 0);
-  const Batch fresh[2] = {decay_layer<T>().make_states(1), gated_layer<T>().make_states(1)};
+  const Batch fresh[2] = {decay_layer<T>().make_states(1), grouped_gated_layer<T>().make_states(1)};
   Sessions<State> alone;
   std::mt19937_64 random(77);
   Key next_key = 100;
@@ -186,6 +192,17 @@ TEMPLATE_TEST_CASE("pool steps equal each session stepped alone across adds, dro
   // The random walk did exercise every operation.
   CHECK(rounds_with_drop > 0);
   CHECK(rounds_with_reorder > 0);
+  // Layer 1 takes one q/k row per session: one row for several sessions (which divides the
+  // states' count) is refused, and no state moves.
+  while (pool.size() < 2) pool.add(next_key++);
+  const Eigen::Index n = pool.size();
+  const RecurrentState<T> first = pool.state(pool.keys().front(), 1, 0);
+  const Matrix<T> one_row = gaussian<T>(1, kDk, 900).cwiseAbs();
+  const Matrix<T> g = (-0.1 * gaussian<T>(2 * n, kDk, 901).array().abs()).matrix();
+  CHECK_THROWS_WITH(pool.step(1, one_row, one_row, gaussian<T>(2 * n, kDv, 902),
+                              linattn::log_gates(g), linattn::Identity{}),
+                    Catch::Contains("q is 1 x") && Catch::Contains("LayerHeads"));
+  CHECK(same_state(pool.state(pool.keys().front(), 1, 0), first));
 }
 
 TEMPLATE_TEST_CASE(
@@ -199,7 +216,9 @@ TEMPLATE_TEST_CASE(
   DeltaOptions options;
   options.l2_normalize = true;
   options.threads = GENERATE(1, 2);
-  SessionPool<Batch> pool(1, linattn::DeltaRuleLayer<T>(H, kDk, kDv, options));
+  SessionPool<Batch> pool(
+      1, linattn::DeltaRuleLayer<T>(linattn::LayerHeads::grouped_query_key(H, Hqk), kDk, kDv,
+                                    options));
   Sessions<State> alone;
   const State fresh(kDk, kDv, options);
   auto step_all = [&](std::uint64_t seed) {

@@ -62,6 +62,35 @@ inline Eigen::Index grouped_input_head(HeadGrouping grouping, Eigen::Index h, Ei
   return grouping == HeadGrouping::tiled ? h % input_heads : h / (heads / input_heads);
 }
 
+/// The head counts of a layer: H output heads (the delta rule's value heads) and the heads its
+/// q, k and v arrive with, each H or a divisor of it (grouped heads, shared by the options'
+/// head_grouping). A layer's calls take exactly these counts: a view or step rows with other
+/// counts throw, so that one sequence's rows are never read as another's heads.
+struct LayerHeads {
+  /// H heads for the output and for q, k and v. Implicit, so a layer made with a head count
+  /// keeps its meaning.
+  LayerHeads(Eigen::Index heads)  // NOLINT(google-explicit-constructor)
+      : out(heads), query(heads), key(heads), value(heads) {}
+  /// H output heads and the given heads of q, k and v, in that order.
+  LayerHeads(Eigen::Index heads, Eigen::Index query_heads, Eigen::Index key_heads,
+             Eigen::Index value_heads)
+      : out(heads), query(query_heads), key(key_heads), value(value_heads) {}
+  /// Fewer q/k heads than value heads: Qwen3.5's and Qwen3-Next's 16 q/k heads over 32 value
+  /// heads (`grouped_query_key(32, 16)`), Mamba-2's groups of B and C.
+  static LayerHeads grouped_query_key(Eigen::Index heads, Eigen::Index query_key_heads) {
+    return LayerHeads(heads, query_key_heads, query_key_heads, heads);
+  }
+  /// Fewer k/v heads than q heads: grouped- and multi-query attention.
+  static LayerHeads grouped_key_value(Eigen::Index heads, Eigen::Index key_value_heads) {
+    return LayerHeads(heads, heads, key_value_heads, key_value_heads);
+  }
+
+  Eigen::Index out;    ///< H, heads of the output and of the states per sequence
+  Eigen::Index query;  ///< H_q, heads of q
+  Eigen::Index key;    ///< H_k, heads of k
+  Eigen::Index value;  ///< H_v, heads of v
+};
+
 /// Settings shared by every kernel.
 struct Options {
   /// Added to the denominator outside the dot product; must be >= 0 and finite.

@@ -229,8 +229,8 @@ void require_head_view(const HeadsView<T>& view, const HeadsView<O>& out, Eigen:
                           what + "] (" + out_name + " is " + out.sizes_string() + ")";
     if (view.heads() != out.heads()) {
       message += ": " + std::string(name) + " needs one head per value head (" + out_name +
-                 "'s H), as FLA's [B, T, HV]; only q and k may have fewer heads (grouped: value " +
-                 "head h reads q/k head h / (H_v / H_k))";
+                 "'s H), as FLA's [B, T, HV]; only q, k and v may have fewer heads (grouped by " +
+                 "DeltaOptions::head_grouping)";
     }
     throw Error(message);
   }
@@ -414,11 +414,12 @@ Matrix<typename DQ::Scalar> causal_gated_delta_rule(
 /// (DeltaOptions::threads). Head (b, h) gives exactly causal_delta_rule on q.head(b, hq), ...,
 /// beta.head(b, h) up to rounding. Grouped heads (Qwen3-Next: 16 q/k heads, 32 v heads): an
 /// input may have fewer heads than out, a divisor of its H, and out head h reads head
-/// h / (H / H_in) of it (FLA's grouping). Every check runs before anything is written.
+/// h / (H / H_in) of it (FLA's grouping; h % H_in with DeltaOptions::head_grouping tiled).
+/// Every check runs before anything is written.
 /// @param q        B x Hq x N x Dk queries (Hq divides H)
 /// @param k        B x Hk x N x Dk keys (Hk divides H)
 /// @param v        B x Hv x N x Dv values (Hv divides H)
-/// @param beta     B x Hb x N x 1 learning rates (Hb divides H), in (0, 1] ((0, 2] with
+/// @param beta     B x H x N x 1 learning rates (one head per value head), in (0, 1] ((0, 2] with
 ///                 allow_negative_eigenvalues)
 /// @param out      B x H x N x Dv result; its heads may not overlap each other or the inputs
 /// @param options  scale, l2_normalize, allow_negative_eigenvalues, chunk, check_finite, threads
@@ -438,8 +439,9 @@ void causal_delta_rule_into(const HeadsView<Q>& q, const HeadsView<K>& k, const 
 /// @param q        B x Hq x N x Dk queries (Hq divides H)
 /// @param k        B x Hk x N x Dk keys (Hk divides H)
 /// @param v        B x Hv x N x Dv values (Hv divides H)
-/// @param gates    B x Hg x N x 1 or B x Hg x N x Dk gates (Hg divides H): a_t or log_gates(view)
-/// @param beta     B x Hb x N x 1 learning rates (Hb divides H)
+/// @param gates    B x H x N x 1 or B x H x N x Dk gates (one head per value head): a_t or
+/// log_gates(view)
+/// @param beta     B x H x N x 1 learning rates (one head per value head)
 /// @param out      B x H x N x Dv result
 /// @param options  as causal_delta_rule_into
 template <class Acc = void, class Q, class K, class V, class Gates, class B, class O,
@@ -459,7 +461,7 @@ void causal_gated_delta_rule_into(const HeadsView<Q>& q, const HeadsView<K>& k,
 /// @param q        1 x Hq x total x Dk queries (Hq divides H)
 /// @param k        1 x Hk x total x Dk keys (Hk divides H)
 /// @param v        1 x Hv x total x Dv values (Hv divides H)
-/// @param beta     1 x Hb x total x 1 learning rates (Hb divides H)
+/// @param beta     1 x H x total x 1 learning rates (one head per value head)
 /// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
 /// @param out      1 x H x total x Dv result
 /// @param options  as causal_delta_rule_into
@@ -478,8 +480,8 @@ void causal_delta_rule_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k,
 /// @param q        1 x Hq x total x Dk queries (Hq divides H)
 /// @param k        1 x Hk x total x Dk keys (Hk divides H)
 /// @param v        1 x Hv x total x Dv values (Hv divides H)
-/// @param gates    1 x Hg x total x 1 or 1 x Hg x total x Dk gates: a_t or log_gates(view)
-/// @param beta     1 x Hb x total x 1 learning rates (Hb divides H)
+/// @param gates    1 x H x total x 1 or 1 x H x total x Dk gates: a_t or log_gates(view)
+/// @param beta     1 x H x total x 1 learning rates (one head per value head)
 /// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
 /// @param out      1 x H x total x Dv result
 /// @param options  as causal_delta_rule_into

@@ -338,12 +338,12 @@ DeltaRuleGradients<typename DQ::Scalar> causal_gated_delta_rule_backward(
 /// @param q          B x Hq x N x Dk queries, as given to the forward (Hq divides H)
 /// @param k          B x Hk x N x Dk keys (Hk divides H)
 /// @param v          B x Hv x N x Dv values (Hv divides H)
-/// @param beta       B x Hb x N x 1 learning rates (Hb divides H)
+/// @param beta       B x H x N x 1 learning rates (one head per value head)
 /// @param grad_out   B x H x N x Dv gradient of the loss with respect to the forward's out
 /// @param grad_q     B x Hq x N x Dk result: d loss / d q (the raw queries)
 /// @param grad_k     B x Hk x N x Dk result: d loss / d k (the raw keys)
 /// @param grad_v     B x Hv x N x Dv result: d loss / d v
-/// @param grad_beta  B x Hb x N x 1 result: d loss / d beta; the gradient views may not overlap
+/// @param grad_beta  B x H x N x 1 result: d loss / d beta; the gradient views may not overlap
 ///                   each other or the inputs (nor their own heads)
 /// @param options    the forward's options, threads
 template <class Acc = void, class Q, class K, class V, class B, class G, class T,
@@ -366,16 +366,16 @@ void causal_delta_rule_backward_into(const HeadsView<Q>& q, const HeadsView<K>& 
 /// @param q           B x Hq x N x Dk queries (Hq divides H)
 /// @param k           B x Hk x N x Dk keys (Hk divides H)
 /// @param v           B x Hv x N x Dv values (Hv divides H)
-/// @param gates       B x Hg x N x 1 or B x Hg x N x Dk gates (Hg divides H): a_t or
+/// @param gates       B x H x N x 1 or B x H x N x Dk gates (one head per value head): a_t or
 ///                    log_gates(view)
-/// @param beta        B x Hb x N x 1 learning rates (Hb divides H)
+/// @param beta        B x H x N x 1 learning rates (one head per value head)
 /// @param grad_out    B x H x N x Dv gradient of the loss with respect to out
 /// @param grad_q      B x Hq x N x Dk result
 /// @param grad_k      B x Hk x N x Dk result
 /// @param grad_v      B x Hv x N x Dv result
 /// @param grad_gates  the gates' shape, result: d loss / d g_t for log gates (0 at a reset),
 ///                    d loss / d a_t for gates a_t
-/// @param grad_beta   B x Hb x N x 1 result
+/// @param grad_beta   B x H x N x 1 result
 /// @param options     the forward's options, threads
 template <class Acc = void, class Q, class K, class V, class Gates, class B, class G, class T,
           class = detail::enable_if_backward_views<Q, K, V, G, T>,
@@ -397,13 +397,13 @@ void causal_gated_delta_rule_backward_into(
 /// @param q          1 x Hq x total x Dk queries (Hq divides H)
 /// @param k          1 x Hk x total x Dk keys (Hk divides H)
 /// @param v          1 x Hv x total x Dv values (Hv divides H)
-/// @param beta       1 x Hb x total x 1 learning rates (Hb divides H)
+/// @param beta       1 x H x total x 1 learning rates (one head per value head)
 /// @param grad_out   1 x H x total x Dv gradient of the loss with respect to out
 /// @param offsets    S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
 /// @param grad_q     1 x Hq x total x Dk result
 /// @param grad_k     1 x Hk x total x Dk result
 /// @param grad_v     1 x Hv x total x Dv result
-/// @param grad_beta  1 x Hb x total x 1 result
+/// @param grad_beta  1 x H x total x 1 result
 /// @param options    the forward's options, threads
 template <class Acc = void, class Q, class K, class V, class B, class G, class T,
           class = detail::enable_if_backward_views<Q, K, V, G, T>>
@@ -422,15 +422,15 @@ void causal_delta_rule_varlen_backward_into(
 /// @param q           1 x Hq x total x Dk queries (Hq divides H)
 /// @param k           1 x Hk x total x Dk keys (Hk divides H)
 /// @param v           1 x Hv x total x Dv values (Hv divides H)
-/// @param gates       1 x Hg x total x 1 or 1 x Hg x total x Dk gates: a_t or log_gates(view)
-/// @param beta        1 x Hb x total x 1 learning rates (Hb divides H)
+/// @param gates       1 x H x total x 1 or 1 x H x total x Dk gates: a_t or log_gates(view)
+/// @param beta        1 x H x total x 1 learning rates (one head per value head)
 /// @param grad_out    1 x H x total x Dv gradient of the loss with respect to out
 /// @param offsets     S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
 /// @param grad_q      1 x Hq x total x Dk result
 /// @param grad_k      1 x Hk x total x Dk result
 /// @param grad_v      1 x Hv x total x Dv result
 /// @param grad_gates  the gates' shape, result
-/// @param grad_beta   1 x Hb x total x 1 result
+/// @param grad_beta   1 x H x total x 1 result
 /// @param options     the forward's options, threads
 template <class Acc = void, class Q, class K, class V, class Gates, class B, class G, class T,
           class = detail::enable_if_backward_views<Q, K, V, G, T>,

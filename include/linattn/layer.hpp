@@ -20,34 +20,57 @@
 namespace linattn {
 namespace detail {
 
-/// Throws unless q, k and v have the layer's widths and a head count dividing H (grouped
-/// heads), and out has H heads of Dv.
+/// Throws unless q, k, v and out have exactly the layer's head counts and widths.
 template <class Q, class K, class V, class O>
 void require_layer_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                         const HeadsView<O>& out, Eigen::Index heads, Eigen::Index key_dim,
+                         const HeadsView<O>& out, const LayerHeads& heads, Eigen::Index key_dim,
                          Eigen::Index value_dim, const char* where) {
-  auto groups = [&](Eigen::Index h) { return h >= 1 && heads % h == 0; };
-  if (!groups(q.heads()) || !groups(k.heads()) || !groups(v.heads()) || out.heads() != heads ||
-      q.dim() != key_dim || v.dim() != value_dim) {
+  if (q.heads() != heads.query || k.heads() != heads.key || v.heads() != heads.value ||
+      out.heads() != heads.out || q.dim() != key_dim || v.dim() != value_dim) {
+    const bool counts_differ = q.heads() != heads.query || k.heads() != heads.key ||
+                               v.heads() != heads.value || out.heads() != heads.out;
     throw Error(std::string(where) + ": q is " + q.sizes_string() + ", k " + k.sizes_string() +
                 ", v " + v.sizes_string() + " and out " + out.sizes_string() +
-                " but the layer has H = " + std::to_string(heads) +
-                " (out's heads; q, k and v may have a divisor of it, grouped heads), Dk = " +
-                std::to_string(key_dim) + ", Dv = " + std::to_string(value_dim));
+                " but the layer has " + heads_string(heads) + ", Dk = " + std::to_string(key_dim) +
+                ", Dv = " + std::to_string(value_dim) +
+                (counts_differ ? std::string(" (grouped heads are the layer's: make it with "
+                                             "LayerHeads, e.g. LayerHeads::grouped_query_key(H, "
+                                             "H_qk))")
+                               : std::string()));
   }
 }
 
-/// Throws unless a step's argument has B * H_in rows for the `states` states of `heads` heads
-/// per sequence (B = states / heads), with H_in dividing H: other row counts could divide the
-/// batch's size and still hand one sequence's rows to another's states.
-inline void require_layer_rows(Eigen::Index rows, Eigen::Index states, Eigen::Index heads,
-                               const char* name, const char* where) {
-  const Eigen::Index batch = states / heads;
-  if (batch < 1 || rows < 1 || rows % batch != 0 || heads % (rows / batch) != 0) {
+/// Throws unless a step's argument has B * H_in rows, H_in = heads.*input, for the `states`
+/// states of heads.out heads per sequence: other row counts could divide the batch's size and
+/// still hand one sequence's rows to another's states.
+inline void require_layer_rows(Eigen::Index rows, Eigen::Index states, const LayerHeads& heads,
+                               Eigen::Index LayerHeads::*input, const char* name,
+                               const char* where) {
+  const Eigen::Index batch = states / heads.out, per_sequence = heads.*input;
+  if (rows != batch * per_sequence) {
     throw Error(std::string(where) + ": " + name + " has " + std::to_string(rows) +
                 " rows but the states hold " + std::to_string(batch) + " sequences of " +
-                std::to_string(heads) + " heads: it needs B * H_in rows with H_in dividing " +
-                std::to_string(heads) + " (row b * H_in + j for head j of sequence b)");
+                std::to_string(heads.out) + " heads and the layer takes " +
+                std::to_string(per_sequence) + " " + name + " heads per sequence (LayerHeads: " +
+                heads_string(heads) + "): it needs B * " + std::to_string(per_sequence) + " = " +
+                std::to_string(batch * per_sequence) + " rows (row b * " +
+                std::to_string(per_sequence) + " + j for head j of sequence b)");
+  }
+}
+
+/// Throws unless a batch of states can be a layer's: states.size() a multiple of H, the layer's
+/// head grouping, and its head counts when a layer's make_states made the batch.
+template <class States>
+void require_layer_states(const States& states, const LayerHeads& heads, HeadGrouping grouping,
+                          const char* where) {
+  const LayerHeads& made = BatchHeads::get(states);
+  const bool same_heads = made.out == 0 || (made.out == heads.out && made.query == heads.query &&
+                                            made.key == heads.key && made.value == heads.value);
+  if (states.size() % heads.out != 0 || !same_heads || states.options().head_grouping != grouping) {
+    throw Error(std::string(where) + ": the states (" + std::to_string(states.size()) +
+                (made.out > 0 ? ", made for " + heads_string(made) : std::string()) +
+                ") are not this layer's: make them with make_states (the layer's " +
+                heads_string(heads) + " per sequence and its head_grouping)");
   }
 }
 
@@ -58,7 +81,8 @@ inline void require_layer_rows(Eigen::Index rows, Eigen::Index states, Eigen::In
 /// are the recurrent form over a RecurrentStateBatch, for decoding. Both give the same outputs.
 /// The projections around attention (W_q, W_k, W_v, W_o) stay with the caller's model.
 /// Grouped heads: H is the output's head count; q, k and v may have fewer heads, a divisor of
-/// H, in every form (output head h reads head h / (H / H_in), FLA's grouping; a step's rows
+/// H, declared when the layer is made (LayerHeads) and then required of every call (output
+/// head h reads head h / (H / H_in), or h % H_in with HeadGrouping::tiled; a step's rows
 /// alike: (B * H_in) x D).
 /// @tparam T    float, double, Eigen::half or Eigen::bfloat16: the type of q, k, v and the
 ///              outputs
@@ -74,18 +98,19 @@ class LinearAttentionLayer {
   using States = RecurrentStateBatch<T, Acc>;
 
   /// @param map        feature map applied to every head's queries and keys
-  /// @param heads      H, heads per sequence
+  /// @param heads      H, heads per sequence; or LayerHeads with fewer heads of q, k or v
   /// @param key_dim    Dk, width of each head's q and k
   /// @param value_dim  Dv, width of each head's v and output
-  /// @param options    eps, decay, normalize, chunk, check_finite, threads
-  LinearAttentionLayer(Map map, Eigen::Index heads, Eigen::Index key_dim, Eigen::Index value_dim,
+  /// @param options    eps, decay, normalize, chunk, check_finite, threads, head_grouping
+  LinearAttentionLayer(Map map, LayerHeads heads, Eigen::Index key_dim, Eigen::Index value_dim,
                        const Options& options = {})
       : map_(std::move(map)),
-        heads_(detail::require_positive_dim(heads, "LinearAttentionLayer", "heads")),
+        heads_(heads),
         key_dim_(detail::require_positive_dim(key_dim, "LinearAttentionLayer", "key_dim")),
         value_dim_(detail::require_positive_dim(value_dim, "LinearAttentionLayer", "value_dim")),
         options_(options) {
     detail::validate_options(options, "LinearAttentionLayer");
+    detail::validate_layer_heads(heads_, "LinearAttentionLayer");
     feature_dim_ = map_.feature_dim(key_dim);
     if (feature_dim_ < 1) {
       throw Error("LinearAttentionLayer: the feature map gives feature_dim " +
@@ -96,15 +121,15 @@ class LinearAttentionLayer {
   /// A layer whose heads decay by a constant each (RetNet's multi-scale retention, MiniMax's
   /// lambda_h): head h by decays.values[h], in both forms.
   /// @param map        feature map applied to every head's queries and keys
-  /// @param heads      H, heads per sequence
+  /// @param heads      H, heads per sequence; or LayerHeads with fewer heads of q, k or v
   /// @param key_dim    Dk, width of each head's q and k
   /// @param value_dim  Dv, width of each head's v and output
   /// @param decays     H decays in (0, 1]
   /// @param options    eps, normalize, chunk, check_finite, threads, scale; decay must be 1
-  LinearAttentionLayer(Map map, Eigen::Index heads, Eigen::Index key_dim, Eigen::Index value_dim,
+  LinearAttentionLayer(Map map, LayerHeads heads, Eigen::Index key_dim, Eigen::Index value_dim,
                        HeadDecays decays, const Options& options = {})
       : LinearAttentionLayer(std::move(map), heads, key_dim, value_dim, options) {
-    detail::validate_transition(decays, HeadShape{1, heads_, 1, feature_dim_}, options_,
+    detail::validate_transition(decays, HeadShape{1, heads_.out, 1, feature_dim_}, options_,
                                 "LinearAttentionLayer");
     decays_ = std::move(decays);
   }
@@ -112,7 +137,9 @@ class LinearAttentionLayer {
   /// The map applied to every head's queries and keys.
   const Map& feature_map() const { return map_; }
   /// H, heads per sequence.
-  Eigen::Index heads() const { return heads_; }
+  Eigen::Index heads() const { return heads_.out; }
+  /// H and the head counts of q, k and v that every call takes.
+  const LayerHeads& layer_heads() const { return heads_; }
   /// Dk, width of each head's q and k.
   Eigen::Index key_dim() const { return key_dim_; }
   /// Dv, width of each head's v and output.
@@ -125,9 +152,10 @@ class LinearAttentionLayer {
   const HeadDecays& head_decays() const { return decays_; }
 
   /// The parallel form over whole sequences.
-  /// @param q    B x H x N x Dk queries (any layout, e.g. HeadsView::bnhd over a QKV buffer)
-  /// @param k    B x H x N x Dk keys
-  /// @param v    B x H x N x Dv values
+  /// @param q    B x H_q x N x Dk queries (H_q, H_k, H_v: the layer's LayerHeads; any layout,
+  ///             e.g. HeadsView::bnhd over a QKV buffer)
+  /// @param k    B x H_k x N x Dk keys
+  /// @param v    B x H_v x N x Dv values
   /// @param out  B x H x N x Dv outputs
   template <class Q, class K, class V, class O>
   void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
@@ -141,9 +169,9 @@ class LinearAttentionLayer {
   }
 
   /// The parallel form with per-token gates, laid out like q, k and v.
-  /// @param q      B x H x N x Dk queries
-  /// @param k      B x H x N x Dk keys
-  /// @param v      B x H x N x Dv values
+  /// @param q      B x H_q x N x Dk queries
+  /// @param k      B x H_k x N x Dk keys
+  /// @param v      B x H_v x N x Dv values
   /// @param gates  B x H x N x 1 or B x H x N x C gates a_t in (0, 1], or log_gates(view); or
   ///               with_bonus(either, u) with u H x C (RWKV-6)
   /// @param out    B x H x N x Dv outputs
@@ -161,28 +189,30 @@ class LinearAttentionLayer {
   /// head h of sequence b.
   States make_states(Eigen::Index batch) const {
     const Eigen::Index count =
-        detail::require_positive_dim(batch, "LinearAttentionLayer", "batch") * heads_;
+        detail::require_positive_dim(batch, "LinearAttentionLayer", "batch") * heads_.out;
     States states = decays_.values.empty()
                         ? States(count, feature_dim_, value_dim_, options_)
                         : States(count, feature_dim_, value_dim_, decays_, options_);
-    detail::BatchHeads::set(states, heads_);  // for grouped rows (HeadGrouping::tiled)
+    detail::BatchHeads::set(states, heads_);  // the rows of grouped inputs it takes
     return states;
   }
 
   /// A prompt through the parallel form that also leaves each sequence's states ready to step.
   /// @param states  from make_states(B)
-  /// @param q       B x H x N x Dk queries; k likewise; v B x H x N x Dv
+  /// @param q       B x H_q x N x Dk queries; k B x H_k x N x Dk; v B x H_v x N x Dv
   /// @param out     B x H x N x Dv outputs
   template <class Q, class K, class V, class O>
   void prefill_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
                     const HeadsView<V>& v, const HeadsView<O>& out) const {
     check_heads(q, k, v, out, "LinearAttentionLayer::prefill");
+    detail::require_layer_states(states, heads_, options_.head_grouping,
+                                 "LinearAttentionLayer::prefill");
     states.prefill_into(q, k, v, map_, out);
   }
 
   /// A gated prompt through the parallel form, leaving the states ready for gated steps.
   /// @param states  from make_states(B)
-  /// @param q       B x H x N x Dk queries; k likewise; v B x H x N x Dv
+  /// @param q       B x H_q x N x Dk queries; k B x H_k x N x Dk; v B x H_v x N x Dv
   /// @param gates   B x H x N x 1 or B x H x N x C gates a_t in (0, 1], or log_gates(view); or
   ///                with_bonus(either, u) with u H x C (RWKV-6)
   /// @param out     B x H x N x Dv outputs
@@ -193,6 +223,7 @@ class LinearAttentionLayer {
                     const HeadsView<V>& v, const Gates& gates, const HeadsView<O>& out) const {
     constexpr const char* where = "LinearAttentionLayer::prefill";
     check_heads(q, k, v, out, where);
+    detail::require_layer_states(states, heads_, options_.head_grouping, where);
     require_no_decays<Gates>(where);
     states.prefill_into(q, k, v, gates, map_, out);
   }
@@ -201,7 +232,8 @@ class LinearAttentionLayer {
   /// form, leaving the states of sequence s (s * H + h) ready to step; an empty prompt leaves
   /// its states as they are.
   /// @param states   from make_states(S) for S sequences
-  /// @param q        1 x H x T x Dk queries, T = offsets.back(); k likewise; v 1 x H x T x Dv
+  /// @param q        1 x H_q x T x Dk queries, T = offsets.back(); k 1 x H_k x T x Dk;
+  ///                 v 1 x H_v x T x Dv
   /// @param offsets  S + 1 nondecreasing offsets from 0 to T
   /// @param out      1 x H x T x Dv outputs
   template <class Q, class K, class V, class O>
@@ -209,13 +241,16 @@ class LinearAttentionLayer {
                            const HeadsView<V>& v, const std::vector<std::int64_t>& offsets,
                            const HeadsView<O>& out) const {
     check_heads(q, k, v, out, "LinearAttentionLayer::prefill_varlen");
+    detail::require_layer_states(states, heads_, options_.head_grouping,
+                                 "LinearAttentionLayer::prefill_varlen");
     states.prefill_varlen_into(q, k, v, map_, offsets, out);
   }
 
   /// Gated prompts of different lengths packed along N, as the plain varlen prefill, leaving
   /// the states ready for gated steps.
   /// @param states   from make_states(S) for S sequences
-  /// @param q        1 x H x T x Dk queries, T = offsets.back(); k likewise; v 1 x H x T x Dv
+  /// @param q        1 x H_q x T x Dk queries, T = offsets.back(); k 1 x H_k x T x Dk;
+  ///                 v 1 x H_v x T x Dv
   /// @param gates    1 x H x T x 1 or 1 x H x T x C gates a_t in (0, 1], or log_gates(view); or
   ///                 with_bonus(either, u) with u H x C (RWKV-6)
   /// @param offsets  S + 1 nondecreasing offsets from 0 to T
@@ -229,6 +264,7 @@ class LinearAttentionLayer {
                            const HeadsView<O>& out) const {
     constexpr const char* where = "LinearAttentionLayer::prefill_varlen";
     check_heads(q, k, v, out, where);
+    detail::require_layer_states(states, heads_, options_.head_grouping, where);
     require_no_decays<Gates>(where);
     states.prefill_varlen_into(q, k, v, gates, map_, offsets, out);
   }
@@ -236,9 +272,9 @@ class LinearAttentionLayer {
   /// One token for each of B sequences; row b * H + h holds head h of sequence b (a [B, H, D]
   /// tensor viewed as a (B * H) x D row-major matrix).
   /// @param states  from make_states(B)
-  /// @param q       (B * H) x Dk queries (or (B * H_q) x Dk, H_q dividing H: grouped heads)
-  /// @param k       (B * H) x Dk keys (or (B * H_k) x Dk)
-  /// @param v       (B * H) x Dv values (or (B * H_v) x Dv)
+  /// @param q       (B * H_q) x Dk queries (H_q = H unless the layer's LayerHeads group them)
+  /// @param k       (B * H_k) x Dk keys
+  /// @param v       (B * H_v) x Dv values
   /// @param out     (B * H) x Dv outputs
   template <class DQ, class DK, class DV>
   void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -249,7 +285,7 @@ class LinearAttentionLayer {
 
   /// One gated token for each of B sequences, rows as the ungated step.
   /// @param states  from make_states(B)
-  /// @param q       (B * H) x Dk queries; k likewise; v (B * H) x Dv
+  /// @param q       (B * H_q) x Dk queries; k (B * H_k) x Dk; v (B * H_v) x Dv
   /// @param gates   (B * H) x 1 or (B * H) x C gates a_t in (0, 1], or log_gates(g)
   /// @param out     (B * H) x Dv outputs
   template <class DQ, class DK, class DV, class Gates,
@@ -266,7 +302,7 @@ class LinearAttentionLayer {
   /// One token with RWKV-6's bonus for each of B sequences, rows as the ungated step; head h
   /// reads row h of u (the layer's normalize must be false and its map plain).
   /// @param states  from make_states(B)
-  /// @param q       (B * H) x Dk receptances (queries); k likewise; v (B * H) x Dv
+  /// @param q       (B * H_q) x Dk receptances (queries); k (B * H_k) x Dk; v (B * H_v) x Dv
   /// @param gates   with_bonus(gates, u): gates (B * H) x 1 or (B * H) x C (a_t, or
   ///                log_gates(w)), u H x C
   /// @param out     (B * H) x Dv outputs
@@ -276,24 +312,23 @@ class LinearAttentionLayer {
                  Eigen::Ref<Matrix<T>> out) const {
     constexpr const char* where = "LinearAttentionLayer::step";
     check_step(states, q, k, v, where);
-    if (gates.bonus().rows() != heads_) {
+    if (gates.bonus().rows() != heads_.out) {
       throw Error(std::string(where) + ": the bonus u is " + detail::shape_string(gates.bonus()) +
-                  " but the layer has H = " + std::to_string(heads_) + " heads (u is H x C)");
+                  " but the layer has H = " + std::to_string(heads_.out) + " heads (u is H x C)");
     }
     require_no_decays<Gates>(where);
     states.step_into(q, k, v, gates, map_, out);
   }
 
  private:
-  /// Throws unless q, k and v have the layer's widths and a head count dividing H (grouped
-  /// heads), and out has H heads of Dv.
+  /// Throws unless q, k, v and out have the layer's head counts and widths.
   template <class Q, class K, class V, class O>
   void check_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                    const HeadsView<O>& out, const char* where) const {
     detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
   }
 
-  /// Throws unless q has the layer's Dk and q, k and v hold B * H_in rows (grouped heads).
+  /// Throws unless q has the layer's Dk and q, k and v hold B * H_in rows, the layer's H_in.
   template <class DQ, class DK, class DV>
   void check_step(const States& states, const Eigen::MatrixBase<DQ>& q,
                   const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
@@ -302,9 +337,10 @@ class LinearAttentionLayer {
       throw Error(std::string(where) + ": q is " + detail::shape_string(q) +
                   " but the layer has key_dim " + std::to_string(key_dim_));
     }
-    detail::require_layer_rows(q.rows(), states.size(), heads_, "q", where);
-    detail::require_layer_rows(k.rows(), states.size(), heads_, "k", where);
-    detail::require_layer_rows(v.rows(), states.size(), heads_, "v", where);
+    detail::require_layer_states(states, heads_, options_.head_grouping, where);
+    detail::require_layer_rows(q.rows(), states.size(), heads_, &LayerHeads::query, "q", where);
+    detail::require_layer_rows(k.rows(), states.size(), heads_, &LayerHeads::key, "k", where);
+    detail::require_layer_rows(v.rows(), states.size(), heads_, &LayerHeads::value, "v", where);
   }
 
   /// Gates replace the decay: a layer made with HeadDecays takes none.
@@ -320,7 +356,8 @@ class LinearAttentionLayer {
   }
 
   Map map_;
-  Eigen::Index heads_, key_dim_, value_dim_;
+  LayerHeads heads_;
+  Eigen::Index key_dim_, value_dim_;
   Eigen::Index feature_dim_ = 0;
   Options options_;
   HeadDecays decays_;  ///< empty: Options::decay for every head
@@ -331,9 +368,11 @@ class LinearAttentionLayer {
 /// training and prompts; `prefill` and `step` are the recurrent form over a
 /// DeltaRuleStateBatch, for decoding. Both give the same outputs. The projections, the
 /// short convolution, beta = sigmoid(.) and the gates stay with the caller's model.
-/// Grouped heads: H is the output's (value) head count; q, k, v, beta and the gates may have
-/// fewer heads, a divisor of H (output head h reads head h / (H / H_in), FLA's grouping); in a
-/// step q, k and v likewise ((B * H_in) x D rows), beta and the gates one row per state.
+/// Grouped heads: H is the output's (value) head count; q and k (and v) may have fewer heads, a
+/// divisor of H, declared when the layer is made (LayerHeads::grouped_query_key(32, 16) for
+/// Qwen3.5) and then required of every call (output head h reads head h / (H / H_in), or
+/// h % H_in with HeadGrouping::tiled); in a step q, k and v likewise ((B * H_in) x D rows);
+/// beta and the gates have one head per value head (one row per state).
 /// @tparam T    float, double, Eigen::half or Eigen::bfloat16: the type of q, k, v, beta, the
 ///              gates and the outputs
 /// @tparam Acc  accumulation type of the sums and states, float or double (default T, or float
@@ -344,22 +383,26 @@ class DeltaRuleLayer {
   /// The states make_states returns, one per (sequence, head).
   using States = DeltaRuleStateBatch<T, Acc>;
 
-  /// @param heads      H, value heads per sequence
+  /// @param heads      H, value heads per sequence; or LayerHeads with fewer q/k heads
+  ///                   (LayerHeads::grouped_query_key(H, H_qk))
   /// @param key_dim    Dk, width of each head's q and k
   /// @param value_dim  Dv, width of each head's v and output
   /// @param options    scale, l2_normalize, allow_negative_eigenvalues, chunk, form,
-  ///                   check_finite, threads
-  DeltaRuleLayer(Eigen::Index heads, Eigen::Index key_dim, Eigen::Index value_dim,
+  ///                   check_finite, threads, head_grouping
+  DeltaRuleLayer(LayerHeads heads, Eigen::Index key_dim, Eigen::Index value_dim,
                  const DeltaOptions& options = {})
-      : heads_(detail::require_positive_dim(heads, "DeltaRuleLayer", "heads")),
+      : heads_(heads),
         key_dim_(detail::require_positive_dim(key_dim, "DeltaRuleLayer", "key_dim")),
         value_dim_(detail::require_positive_dim(value_dim, "DeltaRuleLayer", "value_dim")),
         options_(options) {
     detail::validate_delta_options(options, "DeltaRuleLayer");
+    detail::validate_layer_heads(heads_, "DeltaRuleLayer");
   }
 
   /// H, value heads per sequence.
-  Eigen::Index heads() const { return heads_; }
+  Eigen::Index heads() const { return heads_.out; }
+  /// H and the head counts of q, k and v that every call takes.
+  const LayerHeads& layer_heads() const { return heads_; }
   /// Dk, width of each head's q and k.
   Eigen::Index key_dim() const { return key_dim_; }
   /// Dv, width of each head's v and output.
@@ -368,10 +411,10 @@ class DeltaRuleLayer {
   const DeltaOptions& options() const { return options_; }
 
   /// DeltaNet over whole sequences, each from a zero state.
-  /// @param q     B x H' x N x Dk queries (any layout, e.g. HeadsView::bnhd over a QKV buffer)
-  /// @param k     B x H' x N x Dk keys
-  /// @param v     B x H' x N x Dv values
-  /// @param beta  B x H' x N x 1 learning rates
+  /// @param q     B x H_in x N x Dk queries (any layout, e.g. HeadsView::bnhd over a QKV buffer)
+  /// @param k     B x H_in x N x Dk keys
+  /// @param v     B x H_in x N x Dv values
+  /// @param beta  B x H x N x 1 learning rates
   /// @param out   B x H x N x Dv outputs
   template <class Q, class K, class V, class B, class O>
   void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
@@ -382,12 +425,12 @@ class DeltaRuleLayer {
   }
 
   /// Gated DeltaNet and KDA over whole sequences, each from a zero state.
-  /// @param q      B x H' x N x Dk queries
-  /// @param k      B x H' x N x Dk keys
-  /// @param v      B x H' x N x Dv values
-  /// @param gates  B x H' x N x 1 (Gated DeltaNet) or B x H' x N x Dk (KDA) views of a_t, or
+  /// @param q      B x H_in x N x Dk queries
+  /// @param k      B x H_in x N x Dk keys
+  /// @param v      B x H_in x N x Dv values
+  /// @param gates  B x H x N x 1 (Gated DeltaNet) or B x H x N x Dk (KDA) views of a_t, or
   ///               log_gates(view)
-  /// @param beta   B x H' x N x 1 learning rates
+  /// @param beta   B x H x N x 1 learning rates
   /// @param out    B x H x N x Dv outputs
   template <class Q, class K, class V, class Gates, class B, class O,
             class = detail::enable_if_delta_head_gates<Gates, O>>
@@ -401,17 +444,17 @@ class DeltaRuleLayer {
   /// Fresh (zero) states for `batch` sequences: batch * heads() of them, state b * H + h for
   /// head h of sequence b.
   States make_states(Eigen::Index batch) const {
-    States states(detail::require_positive_dim(batch, "DeltaRuleLayer", "batch") * heads_, key_dim_,
-                  value_dim_, options_);
-    detail::BatchHeads::set(states, heads_);  // for grouped rows (HeadGrouping::tiled)
+    States states(detail::require_positive_dim(batch, "DeltaRuleLayer", "batch") * heads_.out,
+                  key_dim_, value_dim_, options_);
+    detail::BatchHeads::set(states, heads_);  // the rows of grouped inputs it takes
     return states;
   }
 
   /// DeltaNet: a prompt through the parallel form that also leaves each sequence's states
   /// ready to step (continuing from where they were).
   /// @param states  from make_states(B)
-  /// @param q       B x H' x N x Dk queries; k likewise; v B x H' x N x Dv
-  /// @param beta    B x H' x N x 1 learning rates
+  /// @param q       B x H_in x N x Dk queries; k likewise; v B x H_in x N x Dv
+  /// @param beta    B x H x N x 1 learning rates
   /// @param out     B x H x N x Dv outputs
   template <class Q, class K, class V, class B, class O>
   void prefill_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
@@ -426,9 +469,9 @@ class DeltaRuleLayer {
   /// Gated DeltaNet and KDA: a gated prompt through the parallel form, leaving the states
   /// ready for gated steps.
   /// @param states  from make_states(B)
-  /// @param q       B x H' x N x Dk queries; k likewise; v B x H' x N x Dv
-  /// @param gates   B x H' x N x 1 or B x H' x N x Dk views of a_t, or log_gates(view)
-  /// @param beta    B x H' x N x 1 learning rates
+  /// @param q       B x H_in x N x Dk queries; k likewise; v B x H_in x N x Dv
+  /// @param gates   B x H x N x 1 or B x H x N x Dk views of a_t, or log_gates(view)
+  /// @param beta    B x H x N x 1 learning rates
   /// @param out     B x H x N x Dv outputs
   template <class Q, class K, class V, class Gates, class B, class O,
             class = detail::enable_if_delta_head_gates<Gates, O>>
@@ -444,8 +487,8 @@ class DeltaRuleLayer {
   /// DeltaNet: prompts of different lengths packed along N (FLA's cu_seqlens), leaving the
   /// states of sequence s (s * H + h) ready to step.
   /// @param states   from make_states(S) for S sequences
-  /// @param q        1 x H' x T x Dk queries, T = offsets.back(); k likewise; v 1 x H' x T x Dv
-  /// @param beta     1 x H' x T x 1 learning rates
+  /// @param q        1 x H_in x T x Dk queries, T = offsets.back(); k likewise; v 1 x H_in x T x Dv
+  /// @param beta     1 x H x T x 1 learning rates
   /// @param offsets  S + 1 nondecreasing offsets from 0 to T
   /// @param out      1 x H x T x Dv outputs
   template <class Q, class K, class V, class B, class O>
@@ -461,7 +504,7 @@ class DeltaRuleLayer {
 
   /// Gated DeltaNet and KDA: packed prompts of different lengths, as the DeltaNet varlen
   /// prefill.
-  /// @param gates  1 x H' x T x 1 or 1 x H' x T x Dk views of a_t, or log_gates(view)
+  /// @param gates  1 x H x T x 1 or 1 x H x T x Dk views of a_t, or log_gates(view)
   template <class Q, class K, class V, class Gates, class B, class O,
             class = detail::enable_if_delta_head_gates<Gates, O>>
   void prefill_varlen_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
@@ -477,9 +520,9 @@ class DeltaRuleLayer {
   /// DeltaNet: one token for each of B sequences; row b * H + h holds head h of sequence b (a
   /// [B, H, D] tensor viewed as a (B * H) x D row-major matrix).
   /// @param states  from make_states(B)
-  /// @param q       (B * H) x Dk queries (or (B * H_q) x Dk, H_q dividing H: grouped heads)
-  /// @param k       (B * H) x Dk keys (or (B * H_k) x Dk)
-  /// @param v       (B * H) x Dv values (or (B * H_v) x Dv)
+  /// @param q       (B * H_q) x Dk queries (H_q = H unless the layer's LayerHeads group them)
+  /// @param k       (B * H_k) x Dk keys
+  /// @param v       (B * H_v) x Dv values
   /// @param beta    B * H learning rates
   /// @param out     (B * H) x Dv outputs
   template <class DQ, class DK, class DV, class DB>
@@ -510,14 +553,15 @@ class DeltaRuleLayer {
   /// Throws unless `states` could come from make_states: H states per sequence of the layer's
   /// Dk x Dv, with the options that change results and the layer's check_finite.
   void require_states(const States& states, const char* where) const {
+    detail::require_layer_states(states, heads_, options_.head_grouping, where);
     const DeltaOptions& own = states.options();
-    if (states.size() % heads_ != 0 || states.key_dim() != key_dim_ ||
+    if (states.size() % heads_.out != 0 || states.key_dim() != key_dim_ ||
         states.value_dim() != value_dim_ || !detail::same_delta_results(own, options_, key_dim_) ||
         own.check_finite != options_.check_finite) {
       throw Error(
           std::string(where) + ": the states (" + std::to_string(states.size()) + " of " +
           detail::shape_string(states.key_dim(), states.value_dim()) +
-          ") are not this layer's: make them with make_states (H = " + std::to_string(heads_) +
+          ") are not this layer's: make them with make_states (H = " + std::to_string(heads_.out) +
           " per sequence, Dk x Dv = " + detail::shape_string(key_dim_, value_dim_) +
           ", the same scale, l2_normalize, allow_negative_eigenvalues and check_finite)");
     }
@@ -528,12 +572,13 @@ class DeltaRuleLayer {
                   Eigen::Index v_rows) const {
     constexpr const char* where = "DeltaRuleLayer::step";
     require_states(states, where);
-    detail::require_layer_rows(q_rows, states.size(), heads_, "q", where);
-    detail::require_layer_rows(k_rows, states.size(), heads_, "k", where);
-    detail::require_layer_rows(v_rows, states.size(), heads_, "v", where);
+    detail::require_layer_rows(q_rows, states.size(), heads_, &LayerHeads::query, "q", where);
+    detail::require_layer_rows(k_rows, states.size(), heads_, &LayerHeads::key, "k", where);
+    detail::require_layer_rows(v_rows, states.size(), heads_, &LayerHeads::value, "v", where);
   }
 
-  Eigen::Index heads_, key_dim_, value_dim_;
+  LayerHeads heads_;
+  Eigen::Index key_dim_, value_dim_;
   DeltaOptions options_;
 };
 

@@ -149,7 +149,7 @@ void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVie
                     const char* where, const char* q_name, const char* k_name, bool cross = false,
                     const char* out_name = "out") {
   validate_options(options, where);
-  // Grouped heads: an input may have fewer heads than out, a divisor of its H (FLA's grouping).
+  // Grouped heads: an input may have fewer heads than out, a divisor of its H.
   auto same_bhn = [&](auto& view, const char* name, Eigen::Index tokens) {
     if (view.batch() != out.batch() || view.tokens() != tokens || out.heads() % view.heads() != 0) {
       throw Error(std::string(where) + ": " + name + " is " + view.sizes_string() + " but " +
@@ -158,8 +158,11 @@ void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVie
                                "'s), and v's N be " + k_name +
                                "'s (cross-attention: N_k keys and values, N_q queries)"
                          : std::string("; B, H and N must match (or H divide ") + out_name +
-                               "'s: " + out_name + " head h reads head h / (" +
-                               std::to_string(out.heads()) + " / H) of " + name + ")"));
+                               "'s: " + out_name + " head h reads head " +
+                               (options.head_grouping == HeadGrouping::tiled
+                                    ? std::string("h % H")
+                                    : "h / (" + std::to_string(out.heads()) + " / H)") +
+                               " of " + name + ")"));
     }
   };
   same_bhn(q, q_name, out.tokens());
@@ -735,7 +738,8 @@ void heads_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVi
 /// (b, h) gives exactly causal_linear_attention on q.head(b, h), ... up to rounding.
 /// Grouped heads (Qwen3-Next's 16 q/k heads over 32 v heads; multi-query and grouped-query
 /// attention's fewer k/v heads): an input may have fewer heads than out, a divisor of out's H,
-/// and output head h reads head h / (H / H_in) of it (FLA's grouping), in every view call.
+/// and output head h reads head h / (H / H_in) of it (FLA's grouping; h % H_in with
+/// Options::head_grouping tiled), in every view call.
 /// @param q    B x Hq x N x Dk queries (Hq divides H)
 /// @param k    B x Hk x N x Dk keys (Hk divides H)
 /// @param v    B x Hv x N x Dv values (Hv divides H)

@@ -28,12 +28,13 @@
 /// directly where it has adjacent features and is written by that head alone, else into
 /// buffers of the thread (reused from head to head) that are copied or added into the view.
 ///
-/// Grouped heads (FLA's grouping, as the forward: output head h reads head h / (H / H_in) of an
-/// input with H_in heads): the gradient of a shared input head is the sum, over the output heads
-/// that read it, of each one's matrix gradient, added in increasing h (the first reader
-/// writes, each later one adds). The threads go over (sequence, group of L consecutive output
-/// heads), L the least common multiple of H / Hq, H / Hk and H / Hv: every reader of an input
-/// head falls in one group, so one thread owns each gradient head it writes, and the sums are
+/// Grouped heads (as the forward: output head h reads head h / (H / H_in) of an input with H_in
+/// heads, or h % H_in with Options::head_grouping tiled): the gradient of a shared input head is
+/// the sum, over the output heads that read it, of each one's matrix gradient, added in
+/// increasing h (the first reader writes, each later one adds). The threads go over (sequence,
+/// group of L consecutive output heads), L the least common multiple of H / Hq, H / Hk and
+/// H / Hv interleaved, all H heads tiled when an input is grouped: every reader of an input head
+/// falls in one group, so one thread owns each gradient head it writes, and the sums are
 /// race-free and the same on any number of threads.
 namespace linattn {
 

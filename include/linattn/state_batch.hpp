@@ -23,10 +23,12 @@ namespace linattn {
 /// `size()` independent RecurrentStates of the same shape and options, advanced by one call:
 /// row i of every argument belongs to state i. For H heads of B sequences, state b * H + h
 /// holds head h of sequence b (the order prefill_into uses). A step's q, k and v may be grouped
-/// like the views' heads: R rows with R dividing size(), state i reading row i / (size() / R),
-/// so state b * H + h reads row b * H_in + h / (H / H_in) of H_in heads per sequence (Qwen3-Next's
-/// 16 q/k heads over 32 v heads). Threads (Options::threads, with
-/// OpenMP) go over the states; the result is the same as stepping each state on its own.
+/// like the views' heads: B * H_in rows, state b * H + h reading row b * H_in + j with j =
+/// h / (H / H_in), or h % H_in with Options::head_grouping tiled (Qwen3-Next's 16 q/k heads
+/// over 32 v heads). A batch from a layer's make_states takes exactly the layer's H_in
+/// (LayerHeads); one made by hand takes any R rows dividing size(), interleaved. Threads
+/// (Options::threads, with OpenMP) go over the states; the result is the same as stepping each
+/// state on its own.
 /// T and Acc as for RecurrentState (Acc defaults to T, or to float for Eigen::half and
 /// Eigen::bfloat16).
 template <class T, class Acc = detail::default_accumulator_t<T>>
@@ -87,9 +89,9 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
   /// One token for every state through a feature map (Identity{} for precomputed features).
   /// Every state and every input is checked, and every token featurized, before any state
   /// moves: a throwing call changes nothing.
-  /// @param q    size() x Dk queries, row i for state i (or R x Dk, grouped)
-  /// @param k    size() x Dk keys (or R x Dk, grouped)
-  /// @param v    size() x Dv values (or R x Dv, grouped)
+  /// @param q    size() x Dk queries, row i for state i (or (B * H_in) x Dk, grouped)
+  /// @param k    size() x Dk keys (or (B * H_in) x Dk, grouped)
+  /// @param v    size() x Dv values (or (B * H_in) x Dv, grouped)
   /// @param map  feature map with map.feature_dim(Dk) == C
   /// @param out  size() x Dv outputs, row-major
   template <class DQ, class DK, class DV, class Map>
@@ -126,8 +128,8 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
   /// token featurized, before any state moves: a throwing call changes nothing.
   /// @param q      size() x Dk queries, row i for state i (features, with Identity), or R x Dk
   ///               grouped
-  /// @param k      size() x Dk keys (or R x Dk, grouped)
-  /// @param v      size() x Dv values (or R x Dv, grouped)
+  /// @param k      size() x Dk keys (or (B * H_in) x Dk, grouped)
+  /// @param v      size() x Dv values (or (B * H_in) x Dv, grouped)
   /// @param gates  size() x 1 or size() x C gates a_t in (0, 1], or log_gates(g) with g <= 0
   /// @param map    feature map with map.feature_dim(Dk) == C
   /// @param out    size() x Dv outputs, row-major
@@ -179,8 +181,8 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
   /// map plain. Everything is checked, and every token featurized, before any state moves.
   /// @param q      size() x Dk receptances (queries), row i for state i (features, with
   ///               Identity), or R x Dk grouped
-  /// @param k      size() x Dk keys (or R x Dk, grouped)
-  /// @param v      size() x Dv values (or R x Dv, grouped)
+  /// @param k      size() x Dk keys (or (B * H_in) x Dk, grouped)
+  /// @param v      size() x Dv values (or (B * H_in) x Dv, grouped)
   /// @param gates  with_bonus(gates, u): gates size() x 1 or size() x C (a_t, or log_gates(w)),
   ///               u R x C with R dividing size()
   /// @param map    a plain feature map with map.feature_dim(Dk) == C
@@ -199,11 +201,17 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
                  features ? "phi_k" : "k");
       detail::validate_gates(gates.gates(), size(), feature_dim(), options(), where);
       const DU& u = gates.bonus();
-      if (u.rows() < 1 || size() % u.rows() != 0 || u.cols() != feature_dim()) {
+      const Eigen::Index heads = this->layer_heads().out;  // 0: a batch made by hand
+      const bool rows_ok = this->knows_heads() ? u.rows() == heads || u.rows() == size()
+                                               : u.rows() >= 1 && size() % u.rows() == 0;
+      if (!rows_ok || u.cols() != feature_dim()) {
         throw Error(std::string(where) + ": the bonus u is " + detail::shape_string(u) +
                     " but must be R x " + std::to_string(feature_dim()) +
-                    " with R dividing the batch's " + std::to_string(size()) +
-                    " states (state i reads row i % R)");
+                    (this->knows_heads()
+                         ? " with R = " + std::to_string(heads) + " (one row per head) or " +
+                               std::to_string(size()) + " (one per state)"
+                         : " with R dividing the batch's " + std::to_string(size()) +
+                               " states (state i reads row i % R)"));
       }
       detail::validate_bonus(u.reshaped(), u.size(), options(), where);
       require_unit_decays(where);
@@ -325,11 +333,14 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
                       std::is_same_v<typename DK::Scalar, T> &&
                       std::is_same_v<typename DV::Scalar, T>,
                   "RecurrentStateBatch<T>: inputs must have scalar type T");
-    // Inputs may be grouped (rows dividing size()); out has a row per state.
-    require_rows(q.rows(), q.cols(), q_cols, detail::shape_string(q), q_name, true, where);
-    require_rows(k.rows(), k.cols(), q_cols, detail::shape_string(k), k_name, true, where);
-    require_rows(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v", true, where);
-    require_rows(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out", false,
+    // Inputs may be grouped (the layer's head counts); out has a row per state.
+    require_rows(q.rows(), q.cols(), q_cols, detail::shape_string(q), q_name, &LayerHeads::query,
+                 where);
+    require_rows(k.rows(), k.cols(), q_cols, detail::shape_string(k), k_name, &LayerHeads::key,
+                 where);
+    require_rows(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v", &LayerHeads::value,
+                 where);
+    require_rows(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out", nullptr,
                  where);
     if (options().check_finite) {
       detail::require_finite(q, where, q_name);
@@ -395,6 +406,7 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
         offsets ? "RecurrentStateBatch::prefill_varlen" : "RecurrentStateBatch::prefill";
     static_assert(std::is_same_v<O, T>, "RecurrentStateBatch<T>: views must hold T");
     detail::validate_heads(q, k, v, out, value_dim(), options(), where, q_name, k_name);
+    this->require_view_heads(q.heads(), k.heads(), v.heads(), out.heads(), where);
     if (v.dim() != value_dim()) {
       throw Error(std::string(where) + ": v is " + v.sizes_string() +
                   " but the states hold Dv = " + std::to_string(value_dim()));
@@ -467,14 +479,14 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
 
 /// `size()` independent DeltaRuleStates of the same shape and options, advanced by one call:
 /// row i of every argument belongs to state i, and state b * H + h holds head h of sequence b
-/// (the order prefill_into uses). q, k and v may be grouped like the views' heads: R rows with
-/// R dividing size(), state i reading row i / (size() / R) (Qwen3-Next's 16 q/k heads over 32
-/// value heads); beta, the gates and out have a row per state. Threads (DeltaOptions::threads,
-/// with OpenMP) go over the states; the result is the same as stepping each state on its own.
-/// Every call checks every state and input before any state moves: a throwing call changes
-/// nothing. The calls run with state 0's chunk, form and threads (a prefill works on a copy of
-/// the states, swapped in when every head is done), and scan for NaN and Inf when any state's
-/// check_finite is on.
+/// (the order prefill_into uses). q, k and v may be grouped like the views' heads, as in
+/// RecurrentStateBatch (exactly the layer's counts in a batch from make_states; Qwen3-Next's 16
+/// q/k heads over 32 value heads); beta, the gates and out have a row per state. Threads
+/// (DeltaOptions::threads, with OpenMP) go over the states; the result is the same as stepping each
+/// state on its own. Every call checks every state and input before any state moves: a throwing
+/// call changes nothing. The calls run with state 0's chunk, form and threads (a prefill works on a
+/// copy of the states, swapped in when every head is done), and scan for NaN and Inf when any
+/// state's check_finite is on.
 /// @tparam T    float, double, Eigen::half or Eigen::bfloat16: the inputs' and outputs' type
 /// @tparam Acc  the states' type, float or double (default T, or float for the 16-bit types)
 template <class T, class Acc = detail::default_accumulator_t<T>>
@@ -504,9 +516,9 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
   const DeltaOptions& options() const { return states_.front().options(); }
 
   /// DeltaNet: one token for every state.
-  /// @param q     size() x Dk queries, row i for state i (or R x Dk, grouped)
-  /// @param k     size() x Dk keys (or R x Dk, grouped)
-  /// @param v     size() x Dv values (or R x Dv, grouped)
+  /// @param q     size() x Dk queries, row i for state i (or (B * H_in) x Dk, grouped)
+  /// @param k     size() x Dk keys (or (B * H_in) x Dk, grouped)
+  /// @param v     size() x Dv values (or (B * H_in) x Dv, grouped)
   /// @param beta  size() learning rates, one per state (a row or column vector)
   /// @param out   size() x Dv outputs, row-major
   template <class DQ, class DK, class DV, class DB>
@@ -525,9 +537,9 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
   }
 
   /// Gated DeltaNet and KDA: one gated token for every state, row i of `gates` moving state i.
-  /// @param q      size() x Dk queries, row i for state i (or R x Dk, grouped)
-  /// @param k      size() x Dk keys (or R x Dk, grouped)
-  /// @param v      size() x Dv values (or R x Dv, grouped)
+  /// @param q      size() x Dk queries, row i for state i (or (B * H_in) x Dk, grouped)
+  /// @param k      size() x Dk keys (or (B * H_in) x Dk, grouped)
+  /// @param v      size() x Dv values (or (B * H_in) x Dv, grouped)
   /// @param gates  size() x 1 (Gated DeltaNet) or size() x Dk (KDA): log_gates(g) or a_t
   /// @param beta   size() learning rates, one per state
   /// @param out    size() x Dv outputs, row-major
@@ -576,10 +588,10 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
   /// DeltaNet: a prompt for every state from multi-head views: state b * H + h takes head h
   /// of sequence b from where it is and ends where stepping each token would leave it (FLA's
   /// initial_state in, final_state out).
-  /// @param q     B x H' x N x Dk queries, H' dividing H (grouped heads)
-  /// @param k     B x H' x N x Dk keys
-  /// @param v     B x H' x N x Dv values
-  /// @param beta  B x H' x N x 1 learning rates
+  /// @param q     B x H_in x N x Dk queries, H_in dividing H (the layer's count in its batches)
+  /// @param k     B x H_in x N x Dk keys
+  /// @param v     B x H_in x N x Dv values
+  /// @param beta  B x H x N x 1 learning rates
   /// @param out   B x H x N x Dv outputs, B * H == size()
   template <class Q, class K, class V, class B, class O,
             class = detail::enable_if_heads_scalars<Q, K, V, O>>
@@ -590,7 +602,7 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
 
   /// Gated DeltaNet and KDA: a gated prompt for every state from multi-head views, as the
   /// DeltaNet prefill.
-  /// @param gates  B x H' x N x 1 or B x H' x N x Dk views of a_t, or log_gates(view)
+  /// @param gates  B x H x N x 1 or B x H x N x Dk views of a_t, or log_gates(view)
   template <class Q, class K, class V, class Gates, class B, class O,
             class = detail::enable_if_heads_scalars<Q, K, V, O>,
             class = detail::enable_if_delta_head_gates<Gates, O>>
@@ -603,10 +615,10 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
   /// DeltaNet: prompts of different lengths packed along N (FLA's cu_seqlens), one per
   /// sequence: state s * H + h takes head h of sequence s (rows offsets[s] to
   /// offsets[s + 1]) and continues from where it is.
-  /// @param q        1 x H' x T x Dk queries, T = offsets.back()
-  /// @param k        1 x H' x T x Dk keys
-  /// @param v        1 x H' x T x Dv values
-  /// @param beta     1 x H' x T x 1 learning rates
+  /// @param q        1 x H_in x T x Dk queries, T = offsets.back()
+  /// @param k        1 x H_in x T x Dk keys
+  /// @param v        1 x H_in x T x Dv values
+  /// @param beta     1 x H x T x 1 learning rates
   /// @param offsets  S + 1 nondecreasing offsets from 0 to T
   /// @param out      1 x H x T x Dv outputs, S * H == size() for S sequences
   template <class Q, class K, class V, class B, class O,
@@ -619,7 +631,7 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
 
   /// Gated DeltaNet and KDA: packed prompts of different lengths, as the DeltaNet varlen
   /// prefill.
-  /// @param gates  1 x H' x T x 1 or 1 x H' x T x Dk views of a_t, or log_gates(view)
+  /// @param gates  1 x H x T x 1 or 1 x H x T x Dk views of a_t, or log_gates(view)
   template <class Q, class K, class V, class Gates, class B, class O,
             class = detail::enable_if_heads_scalars<Q, K, V, O>,
             class = detail::enable_if_delta_head_gates<Gates, O>>
@@ -639,10 +651,13 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
     detail::check_delta_scalars<DQ, DK, DV, DB>();
     static_assert(std::is_same_v<typename DQ::Scalar, T>,
                   "DeltaRuleStateBatch<T>: inputs must have scalar type T");
-    require_rows(q.rows(), q.cols(), key_dim(), detail::shape_string(q), "q", true, where);
-    require_rows(k.rows(), k.cols(), key_dim(), detail::shape_string(k), "k", true, where);
-    require_rows(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v", true, where);
-    require_rows(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out", false,
+    require_rows(q.rows(), q.cols(), key_dim(), detail::shape_string(q), "q", &LayerHeads::query,
+                 where);
+    require_rows(k.rows(), k.cols(), key_dim(), detail::shape_string(k), "k", &LayerHeads::key,
+                 where);
+    require_rows(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v", &LayerHeads::value,
+                 where);
+    require_rows(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out", nullptr,
                  where);
     detail::require_vector(beta, size(), where, "beta");
     detail::require_beta_in_range(beta, options(), where, "beta", "state");
@@ -701,6 +716,7 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
       throw Error(std::string(where) + ": q is " + q.sizes_string() + " and v " + v.sizes_string() +
                   " but the states are Dk x Dv = " + detail::shape_string(key_dim(), value_dim()));
     }
+    this->require_view_heads(q.heads(), k.heads(), v.heads(), out.heads(), where);
     DeltaOptions run_options = options();
     run_options.check_finite = checks_finite();
     const detail::SequenceRows sequences =

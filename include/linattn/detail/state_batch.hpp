@@ -54,45 +54,82 @@ class StateBatch {
   /// The row of a grouped input of `rows` rows that state i reads. With H states per sequence
   /// and H_in rows per sequence, state b * H + h reads row b * H_in + j, j the input head of
   /// Options::head_grouping: h / (H / H_in) interleaved (FLA's, the views' default), which is
-  /// i / (size() / rows) whatever H is, or h % H_in tiled (ggml's), which needs H.
+  /// i / (size() / rows) whatever H is, or h % H_in tiled (ggml_repeat's), which needs H.
   Eigen::Index input_row(Eigen::Index rows, Eigen::Index i) const {
     if (rows == size()) return i;
     const HeadGrouping grouping = states_.front().options().head_grouping;
     if (grouping == HeadGrouping::interleaved) return i / (size() / rows);
-    const Eigen::Index in = rows / (size() / heads_);  // H_in
-    return (i / heads_) * in + grouped_input_head(grouping, i % heads_, heads_, in);
+    const Eigen::Index per_sequence = heads_.out;
+    const Eigen::Index in = rows / (size() / per_sequence);  // H_in
+    return (i / per_sequence) * in +
+           grouped_input_head(grouping, i % per_sequence, per_sequence, in);
   }
 
-  /// Throws unless an argument of a batch step is size() x cols, or with `grouped` R x cols:
-  /// B * H_in rows with H_in dividing H when the batch knows its H heads per sequence (made by
-  /// a layer's make_states), else R dividing size() with interleaved heads.
+  /// True when a layer's make_states made the batch: it knows its head counts.
+  bool knows_heads() const { return heads_.out > 0; }
+  /// The head counts of the layer that made the batch (out = 0: made by hand).
+  const LayerHeads& layer_heads() const { return heads_; }
+
+  /// Throws unless an argument of a batch step is size() x cols, or for a grouped input
+  /// (`input`: the LayerHeads member of its head count) B * H_in x cols: exactly the layer's
+  /// count when a layer made the batch, else any R dividing size() with interleaved heads.
   void require_rows(Eigen::Index rows, Eigen::Index cols, Eigen::Index want_cols,
-                    const std::string& shape, const char* name, bool grouped,
+                    const std::string& shape, const char* name, Eigen::Index LayerHeads::*input,
                     const char* where) const {
-    const Eigen::Index sequences = heads_ > 0 ? size() / heads_ : 0;
+    const Eigen::Index sequences = knows_heads() ? size() / heads_.out : 0;
+    Eigen::Index want_rows = size();
     bool rows_ok = rows == size();
-    if (grouped && !rows_ok && rows >= 1) {
-      rows_ok = heads_ > 0 ? rows % sequences == 0 && heads_ % (rows / sequences) == 0
-                           : size() % rows == 0;
+    if (input != nullptr && knows_heads()) {
+      want_rows = sequences * (heads_.*input);
+      rows_ok = rows == want_rows;
+    } else if (input != nullptr) {
+      rows_ok = rows_ok || (rows >= 1 && size() % rows == 0);
     }
     if (!rows_ok || cols != want_cols) {
-      std::string grouping = ")";
-      if (grouped && heads_ > 0) {
-        grouping = ", or B * H_in rows with H_in dividing H = " + std::to_string(heads_) +
-                   " for B = " + std::to_string(sequences) +
-                   " sequences: grouped heads, row b * H_in + j for input head j of sequence b)";
-      } else if (grouped) {
-        grouping = ", or R rows with R dividing " + std::to_string(size()) + ": grouped heads)";
+      std::string why = " (one row per state)";
+      if (input != nullptr && knows_heads()) {
+        why = " (B = " + std::to_string(sequences) + " sequences of " +
+              std::to_string(heads_.*input) + " " + name +
+              " heads, the layer's LayerHeads; row b * " + std::to_string(heads_.*input) +
+              " + j for head j of sequence b)";
+      } else if (input != nullptr) {
+        why = " (one row per state, or R rows with R dividing " + std::to_string(size()) +
+              ": grouped heads)";
       }
       throw Error(std::string(where) + ": " + name + " is " + shape + " but the batch needs " +
-                  shape_string(size(), want_cols) + " (one row per state" + grouping);
+                  shape_string(want_rows, want_cols) + why);
     }
-    if (rows != size() && heads_ == 0 &&
-        states_.front().options().head_grouping == HeadGrouping::tiled) {
+    if (rows == size()) return;
+    // Grouped rows are read by state 0's grouping: every state must have it (one assigned
+    // through operator[] may not).
+    const HeadGrouping grouping = states_.front().options().head_grouping;
+    for (std::size_t i = 1; i < states_.size(); ++i) {
+      if (states_[i].options().head_grouping != grouping) {
+        throw Error(std::string(where) + ": " + name + " is " + shape +
+                    ", grouped heads, but state " + std::to_string(i) +
+                    " has another head_grouping than state 0; every state of a batch must have "
+                    "the same");
+      }
+    }
+    if (!knows_heads() && grouping == HeadGrouping::tiled) {
       throw Error(std::string(where) + ": " + name + " is " + shape +
                   ", grouped heads with HeadGrouping::tiled, but this batch was made by hand and "
                   "does not know its heads per sequence; make it with the layer's "
                   "make_states(B), or give every state its own row");
+    }
+  }
+
+  /// Throws unless a view prefill's q, k, v and out have the layer's head counts, when a
+  /// layer's make_states made the batch (the views' own checks allow any divisor of H).
+  void require_view_heads(Eigen::Index q_heads, Eigen::Index k_heads, Eigen::Index v_heads,
+                          Eigen::Index out_heads, const char* where) const {
+    if (!knows_heads()) return;
+    if (q_heads != heads_.query || k_heads != heads_.key || v_heads != heads_.value ||
+        out_heads != heads_.out) {
+      throw Error(std::string(where) + ": q, k, v and out have " + std::to_string(q_heads) + ", " +
+                  std::to_string(k_heads) + ", " + std::to_string(v_heads) + " and " +
+                  std::to_string(out_heads) + " heads but the layer that made these states has " +
+                  heads_string(heads_));
     }
   }
 
@@ -160,8 +197,8 @@ class StateBatch {
   }
 
   std::vector<State> states_;
-  /// H, the states per sequence, when a layer's make_states made the batch (0: made by hand).
-  Eigen::Index heads_ = 0;
+  /// The head counts of the layer whose make_states made the batch (out = 0: made by hand).
+  LayerHeads heads_{0};
 
  private:
   friend struct BatchHeads;
@@ -170,11 +207,15 @@ class StateBatch {
   friend class linattn::SessionPool;
 };
 
-/// Lets a layer tell the batch it makes its heads per sequence.
+/// Lets a layer tell the batch it makes its head counts.
 struct BatchHeads {
   template <class State>
-  static void set(StateBatch<State>& batch, Eigen::Index heads) {
+  static void set(StateBatch<State>& batch, const LayerHeads& heads) {
     batch.heads_ = heads;
+  }
+  template <class State>
+  static const LayerHeads& get(const StateBatch<State>& batch) {
+    return batch.heads_;
   }
 };
 

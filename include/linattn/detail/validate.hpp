@@ -105,6 +105,25 @@ inline void validate_options(const Options& options, const char* where,
   }
 }
 
+/// A layer's head counts for messages: "H = 32 (q 16, k 16, v 32 heads)".
+inline std::string heads_string(const LayerHeads& heads) {
+  return "H = " + std::to_string(heads.out) + " (q " + std::to_string(heads.query) + ", k " +
+         std::to_string(heads.key) + ", v " + std::to_string(heads.value) + " heads)";
+}
+
+/// Throws unless every head count is >= 1 and q's, k's and v's divide H.
+inline void validate_layer_heads(const LayerHeads& heads, const char* where) {
+  if (heads.out < 1) {
+    throw Error(std::string(where) + ": heads must be >= 1, got " + std::to_string(heads.out));
+  }
+  const auto divides = [&](Eigen::Index in) { return in >= 1 && heads.out % in == 0; };
+  if (!divides(heads.query) || !divides(heads.key) || !divides(heads.value)) {
+    throw Error(std::string(where) + ": the heads are " + heads_string(heads) +
+                "; each input's heads must be a divisor of H (grouped heads), e.g. "
+                "LayerHeads::grouped_query_key(32, 16) for 16 q/k heads over 32 value heads");
+  }
+}
+
 /// log Options::scale, the log factor every output row gets for it (0 for the default 1).
 inline double output_log_scale(const Options& options) {
   return options.scale == 1.0 ? 0.0 : std::log(options.scale);
