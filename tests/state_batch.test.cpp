@@ -7,6 +7,7 @@
 #include <limits>
 #include <linattn/feature_maps.hpp>
 #include <linattn/heads_view.hpp>
+#include <linattn/layer.hpp>
 #include <linattn/multi_head.hpp>
 #include <linattn/recurrent_state.hpp>
 #include <linattn/state_batch.hpp>
@@ -1480,7 +1481,10 @@ TEMPLATE_TEST_CASE("delta batch: steps equal per-state steps bit for bit and the
   DeltaOptions options;
   options.l2_normalize = true;
   options.threads = threads;
-  DeltaRuleStateBatch<T> batch(count, kDk, kDv, options);
+  // Grouped rows need the sequences' head counts: the batch comes from a layer's make_states.
+  const linattn::DeltaRuleLayer<T> layer(linattn::LayerHeads::grouped_query_key(H, Hqk), kDk, kDv,
+                                         options);
+  DeltaRuleStateBatch<T> batch = layer.make_states(B);
   CHECK(batch.size() == count);
   CHECK(batch.key_dim() == kDk);
   CHECK(batch.value_dim() == kDv);
@@ -1499,6 +1503,11 @@ TEMPLATE_TEST_CASE("delta batch: steps equal per-state steps bit for bit and the
     const Matrix<T> g = delta_log_gates<T>(count, gate_cols, seed + 3);
     const Vector<T> beta = delta_betas<T>(count, seed + 4);
     Matrix<T> out(count, kDv);
+    if (t == 0) {  // a batch made by hand does not know its sequences: a row per state
+      DeltaRuleStateBatch<T> by_hand(count, kDk, kDv, options);
+      CHECK_THROWS_WITH(delta_batch_step<T>(by_hand, q, k, v, g, beta, out),
+                        Catch::Contains("make_states(B)"));
+    }
     delta_batch_step<T>(batch, q, k, v, g, beta, out);
     for (Eigen::Index i = 0; i < count; ++i) {
       const std::size_t si = static_cast<std::size_t>(i);

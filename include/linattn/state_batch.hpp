@@ -26,7 +26,7 @@ namespace linattn {
 /// like the views' heads: B * H_in rows, state b * H + h reading row b * H_in + j with j =
 /// h / (H / H_in), or h % H_in with Options::head_grouping tiled (Qwen3-Next's 16 q/k heads
 /// over 32 v heads). A batch from a layer's make_states takes exactly the layer's H_in
-/// (LayerHeads); one made by hand takes any R rows dividing size(), interleaved. Threads
+/// (LayerHeads); one made by hand does not know its sequences and takes a row per state. Threads
 /// (Options::threads, with OpenMP) go over the states; the result is the same as stepping each
 /// state on its own.
 /// T and Acc as for RecurrentState (Acc defaults to T, or to float for Eigen::half and
@@ -184,7 +184,8 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
   /// @param k      size() x Dk keys (or (B * H_in) x Dk, grouped)
   /// @param v      size() x Dv values (or (B * H_in) x Dv, grouped)
   /// @param gates  with_bonus(gates, u): gates size() x 1 or size() x C (a_t, or log_gates(w)),
-  ///               u R x C with R dividing size()
+  ///               u R x C: R = H (a row per head) in a layer's batch, R = size(), or in a
+  ///               batch made by hand R dividing size() (state i reads row i % R)
   /// @param map    a plain feature map with map.feature_dim(Dk) == C
   /// @param out    size() x Dv outputs, row-major
   template <class DQ, class DK, class DV, class Gates, class DU, class Map>

@@ -56,7 +56,7 @@ class StateBatch {
   /// Options::head_grouping: h / (H / H_in) interleaved (FLA's, the views' default), which is
   /// i / (size() / rows) whatever H is, or h % H_in tiled (ggml_repeat's), which needs H.
   Eigen::Index input_row(Eigen::Index rows, Eigen::Index i) const {
-    if (rows == size()) return i;
+    if (rows == size()) return i;  // always so in a batch made by hand (require_rows)
     const HeadGrouping grouping = states_.front().options().head_grouping;
     if (grouping == HeadGrouping::interleaved) return i / (size() / rows);
     const Eigen::Index per_sequence = heads_.out;
@@ -71,30 +71,28 @@ class StateBatch {
   const LayerHeads& layer_heads() const { return heads_; }
 
   /// Throws unless an argument of a batch step is size() x cols, or for a grouped input
-  /// (`input`: the LayerHeads member of its head count) B * H_in x cols: exactly the layer's
-  /// count when a layer made the batch, else any R dividing size() with interleaved heads.
+  /// (`input`: the LayerHeads member of its head count) of a batch a layer's make_states made,
+  /// exactly B * H_in x cols, H_in the layer's count. A batch made by hand does not know its
+  /// sequences, so it takes a row per state: any smaller count that divides size() could be
+  /// one sequence's rows read as the grouped rows of all.
   void require_rows(Eigen::Index rows, Eigen::Index cols, Eigen::Index want_cols,
                     const std::string& shape, const char* name, Eigen::Index LayerHeads::*input,
                     const char* where) const {
     const Eigen::Index sequences = knows_heads() ? size() / heads_.out : 0;
-    Eigen::Index want_rows = size();
-    bool rows_ok = rows == size();
-    if (input != nullptr && knows_heads()) {
-      want_rows = sequences * (heads_.*input);
-      rows_ok = rows == want_rows;
-    } else if (input != nullptr) {
-      rows_ok = rows_ok || (rows >= 1 && size() % rows == 0);
-    }
-    if (!rows_ok || cols != want_cols) {
+    const Eigen::Index want_rows =
+        input != nullptr && knows_heads() ? sequences * (heads_.*input) : size();
+    if (rows != want_rows || cols != want_cols) {
       std::string why = " (one row per state)";
       if (input != nullptr && knows_heads()) {
         why = " (B = " + std::to_string(sequences) + " sequences of " +
               std::to_string(heads_.*input) + " " + name +
               " heads, the layer's LayerHeads; row b * " + std::to_string(heads_.*input) +
               " + j for head j of sequence b)";
-      } else if (input != nullptr) {
-        why = " (one row per state, or R rows with R dividing " + std::to_string(size()) +
-              ": grouped heads)";
+      } else if (input != nullptr && rows < size() && rows >= 1 && size() % rows == 0) {
+        why =
+            " (one row per state: a batch made by hand does not know its sequences, so grouped "
+            "rows need the layer's make_states(B), whose LayerHeads say how many heads each "
+            "input has)";
       }
       throw Error(std::string(where) + ": " + name + " is " + shape + " but the batch needs " +
                   shape_string(want_rows, want_cols) + why);
@@ -110,12 +108,6 @@ class StateBatch {
                     " has another head_grouping than state 0; every state of a batch must have "
                     "the same");
       }
-    }
-    if (!knows_heads() && grouping == HeadGrouping::tiled) {
-      throw Error(std::string(where) + ": " + name + " is " + shape +
-                  ", grouped heads with HeadGrouping::tiled, but this batch was made by hand and "
-                  "does not know its heads per sequence; make it with the layer's "
-                  "make_states(B), or give every state its own row");
     }
   }
 
