@@ -91,8 +91,26 @@ struct LayerHeads {
   Eigen::Index value;  ///< H_v, heads of v
 };
 
-/// Settings shared by every kernel.
-struct Options {
+/// The settings every family's kernels share (the engine's Options and DeltaOptions derive
+/// from it, and so does a new family's), validated once.
+struct KernelOptions {
+  /// Tokens per chunk of the parallel (chunked) form; >= 1. Changes speed, not results.
+  Eigen::Index chunk = 64;
+  /// Scan inputs for NaN and Inf and throw on them.
+  bool check_finite = true;
+  /// Threads for one call when linattn is built with OpenMP (CMake option LINATTN_OPENMP):
+  /// 0 takes OpenMP's default (omp_get_max_threads(), 1 inside a parallel region), n > 0 at
+  /// most n. Ignored without OpenMP. Results do not depend on it beyond rounding.
+  int threads = 0;
+  /// How output heads share the heads of grouped inputs (fewer heads than the output; Qwen3.5's
+  /// 16 q/k heads over 32 value heads): HeadGrouping::interleaved as FLA and HF,
+  /// HeadGrouping::tiled as ggml_repeat lays them out.
+  HeadGrouping head_grouping = HeadGrouping::interleaved;
+};
+
+/// Settings of the linear/gated engine (linear attention with a feature map, decays, gates),
+/// with the shared chunk, check_finite, threads and head_grouping of KernelOptions.
+struct Options : KernelOptions {
   /// Added to the denominator outside the dot product; must be >= 0 and finite.
   double eps = 1e-6;
   /// State decay g in (0, 1]; 1 is plain linear attention, below 1 is retention-style decay.
@@ -100,20 +118,10 @@ struct Options {
   double decay = 1.0;
   /// false returns the numerator phi(q)^T S alone.
   bool normalize = true;
-  /// Tokens per chunk in the parallel causal routine; >= 1. Changes speed, not results.
-  Eigen::Index chunk = 64;
-  /// Scan inputs for NaN and Inf and throw on them.
-  bool check_finite = true;
   /// s, multiplying phi(q) (FLA's `scale`): out = s phi(q)^T S / (s phi(q) . z + eps). In the
   /// normalised form it cancels but for eps; without normalize it scales the output (FLA's
   /// default for its kernels is Dk^-1/2). Must be finite and > 0.
   double scale = 1.0;
-  /// Threads for one call when linattn is built with OpenMP (CMake option LINATTN_OPENMP):
-  /// 0 takes OpenMP's default (omp_get_max_threads(), 1 inside a parallel region), n > 0 at
-  /// most n. Ignored without OpenMP. Results do not depend on it beyond rounding.
-  int threads = 0;
-  /// How output heads share the heads of grouped q, k and v (fewer heads than the output).
-  HeadGrouping head_grouping = HeadGrouping::interleaved;
 };
 
 /// The form a delta-rule call over many tokens runs in; the results agree within docs/design.md's
@@ -124,8 +132,10 @@ enum class DeltaForm {
   streamed,   ///< the recurrence token by token over blocks of loaded tokens, S in strips
 };
 
-/// Settings of the delta-rule kernels (DeltaNet, Gated DeltaNet, KDA), FLA's conventions.
-struct DeltaOptions {
+/// Settings of the delta-rule kernels (DeltaNet, Gated DeltaNet, KDA), FLA's conventions, with
+/// the shared chunk (of the chunked WY form), check_finite (of q, k and v: beta and the gates
+/// are always checked), threads and head_grouping of KernelOptions.
+struct DeltaOptions : KernelOptions {
   /// s, multiplying q: out_t = S_t^T (s q_t). Negative (the default) takes Dk^-1/2, FLA's
   /// default; otherwise finite and > 0.
   double scale = -1.0;
@@ -136,18 +146,8 @@ struct DeltaOptions {
   /// Accepts beta in (0, 2] (I - beta k k^T may then have a negative eigenvalue, FLA's
   /// allow_neg_eigval) instead of (0, 1].
   bool allow_negative_eigenvalues = false;
-  /// Tokens per chunk of the chunked (WY) form; >= 1. Changes speed, not results.
-  Eigen::Index chunk = 64;
   /// The form prefill and the matrix and view calls run in (DeltaForm::automatic: the faster).
   DeltaForm form = DeltaForm::automatic;
-  /// Scan q, k and v for NaN and Inf and throw on them (beta and gates are always checked).
-  bool check_finite = true;
-  /// Threads for one call when linattn is built with OpenMP; as Options::threads.
-  int threads = 0;
-  /// How value heads share the heads of grouped q and k (Qwen3.5's 16 q/k heads over 32 value
-  /// heads): HeadGrouping::interleaved as FLA and HF, HeadGrouping::tiled as ggml_repeat lays them
-  /// out.
-  HeadGrouping head_grouping = HeadGrouping::interleaved;
 };
 
 /// Thrown for bad input at the API boundary; the message names the argument and the shapes.

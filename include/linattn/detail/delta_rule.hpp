@@ -38,13 +38,11 @@ inline double delta_scale(const DeltaOptions& options, Eigen::Index key_dim) {
   return options.scale < 0.0 ? 1.0 / std::sqrt(static_cast<double>(key_dim)) : options.scale;
 }
 
-/// The engine's Options for the checks the delta rule shares with it (chunk, scan, threads).
+/// The engine's Options for the code the delta rule shares with it (scans, threads, heads):
+/// the shared KernelOptions, whatever they grow to, and the engine's defaults.
 inline Options engine_options(const DeltaOptions& options) {
   Options engine;
-  engine.chunk = options.chunk;
-  engine.check_finite = options.check_finite;
-  engine.threads = options.threads;
-  engine.head_grouping = options.head_grouping;
+  static_cast<KernelOptions&>(engine) = options;
   return engine;
 }
 
@@ -55,7 +53,7 @@ inline void validate_delta_options(const DeltaOptions& options, const char* wher
                 ": DeltaOptions::scale must be finite and > 0, or negative for Dk^-1/2, got " +
                 std::to_string(options.scale));
   }
-  validate_options(engine_options(options), where, "DeltaOptions");
+  validate_kernel_options(options, where, "DeltaOptions");
 }
 
 /// The largest beta the options allow: 1, or 2 with negative eigenvalues.

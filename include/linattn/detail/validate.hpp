@@ -72,22 +72,10 @@ bool has_nonfinite_half(const Eigen::MatrixBase<Derived>& m) {
   }
 }
 
-/// Throws unless the options are in range; `where` names the calling function, `owner` the
-/// options struct the caller passed (the delta rule checks its DeltaOptions through these).
-inline void validate_options(const Options& options, const char* where,
-                             const char* owner = "Options") {
-  if (!(options.eps >= 0.0) || !std::isfinite(options.eps)) {
-    throw Error(std::string(where) + ": " + owner + "::eps must be finite and >= 0, got " +
-                std::to_string(options.eps));
-  }
-  if (!(options.decay > 0.0 && options.decay <= 1.0)) {
-    throw Error(std::string(where) + ": " + owner + "::decay must lie in (0, 1], got " +
-                std::to_string(options.decay));
-  }
-  if (!(options.scale > 0.0) || !std::isfinite(options.scale)) {
-    throw Error(std::string(where) + ": " + owner + "::scale must be finite and > 0, got " +
-                std::to_string(options.scale));
-  }
+/// Throws unless the settings every family shares are in range; `where` names the calling
+/// function, `owner` the options struct the caller passed ("DeltaOptions", ...).
+inline void validate_kernel_options(const KernelOptions& options, const char* where,
+                                    const char* owner) {
   if (options.chunk < 1) {
     throw Error(std::string(where) + ": " + owner + "::chunk must be >= 1, got " +
                 std::to_string(options.chunk));
@@ -103,6 +91,25 @@ inline void validate_options(const Options& options, const char* where,
                 "::head_grouping must be HeadGrouping::interleaved or HeadGrouping::tiled, got " +
                 std::to_string(static_cast<int>(options.head_grouping)));
   }
+}
+
+/// Throws unless the engine's options are in range (the shared ones through
+/// validate_kernel_options); `where` names the calling function, `owner` the options' type.
+inline void validate_options(const Options& options, const char* where,
+                             const char* owner = "Options") {
+  if (!(options.eps >= 0.0) || !std::isfinite(options.eps)) {
+    throw Error(std::string(where) + ": " + owner + "::eps must be finite and >= 0, got " +
+                std::to_string(options.eps));
+  }
+  if (!(options.decay > 0.0 && options.decay <= 1.0)) {
+    throw Error(std::string(where) + ": " + owner + "::decay must lie in (0, 1], got " +
+                std::to_string(options.decay));
+  }
+  if (!(options.scale > 0.0) || !std::isfinite(options.scale)) {
+    throw Error(std::string(where) + ": " + owner + "::scale must be finite and > 0, got " +
+                std::to_string(options.scale));
+  }
+  validate_kernel_options(options, where, owner);
 }
 
 /// A layer's head counts for messages: "H = 32 (q 16, k 16, v 32 heads)".
