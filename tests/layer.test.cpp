@@ -1095,6 +1095,18 @@ TEMPLATE_TEST_CASE("delta layer: errors name the argument and move no state",
   linattn::DeltaOptions bad;
   bad.chunk = 0;
   CHECK_THROWS_WITH(linattn::DeltaRuleLayer<T>(kH, kDk, kDv, bad), Contains("DeltaOptions::chunk"));
+  // The shared settings (KernelOptions) are checked once, named by the family's options.
+  static_assert(std::is_base_of_v<linattn::KernelOptions, linattn::DeltaOptions> &&
+                std::is_base_of_v<linattn::KernelOptions, linattn::Options>);
+  linattn::DeltaOptions odd_grouping;
+  odd_grouping.head_grouping = static_cast<linattn::HeadGrouping>(7);
+  CHECK_THROWS_WITH(linattn::DeltaRuleLayer<T>(kH, kDk, kDv, odd_grouping),
+                    Contains("DeltaOptions::head_grouping"));
+  linattn::Options odd_engine;
+  odd_engine.threads = -1;
+  CHECK_THROWS_WITH(linattn::LinearAttentionLayer<T, linattn::EluPlusOne>(linattn::EluPlusOne{}, kH,
+                                                                          kDk, kDv, odd_engine),
+                    Contains("Options::threads"));
   const linattn::DeltaRuleLayer<T> layer(kH, kDk, kDv);
   CHECK_THROWS_WITH(layer.make_states(0), Contains("batch"));
   // States of another layer: other heads, widths or result-changing options.
