@@ -1104,8 +1104,8 @@ TEMPLATE_TEST_CASE("delta layer: errors name the argument and move no state",
                     Contains("DeltaOptions::head_grouping"));
   linattn::Options odd_engine;
   odd_engine.threads = -1;
-  CHECK_THROWS_WITH(linattn::LinearAttentionLayer<T, linattn::EluPlusOne>(linattn::EluPlusOne{}, kH,
-                                                                          kDk, kDv, odd_engine),
+  CHECK_THROWS_WITH(static_cast<void>(linattn::LinearAttentionLayer<T, linattn::EluPlusOne>(
+                        linattn::EluPlusOne{}, kH, kDk, kDv, odd_engine)),
                     Contains("Options::threads"));
   const linattn::DeltaRuleLayer<T> layer(kH, kDk, kDv);
   CHECK_THROWS_WITH(layer.make_states(0), Contains("batch"));
