@@ -555,8 +555,8 @@ class DeltaRuleLayer {
   void require_states(const States& states, const char* where) const {
     detail::require_layer_states(states, heads_, options_.head_grouping, where);
     const DeltaOptions& own = states.options();
-    if (states.size() % heads_.out != 0 || states.key_dim() != key_dim_ ||
-        states.value_dim() != value_dim_ || !detail::same_delta_results(own, options_, key_dim_) ||
+    if (states.key_dim() != key_dim_ || states.value_dim() != value_dim_ ||
+        !detail::same_delta_results(own, options_, key_dim_) ||
         own.check_finite != options_.check_finite) {
       throw Error(
           std::string(where) + ": the states (" + std::to_string(states.size()) + " of " +
