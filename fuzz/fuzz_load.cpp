@@ -1,20 +1,21 @@
 // SPDX-License-Identifier: MIT
 // libFuzzer target: RecurrentState<T, Acc>::load_unchecked and load(is, map, options) for
 // <float>, <double> and <float, double> on arbitrary bytes (format 1 of linattn 0.1.0,
-// format 2 and format 3). Properties checked:
+// formats 2, 3 and 4). Properties checked:
 //   * only linattn::Error may escape either load (anything else reaches libFuzzer as a
 //     crash), and a load that throws leaves no object behind;
 //   * load_unchecked that succeeds consumed exactly the bytes of one state: re-saving it
-//     (save(os), no map) reproduces the consumed input byte for byte outside the map record
-//     (format 3; a format-2 input is compared without the transition byte save adds), or
-//     loads back to the same sums and options (format 1);
+//     (save(os), no map, format 4) reproduces the consumed input byte for byte outside the map
+//     record (a format-3 or format-2 input is compared with the save rearranged into its
+//     layout), or loads back to the same sums and options (format 1);
 //   * load(is, map, options) never accepts what load_unchecked refuses, and when it succeeds
 //     the state equals load_unchecked's but for the caller's options, and save(os, map)
 //     reproduces the input but for the fields that only say how W was drawn (seed,
 //     projection, row_norm: not compared); it is tried with the maps of the seed corpus, a
 //     map rebuilt from the record itself, and both the file's options and the defaults;
 //   * DeltaRuleState<float> and <double>: only Error escapes load_unchecked and load; an
-//     accepted stream is what save writes for the loaded state, load with its own options
+//     accepted stream is what save writes for the loaded state (rearranged into the layout of
+//     the delta rule's LNATTND 1 for an input of that format), load with its own options
 //     accepts it, and a step that throws leaves it as it was;
 //   * a loaded state is usable: a step, a gated step and a short prefill either work or throw
 //     linattn::Error leaving the state as it was (a state keeps its transition kind, so some
@@ -55,28 +56,58 @@ struct FingerprintedFeatures : TwiceFeatures {
   std::uint64_t fingerprint() const { return 0x1234567890abcdefull; }
 };
 
-// Format-3 offsets (recurrent_state.hpp documents the layout); format 2 is the same without
-// the transition byte at kTransitionAt.
+// Offsets of a linear-attention state (detail/state_record.hpp documents format 4, the one
+// save writes, and the formats before it). Format 4 holds the family (32), the transition
+// (33) and the token count (34-41) before the settings; format 3 had the settings from 32,
+// then the transition (101), the tokens and the log scale; format 2 is format 3 without the
+// transition byte; format 1 had no map record.
 constexpr std::size_t kVersionAt = 8;
-constexpr std::size_t kMapAt = 57, kMapEnd = 101, kTransitionAt = 101;
-constexpr std::size_t kProjectionAt = 58, kRowNormAt = 59, kSeedAt = 85, kSeedEnd = 93;
-constexpr std::size_t kHeaderV1 = 74, kHeaderV2 = 117, kHeaderV3 = 118;
+constexpr std::size_t kHeaderEnd = 32;   // magic, version, scalar size, rows, cols
+constexpr std::size_t kV4Settings = 42;  // format 4: eps, decay, normalize, scale, map record
+constexpr std::size_t kV4LogScale = 111;
 
-/// The format version of `input` (0 when it is too short to say, or not 1 to 3).
+/// Where a format's map record and header lie.
+struct Layout {
+  std::size_t map_at = 0, header = 0;
+  std::size_t map_end() const { return map_at + 44; }
+  std::size_t projection_at() const { return map_at + 1; }
+  std::size_t row_norm_at() const { return map_at + 2; }
+  std::size_t seed_at() const { return map_at + 28; }
+  std::size_t seed_end() const { return map_at + 36; }
+};
+
+Layout layout_of(int version) {
+  switch (version) {
+    case 4:
+      return {67, 119};
+    case 3:
+      return {57, 118};
+    case 2:
+      return {57, 117};
+    default:
+      return {0, 74};  // format 1: no map record
+  }
+}
+
+/// The format version of `input` (0 when it is too short to say, or not 1 to 4).
 int version_of(const std::string& input) {
   if (input.size() <= kVersionAt) return 0;
   const int version = static_cast<unsigned char>(input[kVersionAt]);
-  return version >= 1 && version <= 3 ? version : 0;
+  return version >= 1 && version <= 4 ? version : 0;
 }
 
-/// `saved` (format 3, as save writes it) in the layout of an input of format `version`: for
-/// format 2, without the transition byte and with version 2 (the checksum is left stale).
-std::string in_layout_of(std::string saved, int version) {
-  if (version == 2 && saved.size() > kTransitionAt) {
-    saved.erase(kTransitionAt, 1);
-    saved[kVersionAt] = 2;
-  }
-  return saved;
+/// `saved` (format 4, as save writes it) in the layout of an input of format `version`: for
+/// format 3, the settings, then the transition, the token count and the log scale; for format
+/// 2 the same without the transition byte (the checksum is left stale).
+std::string in_layout_of(const std::string& saved, int version) {
+  if ((version != 2 && version != 3) || saved.size() < kV4LogScale + 8) return saved;
+  std::string old = saved.substr(0, kHeaderEnd);
+  old += saved.substr(kV4Settings, kV4LogScale - kV4Settings);
+  if (version == 3) old += saved.substr(33, 1);
+  old += saved.substr(34, 8);
+  old += saved.substr(kV4LogScale);
+  old[kVersionAt] = static_cast<char>(version);
+  return old;
 }
 
 template <class T, class Acc>
@@ -183,9 +214,10 @@ void try_checked(const std::string& input, const Map& map, const linattn::Option
   }
   if (!unchecked) fail("load(is, map, options) accepted what load_unchecked refuses", input.size());
   const int version = version_of(input);
-  if (version != 2 && version != 3) {
-    fail("load(is, map, options) accepted a stream that is not format 2 or 3", input.size());
+  if (version < 2) {
+    fail("load(is, map, options) accepted a stream that is not format 2, 3 or 4", input.size());
   }
+  const Layout layout = layout_of(version);
   if (!same_sums(*state, *unchecked)) fail("checked and unchecked loads differ", input.size());
   if (!same_result_options(state->options(), unchecked->options())) {
     fail("load(is, map, options) accepted other options", input.size());
@@ -200,8 +232,9 @@ void try_checked(const std::string& input, const Map& map, const linattn::Option
   std::string again = in_layout_of(saved, version);
   if (again.size() > input.size()) fail("re-saving wrote more than the input", input.size());
   std::string expected = input.substr(0, again.size());
-  for (std::size_t at : {kProjectionAt, kRowNormAt}) expected[at] = again[at];
-  std::memcpy(&expected[kSeedAt], &again[kSeedAt], kSeedEnd - kSeedAt);
+  for (std::size_t at : {layout.projection_at(), layout.row_norm_at()}) expected[at] = again[at];
+  std::memcpy(&expected[layout.seed_at()], &again[layout.seed_at()],
+              layout.seed_end() - layout.seed_at());
   if (!same_range(again, expected, 0, again.size() - 4)) {
     fail("save(os, map) after load(is, map, options) does not reproduce the input", input.size());
   }
@@ -211,10 +244,13 @@ void try_checked(const std::string& input, const Map& map, const linattn::Option
   }
 }
 
-/// A random-feature map rebuilt from a format-2 record, when it names one of a modest size.
+/// A random-feature map rebuilt from a map record (format 2 and later), when it names one of
+/// a modest size.
 template <class Map>
 std::optional<Map> map_from_record(const std::string& input) {
-  if (input.size() < kMapEnd || version_of(input) < 2) return std::nullopt;
+  const int version = version_of(input);
+  const Layout layout = layout_of(version);
+  if (version < 2 || input.size() < layout.map_end()) return std::nullopt;
   const auto u64_at = [&](std::size_t at) {
     std::uint64_t value = 0;
     for (int i = 0; i < 8; ++i) {
@@ -222,14 +258,15 @@ std::optional<Map> map_from_record(const std::string& input) {
     }
     return value;
   };
-  const std::uint64_t dk = u64_at(kMapAt + 4), m = u64_at(kMapAt + 12);
-  const std::uint64_t tau_bits = u64_at(kMapAt + 20), seed = u64_at(kSeedAt);
+  const std::uint64_t dk = u64_at(layout.map_at + 4), m = u64_at(layout.map_at + 12);
+  const std::uint64_t tau_bits = u64_at(layout.map_at + 20), seed = u64_at(layout.seed_at());
   if (dk < 1 || dk > 16 || m < 1 || m > 32) return std::nullopt;
   linattn::RandomFeatureOptions options;
-  options.projection =
-      input[kProjectionAt] == 1 ? linattn::Projection::iid : linattn::Projection::orthogonal;
-  options.row_norm = input[kRowNormAt] == 1 ? linattn::RowNorm::fixed : linattn::RowNorm::chi;
-  options.hyperbolic = input[kMapAt + 3] == 1;
+  options.projection = input[layout.projection_at()] == 1 ? linattn::Projection::iid
+                                                          : linattn::Projection::orthogonal;
+  options.row_norm =
+      input[layout.row_norm_at()] == 1 ? linattn::RowNorm::fixed : linattn::RowNorm::chi;
+  options.hyperbolic = input[layout.map_at + 3] == 1;
   std::memcpy(&options.temperature, &tau_bits, sizeof(double));
   try {
     return Map(static_cast<Eigen::Index>(dk), static_cast<Eigen::Index>(m), seed, options);
@@ -272,8 +309,8 @@ void try_load(const std::string& input) {
     const std::size_t payload =
         sizeof(Acc) * static_cast<std::size_t>(state->s().size() + state->z().size());
     const int version = version_of(input);
-    const std::size_t header = version == 3 ? kHeaderV3 : version == 2 ? kHeaderV2 : kHeaderV1;
-    if (consumed < 0 || static_cast<std::size_t>(consumed) != header + payload + 4) {
+    const Layout layout = layout_of(version);
+    if (consumed < 0 || static_cast<std::size_t>(consumed) != layout.header + payload + 4) {
       fail("load_unchecked consumed a different number of bytes than one state", input.size());
     }
     const std::string saved = save_bytes(*state);
@@ -281,11 +318,11 @@ void try_load(const std::string& input) {
     if (version >= 2) {
       // save(os) writes the no-map record; everything else must be the input's bytes.
       if (again.size() != static_cast<std::size_t>(consumed) ||
-          !same_range(again, input, 0, kMapAt) ||
-          !same_range(again, input, kMapEnd, again.size() - 4)) {
+          !same_range(again, input, 0, layout.map_at) ||
+          !same_range(again, input, layout.map_end(), again.size() - 4)) {
         fail("re-saving a loaded state does not reproduce the input bytes", input.size());
       }
-      if (version == 3 && input[kMapAt] == 0 && !same_range(again, input, 0, again.size())) {
+      if (version == 4 && input[layout.map_at] == 0 && !same_range(again, input, 0, again.size())) {
         fail("re-saving a state saved without a map changed its bytes", input.size());
       }
     }
@@ -365,17 +402,31 @@ void try_load_delta(const std::string& input) {
   }
   if (!state) return;
   const std::string saved = save_bytes(*state);
-  if (!same_range(saved, input, 0, saved.size())) {
+  // The delta rule's LNATTND 1: scale, the two flags, the transition, the tokens, then S.
+  const bool legacy = input.compare(0, 8, std::string("LNATTND\0", 8)) == 0;
+  if (legacy) {
+    std::string old = std::string("LNATTND\0", 8) + saved.substr(8, kHeaderEnd - 8);
+    old[kVersionAt] = 1;
+    old += saved.substr(kV4Settings, 10) + saved.substr(33, 9) + saved.substr(52);
+    if (old.size() > input.size() || !same_range(old, input, 0, old.size() - 4)) {
+      fail("DeltaRuleState: save after loading an LNATTND stream does not reproduce it",
+           input.size());
+    }
+  } else if (!same_range(saved, input, 0, saved.size())) {
     fail("DeltaRuleState: save after load_unchecked does not reproduce the input", input.size());
   }
   // load_bytes takes the buffer only when it holds the state and nothing after it.
   try {
     const State from_bytes =
         linattn::load_bytes<State>(input.data(), input.size(), state->options());
-    if (input.size() != saved.size()) fail("load_bytes took trailing bytes", input.size());
+    if (input.size() != saved.size() - (legacy ? 1 : 0)) {
+      fail("load_bytes took trailing bytes", input.size());
+    }
     if (save_bytes(from_bytes) != saved) fail("load_bytes gave another state", input.size());
   } catch (const linattn::Error&) {
-    if (input.size() == saved.size()) fail("load_bytes refused a whole state", input.size());
+    if (input.size() == saved.size() - (legacy ? 1 : 0)) {
+      fail("load_bytes refused a whole state", input.size());
+    }
   }
   const Eigen::Index dk = state->key_dim(), dv = state->value_dim();
   if (dk * dv > 4096) return;

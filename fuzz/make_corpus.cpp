@@ -1,15 +1,17 @@
 // SPDX-License-Identifier: MIT
 // Writes the seed corpora of the fuzzers (deterministic; the files in fuzz/corpus/ came from it):
 //   make_corpus <load dir> <kernels dir>
-// load/:    format-3 states (files v3_*) of both scalar types: fresh, saved without a map and
+// load/:    format-4 states (files v4_*) of both scalar types: fresh, saved without a map and
 //           with one, stepped with each kind of map (Identity, EluPlusOne, Relu, FAVOR+ plain
 //           and hyperbolic, Fourier orthogonal and iid, a user map with and without
 //           fingerprint()) and with scalar and per-feature gates, with options off their
 //           defaults; one followed by trailing bytes, a truncated one, a corrupted one, one
-//           whose W hash is wrong under a valid checksum, an empty one, and two with token
-//           counts at and past the limit (regressions). The v1_* files are format 1, written by
-//           linattn 0.1.0, and the v2_* files format 2, written by this program before format 3
-//           (the same states): they must keep loading, and are never regenerated;
+//           whose W hash is wrong under a valid checksum, and two with token
+//           counts at and past the limit (regressions); delta-rule states (delta4_*). The v1_*
+//           files are format 1, written by linattn 0.1.0; the v2_* files (format 2), v3_* (format
+//           3) and delta1_* (the delta rule's LNATTND 1) were written by this program while those
+//           formats were current (the same states): they must keep loading, and are never
+//           regenerated (v2_empty and v3_empty are the empty input);
 // kernels/: a few inputs in the layout of kernel_input.hpp, one per feature map and type.
 #include <cstddef>
 #include <cstdint>
@@ -105,7 +107,7 @@ std::string stepped_state(Index dk, Index dv, const Map& map, Index tokens,
   return saved(state, map);
 }
 
-/// `state` (format 3, as save wrote it) with the CRC-32 recomputed after an edit.
+/// `state` (as save wrote it) with the CRC-32 recomputed after an edit.
 std::string with_checksum(std::string state) {
   linattn::detail::Crc32 crc;
   crc.update(reinterpret_cast<const unsigned char*>(state.data()), state.size() - 4);
@@ -124,10 +126,10 @@ std::string with_u64(std::string state, std::size_t at, std::uint64_t value) {
   return with_checksum(state);
 }
 
-// Format 3 (recurrent_state.hpp documents the layout): the token count at byte 102, the map
-// record's W hash at byte 93.
-constexpr std::size_t kTokensAt = 102;
-constexpr std::size_t kHashAt = 93;
+// Format 4 (detail/state_record.hpp documents the layout): the token count at byte 34, the map
+// record's W hash at byte 103.
+constexpr std::size_t kTokensAt = 34;
+constexpr std::size_t kHashAt = 103;
 
 std::string kernel_input(std::uint8_t flags, int map, int n, int dk, int dv, int m, int seed,
                          int eps, int decay, int chunk, int scale, int window, int split,
@@ -168,61 +170,60 @@ int main(int argc, char** argv) {
   plain.check_finite = false;
   plain.eps = 0.0;
 
-  const std::string v3 = load + "v3_";
+  const std::string v4 = load + "v4_";
   linattn::RandomFeatureOptions hyperbolic;
   hyperbolic.hyperbolic = true;
   linattn::RandomFeatureOptions iid;
   iid.projection = linattn::Projection::iid;
   iid.row_norm = linattn::RowNorm::fixed;
-  ok &= write_file(v3 + "float_fresh_4x3_no_map", saved(linattn::RecurrentState<float>(4, 3)));
-  ok &= write_file(v3 + "double_fresh_1x1_identity",
+  ok &= write_file(v4 + "float_fresh_4x3_no_map", saved(linattn::RecurrentState<float>(4, 3)));
+  ok &= write_file(v4 + "double_fresh_1x1_identity",
                    saved(linattn::RecurrentState<double>(1, 1), linattn::Identity{}));
   const std::string float_elu = stepped_state<float>(4, 3, linattn::EluPlusOne{}, 5, decayed);
-  ok &= write_file(v3 + "float_elu_decay", float_elu);
-  ok &= write_file(v3 + "double_identity",
+  ok &= write_file(v4 + "float_elu_decay", float_elu);
+  ok &= write_file(v4 + "double_identity",
                    stepped_state<double>(3, 2, linattn::Identity{}, 3, linattn::Options{}));
-  ok &= write_file(v3 + "double_relu_unnormalized",
+  ok &= write_file(v4 + "double_relu_unnormalized",
                    stepped_state<double>(2, 5, linattn::Relu{}, 4, plain));
   const std::string double_favor =
       stepped_state<double>(3, 2, linattn::PositiveRandomFeatures(3, 6, 7), 6, linattn::Options{});
-  ok &= write_file(v3 + "double_favor", double_favor);
+  ok &= write_file(v4 + "double_favor", double_favor);
   ok &=
-      write_file(v3 + "float_favor_decay",
+      write_file(v4 + "float_favor_decay",
                  stepped_state<float>(2, 2, linattn::PositiveRandomFeatures(2, 4, 1), 3, decayed));
-  ok &= write_file(v3 + "double_favor_hyperbolic",
+  ok &= write_file(v4 + "double_favor_hyperbolic",
                    stepped_state<double>(2, 2, linattn::PositiveRandomFeatures(2, 3, 4, hyperbolic),
                                          4, linattn::Options{}));
   ok &= write_file(
-      v3 + "double_fourier",
+      v4 + "double_fourier",
       stepped_state<double>(2, 3, linattn::RandomFourierFeatures(2, 2, 3), 4, linattn::Options{}));
   ok &= write_file(
-      v3 + "float_fourier_iid",
+      v4 + "float_fourier_iid",
       stepped_state<float>(3, 2, linattn::RandomFourierFeatures(3, 2, 5, iid), 3, plain));
-  ok &= write_file(v3 + "float_user_map",
+  ok &= write_file(v4 + "float_user_map",
                    stepped_state<float>(2, 2, TwiceFeatures{}, 2, linattn::Options{}));
-  ok &= write_file(v3 + "double_user_fingerprint",
+  ok &= write_file(v4 + "double_user_fingerprint",
                    stepped_state<double>(2, 3, FingerprintedFeatures{}, 3, decayed));
-  ok &= write_file(v3 + "float_scalar_gates",
+  ok &= write_file(v4 + "float_scalar_gates",
                    stepped_state<float>(3, 2, linattn::Identity{}, 4, linattn::Options{}, 1));
-  ok &= write_file(v3 + "double_feature_gates",
+  ok &= write_file(v4 + "double_feature_gates",
                    stepped_state<double>(3, 2, linattn::EluPlusOne{}, 5, plain, 3));
-  ok &= write_file(v3 + "float_trailing_bytes", float_elu + "trailing");
+  ok &= write_file(v4 + "float_trailing_bytes", float_elu + "trailing");
   // Regressions: a token count at the limit (loads; the next step must throw linattn::Error)
   // and one past it (INT64_MAX: refused by load; once accepted, and ++tokens overflowed).
   ok &=
-      write_file(v3 + "float_tokens_limit", with_u64(float_elu, kTokensAt, std::uint64_t{1} << 62));
-  ok &= write_file(v3 + "float_tokens_int64_max",
+      write_file(v4 + "float_tokens_limit", with_u64(float_elu, kTokensAt, std::uint64_t{1} << 62));
+  ok &= write_file(v4 + "float_tokens_int64_max",
                    with_u64(float_elu, kTokensAt,
                             static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())));
-  ok &= write_file(v3 + "float_truncated", float_elu.substr(0, float_elu.size() - 7));
+  ok &= write_file(v4 + "float_truncated", float_elu.substr(0, float_elu.size() - 7));
   std::string corrupted = float_elu;
   corrupted[corrupted.size() / 2] = static_cast<char>(corrupted[corrupted.size() / 2] ^ 0x10);
-  ok &= write_file(v3 + "float_corrupted", corrupted);
+  ok &= write_file(v4 + "float_corrupted", corrupted);
   // Loads unchecked; a checked load with PositiveRandomFeatures(3, 6, 7) names the W hash.
-  ok &= write_file(v3 + "double_favor_wrong_hash", with_u64(double_favor, kHashAt, 0));
-  ok &= write_file(v3 + "empty", std::string());
+  ok &= write_file(v4 + "double_favor_wrong_hash", with_u64(double_favor, kHashAt, 0));
 
-  // Delta-rule states (format 1 of DeltaRuleState): Gated DeltaNet in float, KDA in double,
+  // Delta-rule states: Gated DeltaNet in float, KDA in double,
   // a fresh one, and a truncated one.
   {
     linattn::DeltaOptions delta;
@@ -242,10 +243,10 @@ int main(int argc, char** argv) {
     gdn.save(gdn_bytes);
     kda.save(kda_bytes);
     linattn::DeltaRuleState<float>(2, 2).save(fresh);
-    ok &= write_file(load + "delta1_float_gated", gdn_bytes.str());
-    ok &= write_file(load + "delta1_double_kda", kda_bytes.str());
-    ok &= write_file(load + "delta1_float_fresh", fresh.str());
-    ok &= write_file(load + "delta1_float_truncated",
+    ok &= write_file(load + "delta4_float_gated", gdn_bytes.str());
+    ok &= write_file(load + "delta4_double_kda", kda_bytes.str());
+    ok &= write_file(load + "delta4_float_fresh", fresh.str());
+    ok &= write_file(load + "delta4_float_truncated",
                      gdn_bytes.str().substr(0, gdn_bytes.str().size() - 3));
   }
 

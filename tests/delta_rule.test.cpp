@@ -265,8 +265,10 @@ TEMPLATE_TEST_CASE("DeltaRuleState saves and loads bit for bit and refuses what 
     state.save(saved);
     const std::string bytes = saved.str();
     const Matrix<TestType> s_saved = state.s();
-    // 51 header bytes, S, the checksum.
-    CHECK(bytes.size() == 51 + sizeof(TestType) * dk * dv + 4);
+    // 52 header bytes (format 4, family 1 at byte 32), S, the checksum.
+    CHECK(bytes.size() == 52 + sizeof(TestType) * dk * dv + 4);
+    CHECK(bytes[8] == 4);
+    CHECK(bytes[32] == 1);
 
     // Loaded, it is the same state, saves the same bytes and continues bit for bit.
     DeltaOptions runtime = options;
@@ -325,7 +327,9 @@ TEMPLATE_TEST_CASE("DeltaRuleState saves and loads bit for bit and refuses what 
                       Catch::Contains("-byte scalars"));
     std::stringstream engine;
     linattn::RecurrentState<TestType>(dk, dv).save(engine);
-    refuses(engine.str(), options, "not a linattn delta-rule state");
+    refuses(engine.str(), options,
+            "the stream holds a RecurrentState, not a DeltaRuleState: load it with "
+            "RecurrentState::load");
     std::istringstream unchecked(bytes);
     const auto inspected = DeltaRuleState<TestType>::load_unchecked(unchecked);
     CHECK(inspected.options().l2_normalize);

@@ -12,6 +12,7 @@
 #include <linattn/feature_maps.hpp>
 #include <linattn/linear_attention.hpp>
 #include <linattn/recurrent_state.hpp>
+#include <linattn/state_io.hpp>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -322,9 +323,10 @@ TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persist
   }
   {
     std::string future = bytes;
-    future[8] = 4;  // the format version follows the 8 magic bytes
+    future[8] = 5;  // the format version follows the 8 magic bytes
     std::istringstream in(future);
-    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in), Contains("format version 4"));
+    CHECK_THROWS_WITH(RecurrentState<double>::load_unchecked(in),
+                      Contains("format version 5, this build reads versions 1 to 4"));
   }
   {
     std::istringstream in(bytes);
@@ -353,8 +355,8 @@ TEST_CASE("load names what is wrong with the stream", "[recurrent_state][persist
   {
     // A token count near INT64_MAX (with a valid checksum) would overflow on the next step.
     std::string huge_count = bytes;
-    for (int i = 102; i < 110; ++i) huge_count[i] = static_cast<char>(0xFF);  // format 3
-    huge_count[109] = 0x7F;
+    for (int i = 34; i < 42; ++i) huge_count[i] = static_cast<char>(0xFF);  // format 4
+    huge_count[41] = 0x7F;
     linattn::detail::Crc32 crc;
     crc.update(reinterpret_cast<const unsigned char*>(huge_count.data()), huge_count.size() - 4);
     for (int i = 0; i < 4; ++i) {
@@ -645,7 +647,7 @@ TEMPLATE_TEST_CASE("save(os, map) and load(is, map, options) round-trip every ki
     INFO("map " << name);
     RecurrentState<T> original = stepped<T>(map, dk, dv, n, options, 300);
     const std::string bytes = saved_bytes(original, map);
-    CHECK(bytes.size() == 118 + (original.s().size() + original.z().size()) * sizeof(T) + 4);
+    CHECK(bytes.size() == 119 + (original.s().size() + original.z().size()) * sizeof(T) + 4);
     linattn::Options server = options;
     server.chunk = 7;  // not recorded: the loaded state takes the server's
     server.check_finite = false;
@@ -711,8 +713,8 @@ TEMPLATE_TEST_CASE("load(is, map, options) names the option that differs",
   // The scale (docs/design.md's Options::scale; recorded as 1 while Options has none).
   std::string scaled = bytes;
   const double two = 2.0;
-  std::memcpy(&scaled[49], &two, 8);  // little-endian hosts only; checked just below
-  REQUIRE(static_cast<unsigned char>(scaled[56]) == 0x40);
+  std::memcpy(&scaled[59], &two, 8);  // little-endian hosts only; checked just below
+  REQUIRE(static_cast<unsigned char>(scaled[66]) == 0x40);
   scaled = with_checksum(scaled);
   CHECK_THAT(load_error<T>(scaled, map, saved), Contains("scale 2"));
 }
@@ -780,7 +782,7 @@ TEMPLATE_TEST_CASE("load(is, map, options) names the map setting that differs",
   CHECK(load_error<T>(rff, linattn::RandomFourierFeatures(dk, 3, 7, hyperbolic), options).empty());
   {
     std::string edited = rff;
-    edited[60] = 1;  // the record's hyperbolic byte
+    edited[70] = 1;  // the record's hyperbolic byte
     std::istringstream in(with_checksum(edited));
     CHECK_THROWS_WITH(RecurrentState<T>::load_unchecked(in),
                       Contains("hyperbolic on RandomFourierFeatures, which has no such setting"));
@@ -825,14 +827,14 @@ TEMPLATE_TEST_CASE("save(os, map) refuses a map that does not fit the state, wri
   CHECK_NOTHROW(state.save(os, ScaledFeatures{}));  // a user map's C is not known
 }
 
-TEMPLATE_TEST_CASE("format 3: the layout, and records save could not have written",
+TEMPLATE_TEST_CASE("format 4: the layout, and records save could not have written",
                    "[recurrent_state][persistence][errors]", float, double) {
   using T = TestType;
   const Eigen::Index dk = 3, c = 6, dv = 2;
   const linattn::PositiveRandomFeatures map(dk, c, 11);
   const RecurrentState<T> state = stepped<T>(map, dk, dv, 5, linattn::Options{}, 340);
   const std::string bytes = saved_bytes(state, map);
-  REQUIRE(bytes.size() == 118 + (c * dv + c) * sizeof(T) + 4);
+  REQUIRE(bytes.size() == 119 + (c * dv + c) * sizeof(T) + 4);
   const auto u64_at = [&](std::size_t at) {
     std::uint64_t value = 0;
     for (int i = 0; i < 8; ++i) {
@@ -841,18 +843,19 @@ TEMPLATE_TEST_CASE("format 3: the layout, and records save could not have writte
     return value;
   };
   CHECK(bytes.substr(0, 8) == std::string("LNATTNS\0", 8));
-  CHECK(bytes[8] == 3);
+  CHECK(bytes[8] == 4);
   CHECK(bytes[12] == static_cast<char>(sizeof(T)));
   CHECK(u64_at(16) == static_cast<std::uint64_t>(c));
   CHECK(u64_at(24) == static_cast<std::uint64_t>(dv));
-  CHECK(bytes[48] == 1);  // normalize
-  CHECK(bytes[57] == 4);  // PositiveRandomFeatures
-  CHECK(u64_at(61) == static_cast<std::uint64_t>(dk));
-  CHECK(u64_at(69) == static_cast<std::uint64_t>(c));
-  CHECK(u64_at(85) == 11);  // seed
-  CHECK(u64_at(93) == linattn::detail::projection_hash(map.projection()));
-  CHECK(bytes[101] == 1);   // TransitionKind::decay
-  CHECK(u64_at(102) == 5);  // tokens
+  CHECK(bytes[32] == 0);   // StateFamily::linear
+  CHECK(bytes[33] == 1);   // TransitionKind::decay
+  CHECK(u64_at(34) == 5);  // tokens
+  CHECK(bytes[58] == 1);   // normalize
+  CHECK(bytes[67] == 4);   // PositiveRandomFeatures
+  CHECK(u64_at(71) == static_cast<std::uint64_t>(dk));
+  CHECK(u64_at(79) == static_cast<std::uint64_t>(c));
+  CHECK(u64_at(95) == 11);  // seed
+  CHECK(u64_at(103) == linattn::detail::projection_hash(map.projection()));
 
   // The hash: FNV-1a 64 of rows, cols and the entries' bits, all little-endian (known answers
   // computed independently).
@@ -878,22 +881,24 @@ TEMPLATE_TEST_CASE("format 3: the layout, and records save could not have writte
     }
     return std::string();
   };
-  CHECK_THAT(edited(57, 9), Contains("invalid feature map record (unknown kind)"));
-  CHECK_THAT(edited(58, 2), Contains("invalid feature map record (a flag over 1)"));
-  CHECK_THAT(edited(57, 2), Contains("random-map settings on EluPlusOne"));
-  CHECK_THAT(edited(69, 7), Contains("PositiveRandomFeatures giving 7 features on a state of 6"));
-  CHECK_THAT(edited(84, 0xFF), Contains("temperature that is not positive and finite"));
-  CHECK_THAT(edited(48, 2), Contains("invalid normalize byte 2"));
-  CHECK_THAT(edited(101, 4), Contains("invalid transition record: unknown kind 4"));
-  CHECK(edited(101, 0).empty());  // none: not known (a format-2 state saved again), loads
-  CHECK(edited(101, 2).empty());  // scalar gates: a state of that kind loads
-  CHECK(edited(60, 0).empty());   // hyperbolic off as saved: the untouched record loads
+  CHECK_THAT(edited(67, 9), Contains("invalid feature map record (unknown kind)"));
+  CHECK_THAT(edited(68, 2), Contains("invalid feature map record (a flag over 1)"));
+  CHECK_THAT(edited(67, 2), Contains("random-map settings on EluPlusOne"));
+  CHECK_THAT(edited(79, 7), Contains("PositiveRandomFeatures giving 7 features on a state of 6"));
+  CHECK_THAT(edited(94, 0xFF), Contains("temperature that is not positive and finite"));
+  CHECK_THAT(edited(58, 2), Contains("invalid normalize byte 2"));
+  CHECK_THAT(edited(33, 4), Contains("invalid transition record: unknown kind 4"));
+  CHECK_THAT(edited(32, 2), Contains("unknown state family 2"));
+  CHECK_THAT(edited(32, 1), Contains("the stream holds a DeltaRuleState, not a RecurrentState"));
+  CHECK(edited(33, 0).empty());  // none: not known (a format-2 state saved again), loads
+  CHECK(edited(33, 2).empty());  // scalar gates: a state of that kind loads
+  CHECK(edited(70, 0).empty());  // hyperbolic off as saved: the untouched record loads
   // Fields that Identity and user maps do not have.
   const RecurrentState<T> plain = stepped<T>(linattn::Identity{}, 2, dv, 2, {}, 341);
   for (const bool user : {false, true}) {
     std::string e =
         user ? saved_bytes(plain, ScaledFeatures{}) : saved_bytes(plain, linattn::Identity{});
-    e[user ? 61 : 93] = 1;  // input_dim of the user map, hash of Identity
+    e[user ? 71 : 103] = 1;  // input_dim of the user map, hash of Identity
     std::istringstream in(with_checksum(e));
     CHECK_THROWS_WITH(
         RecurrentState<T>::load_unchecked(in),
@@ -981,29 +986,71 @@ TEMPLATE_TEST_CASE("a state keeps the transition it is moved by, through save an
   CHECK(retention.transition() == TransitionKind::decay);
 }
 
-TEMPLATE_TEST_CASE("format 2 (0.2.0 before the transition byte) still loads",
-                   "[recurrent_state][persistence]", float, double) {
-  using T = TestType;
+TEST_CASE("format-3 and format-2 files of earlier releases load with their exact sums",
+          "[recurrent_state][persistence]") {
   using linattn::TransitionKind;
-  const linattn::EluPlusOne map;
-  for (const double decay : {1.0, 0.9}) {
-    linattn::Options options;
-    options.decay = decay;
-    const RecurrentState<T> state = stepped<T>(map, 3, 2, 7, options, 370);
-    // Format 2 is format 3 without the byte at offset 101, version 2.
-    std::string v2 = saved_bytes(state, map);
-    v2.erase(101, 1);
-    v2[8] = 2;
-    v2 = with_checksum(v2);
-    std::istringstream in(v2);
-    const RecurrentState<T> loaded = RecurrentState<T>::load(in, map, options);
-    CHECK(loaded.s() == state.s());
-    CHECK(loaded.z() == state.z());
-    CHECK(loaded.tokens() == 7);
-    // Format 2 did not record gates: without a decay the kind is left to the next call.
-    CHECK(loaded.transition() == (decay == 1.0 ? TransitionKind::none : TransitionKind::decay));
-    CHECK(static_cast<std::size_t>(in.tellg()) == v2.size());
+  // make_state_v3.cpp's state: eps 1e-5, decay 0.5, normalize, scale 0.5, saved with
+  // Identity; S = sum_t 0.5^(2 - t) k_t v_t^T and z likewise, exact in binary.
+  const std::string v3 = data_file("state_v3_double_identity.bin");
+  REQUIRE(v3.size() == 118 + (3 * 2 + 3) * 8 + 4);
+  Matrix<double> k(3, 3), v(3, 2);
+  k << 1.0, 0.5, -2.0, 0.25, 3.0, 1.0, -1.5, 0.75, 2.0;
+  v << 2.0, -1.0, 0.5, 4.0, -3.0, 0.125;
+  Matrix<double> s = Matrix<double>::Zero(3, 2);
+  Vector<double> z = Vector<double>::Zero(3);
+  for (int t = 0; t < 3; ++t) {
+    s = 0.5 * s + k.row(t).transpose() * v.row(t);
+    z = 0.5 * z + k.row(t).transpose();
   }
+  CHECK(s(0, 0) == 0x1.44p+2);  // as make_state_v3 printed it
+  linattn::Options options;
+  options.eps = 1e-5;
+  options.decay = 0.5;
+  options.scale = 0.5;
+  // Format 2 (0.2.0 before the transition byte) is format 3 without the byte at offset 101.
+  std::string v2 = v3;
+  v2.erase(101, 1);
+  v2[8] = 2;
+  v2 = with_checksum(v2);
+  const std::string* const formats[] = {&v3, &v2};
+  for (const std::string* bytes : formats) {
+    INFO("format " << int((*bytes)[8]));
+    std::istringstream in(*bytes);
+    RecurrentState<double> state = RecurrentState<double>::load(in, linattn::Identity{}, options);
+    CHECK(static_cast<std::size_t>(in.tellg()) == bytes->size());
+    CHECK(state.s() == s);
+    CHECK(state.z() == z);
+    CHECK(state.tokens() == 3);
+    CHECK(state.transition() == TransitionKind::decay);
+    const linattn::SavedStateInfo info = linattn::saved_state_info(bytes->data(), bytes->size());
+    CHECK(info.family == linattn::StateFamily::linear);
+    CHECK(info.format_version == static_cast<std::uint32_t>((*bytes)[8]));
+    CHECK(info.scalar_bytes == 8);
+    CHECK((info.rows == 3 && info.cols == 2 && info.tokens == 3));
+    // It continues as the recurrence does (exactly: dyadic values), and saves in format 4.
+    Vector<double> q(3), k4(3), v4(2);
+    q << 0.5, -1.0, 2.0;
+    k4 << 1.0, 1.0, -0.5;
+    v4 << 0.25, -2.0;
+    (void)state.step(q, k4, v4, linattn::Identity{});
+    CHECK(state.s() == Matrix<double>(0.5 * s + k4 * v4.transpose()));
+    CHECK(state.z() == Vector<double>(0.5 * z + k4));
+    const std::string upgraded = saved_bytes(state, linattn::Identity{});
+    CHECK(upgraded[8] == 4);
+    CHECK(load_error<double>(upgraded, linattn::Identity{}, options).empty());
+  }
+  // Format 2 did not record gates: without a decay the kind is left to the next call, and
+  // format 3 keeps what it recorded.
+  const auto with_decay_one = [](std::string bytes) {
+    const double one = 1.0;
+    std::memcpy(&bytes[40], &one, 8);  // little-endian hosts only; checked just below
+    REQUIRE(static_cast<unsigned char>(bytes[47]) == 0x3F);
+    return with_checksum(bytes);
+  };
+  std::istringstream v2_plain(with_decay_one(v2));
+  CHECK(RecurrentState<double>::load_unchecked(v2_plain).transition() == TransitionKind::none);
+  std::istringstream v3_plain(with_decay_one(v3));
+  CHECK(RecurrentState<double>::load_unchecked(v3_plain).transition() == TransitionKind::decay);
 }
 
 TEMPLATE_TEST_CASE("an empty or unreadable stream says so",
@@ -1073,7 +1120,7 @@ TEST_CASE("format-1 golden files of linattn 0.1.0 load with their exact sums",
     std::istringstream fourth(bytes);
     const std::string upgraded =
         saved_bytes(RecurrentState<double>::load_unchecked(fourth), linattn::Identity{});
-    CHECK(upgraded[8] == 3);
+    CHECK(upgraded[8] == 4);
     CHECK(load_error<double>(upgraded, linattn::Identity{}, state.options()).empty());
   }
   {

@@ -1,9 +1,11 @@
 // save_bytes / load_bytes and save_file / load_file: the stream format through a byte buffer
 // and an atomically replaced file, for RecurrentState and DeltaRuleState.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <linattn/delta_rule.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/recurrent_state.hpp>
@@ -135,6 +137,101 @@ TEMPLATE_TEST_CASE("save_bytes holds the stream's bytes; load_bytes continues bi
                     Contains("l2_normalize"));
   // A RecurrentState's bytes are not a delta-rule state.
   CHECK_THROWS_AS(linattn::load_bytes<DeltaRuleState<T>>(bytes, options), linattn::Error);
+}
+
+TEST_CASE("every family saves in format 4; saved_state_info reads any state of any format",
+          "[state_io][persistence]") {
+  using Catch::Contains;
+  using linattn::StateFamily;
+  using linattn::TransitionKind;
+  // One reader for both families, both scalar sizes, and what it says about each.
+  DeltaOptions options;
+  options.l2_normalize = true;
+  const std::vector<std::uint8_t> delta =
+      linattn::save_bytes(stepped_delta<float>(15, options, 21));
+  const std::vector<std::uint8_t> linear =
+      linattn::save_bytes(stepped_state<double>(20, 11), linattn::EluPlusOne{});
+  const linattn::SavedStateInfo d = linattn::saved_state_info(delta);
+  CHECK(d.family == StateFamily::delta_rule);
+  CHECK(std::string(linattn::state_family_class(d.family)) == "DeltaRuleState");
+  CHECK((d.format_version == 4 && d.scalar_bytes == 4 && d.rows == 6 && d.cols == 4));
+  CHECK((d.transition == TransitionKind::scalar_gates && d.tokens == 15));
+  const linattn::SavedStateInfo l = linattn::saved_state_info(linear);
+  CHECK(l.family == StateFamily::linear);
+  CHECK((l.format_version == 4 && l.scalar_bytes == 8 && l.rows == 8 && l.cols == 5));
+  CHECK((l.transition == TransitionKind::decay && l.tokens == 20));
+  // The same framing: the header's first 32 bytes differ only where the states do.
+  CHECK(std::equal(delta.begin(), delta.begin() + 12, linear.begin()));
+  // A session blob is one state after another: read one at a time.
+  std::string both(delta.begin(), delta.end());
+  both.append(linear.begin(), linear.end());
+  std::istringstream session(both);
+  CHECK(linattn::saved_state_info(session).family == StateFamily::delta_rule);
+  CHECK(linattn::saved_state_info(session).family == StateFamily::linear);
+  CHECK(static_cast<std::size_t>(session.tellg()) == both.size());
+  // ... but a buffer holds exactly one, and every corruption is refused.
+  CHECK_THROWS_WITH(
+      linattn::saved_state_info(both.data(), both.size()),
+      Contains("linattn::saved_state_info: the buffer holds") && Contains("bytes after the state"));
+  std::vector<std::uint8_t> flipped = delta;
+  flipped[20] ^= 0x10;
+  CHECK_THROWS_AS(linattn::saved_state_info(flipped), linattn::Error);
+  CHECK_THROWS_WITH(linattn::saved_state_info(nullptr, 0), Contains("the stream is empty"));
+  // Each family's load names the class that loads the other's.
+  CHECK_THROWS_WITH(
+      linattn::load_bytes<RecurrentState<float>>(delta, linattn::EluPlusOne{}, linattn::Options{}),
+      Contains("RecurrentState::load: the stream holds a DeltaRuleState, not a "
+               "RecurrentState: load it with DeltaRuleState::load"));
+
+  // DeltaRuleState's format before format 4 ("LNATTND" 1, make_state_v3.cpp): DeltaNet with
+  // scale 0.5, beta 0.5, three dyadic tokens, exact in float.
+  std::ifstream file(std::string(LINATTN_TEST_DATA_DIR) + "/delta_v1_float_deltanet.bin",
+                     std::ios::binary);
+  const std::string legacy((std::istreambuf_iterator<char>(file)),
+                           std::istreambuf_iterator<char>());
+  REQUIRE(legacy.size() == 51 + 3 * 2 * 4 + 4);
+  CHECK(legacy.substr(0, 8) == std::string("LNATTND\0", 8));
+  Matrix<double> k(3, 3), v(3, 2);
+  k << 0.5, -0.25, 1.0, 0.25, 0.5, -0.5, -1.0, 0.25, 0.5;
+  v << 2.0, -1.0, 0.5, 4.0, -3.0, 0.125;
+  Matrix<double> s = Matrix<double>::Zero(3, 2);
+  for (int t = 0; t < 3; ++t) {
+    const Vector<double> kt = k.row(t).transpose();
+    s += 0.5 * kt * (v.row(t) - kt.transpose() * s);
+  }
+  CHECK(s(0, 1) == -0x1.7p-3);  // as make_state_v3 printed it
+  const linattn::SavedStateInfo old = linattn::saved_state_info(legacy.data(), legacy.size());
+  CHECK((old.family == StateFamily::delta_rule && old.format_version == 1));
+  CHECK((old.scalar_bytes == 4 && old.rows == 3 && old.cols == 2 && old.tokens == 3));
+  CHECK(old.transition == TransitionKind::decay);
+  DeltaOptions saved;
+  saved.scale = 0.5;
+  DeltaRuleState<float> state =
+      linattn::load_bytes<DeltaRuleState<float>>(legacy.data(), legacy.size(), saved);
+  CHECK(state.s().cast<double>() == s);
+  CHECK(state.tokens() == 3);
+  // It continues as the recurrence does, and saves in format 4 what loads the same.
+  Vector<float> q(3), k4(3), v4(2);
+  q << 1.0f, 0.5f, -0.25f;
+  k4 << 0.5f, 0.5f, 0.25f;
+  v4 << 1.0f, -2.0f;
+  const Vector<float> out = state.step(q, k4, v4, 0.5f);
+  const Vector<double> kd = k4.cast<double>();
+  s += 0.5 * kd * (v4.cast<double>().transpose() - kd.transpose() * s);
+  CHECK(state.s().cast<double>() == s);
+  CHECK(out.cast<double>() == Vector<double>(s.transpose() * (0.5 * q.cast<double>())));
+  const std::vector<std::uint8_t> upgraded = linattn::save_bytes(state);
+  CHECK(linattn::saved_state_info(upgraded).format_version == 4);
+  CHECK(linattn::load_bytes<DeltaRuleState<float>>(upgraded, saved).s() == state.s());
+  DeltaOptions unscaled;  // Dk^-1/2 is not the 0.5 it was saved with
+  CHECK_THROWS_WITH(
+      linattn::load_bytes<DeltaRuleState<float>>(legacy.data(), legacy.size(), unscaled),
+      Contains("the state was saved with scale"));
+  // The legacy magic had only version 1.
+  std::string later = legacy;
+  later[8] = 2;
+  CHECK_THROWS_WITH(linattn::saved_state_info(later.data(), later.size()),
+                    Contains("format version 2 of the delta rule's LNATTND format"));
 }
 
 #if !defined(_WIN32)

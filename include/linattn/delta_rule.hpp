@@ -13,6 +13,7 @@
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
 #include <linattn/detail/state_access.hpp>
+#include <linattn/detail/state_record.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/gates.hpp>
@@ -688,26 +689,21 @@ class DeltaRuleState {
     kind_ = TransitionKind::none;
   }
 
-  /// Writes the state (format 1 of the delta rule: dims, the options that change results, the
-  /// transition, the token count and S) little-endian with a CRC-32, in the framing of
-  /// RecurrentState::save; load(is, options) reads it back bit for bit.
+  /// Writes the state in the format every state saves in (format 4, detail/state_record.hpp:
+  /// dims, the family, the transition, the token count, the options that change results, S)
+  /// little-endian with a CRC-32; load(is, options) reads it back bit for bit.
   /// @param os  binary output stream
   void save(std::ostream& os) const {
-    detail::LittleEndianWriter out(os);
-    detail::write_state_header<Acc>(out, kMagic, kFormatVersion,
-                                    static_cast<std::uint64_t>(key_dim()),
-                                    static_cast<std::uint64_t>(value_dim()));
-    out.put<double>(options_.scale);
-    out.put<std::uint8_t>(options_.l2_normalize ? 1 : 0);
-    out.put<std::uint8_t>(options_.allow_negative_eigenvalues ? 1 : 0);
-    out.put<std::uint8_t>(static_cast<std::uint8_t>(kind_));
-    out.put<std::int64_t>(tokens_);
-    for (Eigen::Index r = 0; r < key_dim(); ++r) {
-      for (Eigen::Index c = 0; c < value_dim(); ++c) out.put<Acc>(s_(r, c));
-    }
-    const std::uint32_t checksum = out.checksum();
-    out.put<std::uint32_t>(checksum);
-    if (!os) throw Error("DeltaRuleState::save: the stream failed while writing");
+    detail::StateRecord record;
+    record.family = StateFamily::delta_rule;
+    record.rows = static_cast<std::uint64_t>(key_dim());
+    record.cols = static_cast<std::uint64_t>(value_dim());
+    record.transition = kind_;
+    record.tokens = tokens_;
+    record.delta.scale = options_.scale;
+    record.delta.l2_normalize = options_.l2_normalize;
+    record.delta.allow_negative_eigenvalues = options_.allow_negative_eigenvalues;
+    detail::write_state_record<Acc>(os, record, s_, nullptr, "DeltaRuleState::save");
   }
 
   /// Reads a state written by save and checks that it fits the caller: the options that change
@@ -719,22 +715,22 @@ class DeltaRuleState {
   static DeltaRuleState load(std::istream& is, const DeltaOptions& options) {
     constexpr const char* where = "DeltaRuleState::load";
     detail::validate_delta_options(options, where);
-    const Stored stored = read_stored(is, where);
-    const auto dk = static_cast<Eigen::Index>(stored.key_dim);
+    const detail::StateRecord stored = read_record(is, where);
+    const auto dk = static_cast<Eigen::Index>(stored.rows);
     const std::string head = std::string(where) + ": the state was saved with ";
-    const double saved_scale = detail::delta_scale(stored.options, dk);
+    const double saved_scale = detail::delta_scale(saved_options(stored.delta), dk);
     const double scale = detail::delta_scale(options, dk);
     if (!(saved_scale == scale)) {
       throw Error(head + "scale " + std::to_string(saved_scale) + " (for Dk = " +
                   std::to_string(dk) + ") but options.scale gives " + std::to_string(scale));
     }
-    if (stored.options.l2_normalize != options.l2_normalize) {
-      throw Error(head + "l2_normalize " + (stored.options.l2_normalize ? "on" : "off") +
+    if (stored.delta.l2_normalize != options.l2_normalize) {
+      throw Error(head + "l2_normalize " + (stored.delta.l2_normalize ? "on" : "off") +
                   " but options.l2_normalize is " + (options.l2_normalize ? "on" : "off"));
     }
-    if (stored.options.allow_negative_eigenvalues != options.allow_negative_eigenvalues) {
+    if (stored.delta.allow_negative_eigenvalues != options.allow_negative_eigenvalues) {
       throw Error(head + "allow_negative_eigenvalues " +
-                  (stored.options.allow_negative_eigenvalues ? "on" : "off") +
+                  (stored.delta.allow_negative_eigenvalues ? "on" : "off") +
                   " but options.allow_negative_eigenvalues is " +
                   (options.allow_negative_eigenvalues ? "on" : "off"));
     }
@@ -744,90 +740,41 @@ class DeltaRuleState {
   /// Reads a state written by save checking nothing against the caller: the state gets the
   /// options it was saved with (and the defaults of chunk, check_finite, threads). For tools
   /// that inspect files; a server loads with load(is, options). Throws Error, and returns
-  /// nothing, for an empty, failed, truncated or corrupt stream, a wrong magic (a
-  /// RecurrentState stream), format version or scalar type, dims over 2^26 entries, invalid
-  /// options or transition record, or a non-finite S.
+  /// nothing, for an empty, failed, truncated or corrupt stream, a wrong magic, format version
+  /// or scalar type, another family's state (a RecurrentState's), dims over 2^26 entries,
+  /// invalid options or transition record, or a non-finite S. Reads format 4 and the delta
+  /// rule's earlier format ("LNATTND" 1).
   /// @param is  binary stream positioned at a saved state; read up to its last byte
   static DeltaRuleState load_unchecked(std::istream& is) {
-    const Stored stored = read_stored(is, "DeltaRuleState::load_unchecked");
-    return build(stored, stored.options);
+    const detail::StateRecord stored = read_record(is, "DeltaRuleState::load_unchecked");
+    return build(stored, saved_options(stored.delta));
   }
 
  private:
-  /// Format 1, in this order (little-endian; offsets in bytes):
-  ///   0 magic "LNATTND\0" (8) | 8 version u32 = 1 | 12 sizeof(Acc) u32 | 16 Dk u64 | 24 Dv u64
-  ///   32 scale f64 (as given: negative means Dk^-1/2) | 40 l2_normalize u8
-  ///   41 allow_negative_eigenvalues u8 | 42 transition u8 (TransitionKind: none, decay for
-  ///   DeltaNet, scalar_gates, feature_gates) | 43 tokens i64
-  ///   51 S (Dk x Dv, row-major, Acc) | CRC-32 u32 of every byte before it.
-  static constexpr char kMagic[8] = {'L', 'N', 'A', 'T', 'T', 'N', 'D', '\0'};
-  static constexpr std::uint32_t kFormatVersion = 1;
-  static constexpr std::int64_t kMaxTokens = std::int64_t{1} << 62;
-
-  /// Everything a stream holds, read and verified but not yet a state.
-  struct Stored {
-    DeltaOptions options;
-    TransitionKind kind = TransitionKind::none;
-    std::int64_t tokens = 0;
-    std::uint64_t key_dim = 0, value_dim = 0;
-    std::vector<Acc> s;  ///< row-major
-  };
-
-  /// Reads and verifies a stream; allocates no more than about twice the bytes it holds.
-  static Stored read_stored(std::istream& is, const char* where) {
-    detail::LittleEndianReader in(is, where);
-    const detail::StateHeader header = detail::read_state_header<Acc>(
-        in, kMagic, kFormatVersion, where, "a linattn delta-rule state", "key_dim", "value_dim");
-    Stored stored;
-    stored.key_dim = header.rows;
-    stored.value_dim = header.cols;
-    stored.options.scale = in.get<double>("scale");
-    const auto l2 = in.get<std::uint8_t>("l2_normalize");
-    const auto negative = in.get<std::uint8_t>("allow_negative_eigenvalues");
-    const auto kind = in.get<std::uint8_t>("the transition kind");
-    stored.tokens = in.get<std::int64_t>("the token count");
-    const std::uint64_t entries = header.rows * header.cols;
-    stored.s.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(entries, 4096)));
-    for (std::uint64_t i = 0; i < entries; ++i) stored.s.push_back(in.get<Acc>("S"));
-    const std::uint32_t computed = in.checksum();
-    if (in.get<std::uint32_t>("the checksum") != computed) {
-      throw Error(std::string(where) + ": checksum mismatch, the state is corrupt");
-    }
-    // The format is canonical (one byte value per setting): equal states save equal bytes.
-    if (l2 > 1 || negative > 1) {
-      throw Error(std::string(where) + ": invalid option byte (l2_normalize " + std::to_string(l2) +
-                  ", allow_negative_eigenvalues " + std::to_string(negative) + ")");
-    }
-    stored.options.l2_normalize = l2 != 0;
-    stored.options.allow_negative_eigenvalues = negative != 0;
-    if (std::isnan(stored.options.scale) || std::isinf(stored.options.scale) ||
-        stored.options.scale == 0.0) {
-      throw Error(std::string(where) + ": invalid scale " + std::to_string(stored.options.scale));
-    }
-    if (kind > static_cast<std::uint8_t>(TransitionKind::feature_gates)) {
-      throw Error(std::string(where) + ": invalid transition record: unknown kind " +
-                  std::to_string(kind));
-    }
-    stored.kind = static_cast<TransitionKind>(kind);
-    if (stored.tokens < 0 || stored.tokens > kMaxTokens ||
-        (stored.tokens == 0) != (stored.kind == TransitionKind::none)) {
-      throw Error(std::string(where) + ": invalid token count " + std::to_string(stored.tokens) +
-                  " for the transition record");
-    }
-    for (const Acc x : stored.s) {
-      if (!std::isfinite(x)) throw Error(std::string(where) + ": S holds a non-finite value");
-    }
-    return stored;
+  /// A delta-rule state of this Acc, read and verified by the one state reader.
+  static detail::StateRecord read_record(std::istream& is, const char* where) {
+    detail::RecordExpectation expect;
+    expect.scalar_bytes = sizeof(Acc);
+    expect.family = StateFamily::delta_rule;
+    return detail::read_state_record(is, where, expect);
   }
 
-  /// The state a verified stream holds, with the given options.
-  static DeltaRuleState build(const Stored& stored, const DeltaOptions& options) {
-    const auto dk = static_cast<Eigen::Index>(stored.key_dim);
-    const auto dv = static_cast<Eigen::Index>(stored.value_dim);
-    DeltaRuleState state(dk, dv, options);
-    state.s_ = Eigen::Map<const Matrix<Acc>>(stored.s.data(), dk, dv);
+  /// The options a record was saved with (the rest default).
+  static DeltaOptions saved_options(const detail::DeltaRecord& saved) {
+    DeltaOptions options;
+    options.scale = saved.scale;
+    options.l2_normalize = saved.l2_normalize;
+    options.allow_negative_eigenvalues = saved.allow_negative_eigenvalues;
+    return options;
+  }
+
+  /// The state a verified record holds, with the given options.
+  static DeltaRuleState build(const detail::StateRecord& stored, const DeltaOptions& options) {
+    DeltaRuleState state(static_cast<Eigen::Index>(stored.rows),
+                         static_cast<Eigen::Index>(stored.cols), options);
+    state.s_ = detail::record_s<Acc>(stored);
     state.tokens_ = stored.tokens;
-    state.kind_ = stored.kind;
+    state.kind_ = stored.transition;
     return state;
   }
 

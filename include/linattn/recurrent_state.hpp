@@ -16,6 +16,7 @@
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
 #include <linattn/detail/state_access.hpp>
+#include <linattn/detail/state_record.hpp>
 #include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
@@ -523,8 +524,9 @@ class RecurrentState {
   /// save(os, map).
   void save(std::ostream& os) const { write(os, detail::MapFingerprint{}); }
 
-  /// Writes the state (format 3: dims, eps, decay, normalize, scale, a fingerprint of `map`,
-  /// the transition kind, the token count, log scale, S and z) little-endian with a CRC-32;
+  /// Writes the state in the format every state saves in (format 4: dims, the family, the
+  /// transition kind, the token count, eps, decay, normalize, scale, a fingerprint of `map`,
+  /// log scale, S and z) little-endian with a CRC-32;
   /// load(is, map, options) reads it back bit for bit and checks both. The fingerprint names the
   /// map's kind (Identity, EluPlusOne, Relu, PositiveRandomFeatures, RandomFourierFeatures, or a
   /// user map), its input and feature counts, and for the random maps their settings and an FNV-1a
@@ -564,38 +566,41 @@ class RecurrentState {
     constexpr const char* where = "RecurrentState::load";
     if constexpr (detail::check_feature_map<Map, Acc>()) {
       detail::validate_options(options, where);
-      Stored stored = read_stored(is, where);
-      require_same_options(stored, options, where);
+      const detail::StateRecord stored = read_record(is, where);
+      require_same_options(stored.linear, options, where);
       if (stored.version == 1) {
         throw Error(std::string(where) +
                     ": the stream is format version 1 (linattn 0.1.0), which records no feature "
                     "map, so the map cannot be checked; read it with load_unchecked(is), compare "
                     "its options() with yours and save it again with save(os, map)");
       }
-      if (stored.map.kind == detail::MapKind::unknown) {
+      if (stored.linear.map.kind == detail::MapKind::unknown) {
         throw Error(std::string(where) +
                     ": the state was saved without its feature map (save(os)), so the map "
                     "cannot be checked; save it with save(os, map), or read it with "
                     "load_unchecked(is)");
       }
-      detail::require_same_map(stored.map, detail::fingerprint_of(map, stored_dim(stored)), where);
+      detail::require_same_map(stored.linear.map,
+                               detail::fingerprint_of(map, static_cast<Eigen::Index>(stored.rows)),
+                               where);
       return build(stored, options);
     } else {
       return load_unchecked(is);  // not reached: check_feature_map failed to compile
     }
   }
 
-  /// Reads a state written by save (format 3, 2, or 1 of linattn 0.1.0) checking nothing
+  /// Reads a state written by save (format 4, or 3, 2, 1 of earlier releases) checking nothing
   /// against the caller: the state gets the options it was saved with (eps, decay, normalize,
   /// scale; format 1 also chunk and check_finite; the rest default), and nothing about the map
   /// is checked. For tools that inspect or convert files; a server loads with
   /// load(is, map, options). Throws Error, and returns nothing, for an empty, failed,
-  /// truncated or corrupt stream, a wrong magic, format version or scalar type, dims over
-  /// 2^26 entries, invalid options, map or transition record, or non-finite sums.
+  /// truncated or corrupt stream, a wrong magic, format version or scalar type, another
+  /// family's state (a DeltaRuleState's), dims over 2^26 entries, invalid options, map or
+  /// transition record, or non-finite sums.
   /// @param is  binary stream positioned at a saved state; read up to its last byte
   static RecurrentState load_unchecked(std::istream& is) {
-    const Stored stored = read_stored(is, "RecurrentState::load_unchecked");
-    return build(stored, stored.options);
+    const detail::StateRecord stored = read_record(is, "RecurrentState::load_unchecked");
+    return build(stored, saved_options(stored.linear));
   }
 
   /// load(is) without the map and the options no longer exists: it loaded states saved with
@@ -619,150 +624,52 @@ class RecurrentState {
   }
 
  private:
-  static constexpr char kMagic[8] = {'L', 'N', 'A', 'T', 'T', 'N', 'S', '\0'};
-  static constexpr std::uint32_t kFormatVersion = 3;
-
-  /// Everything a stream holds, read and verified (checksum, ranges) but not yet a state.
-  struct Stored {
-    std::uint32_t version = kFormatVersion;
-    /// eps, decay, normalize, scale; format 1 also chunk and check_finite; the rest default.
-    Options options;
-    detail::MapFingerprint map;  ///< kind unknown for format 1
-    TransitionKind transition = TransitionKind::none;
-    std::int64_t tokens = 0;
-    double log_scale = 0.0;
-    std::uint64_t feature_dim = 0, value_dim = 0;
-    std::vector<Acc> payload;  ///< S row-major, then z
-  };
-
-  static Eigen::Index stored_dim(const Stored& stored) {
-    return static_cast<Eigen::Index>(stored.feature_dim);
-  }
-
-  /// Format 3, in this order (little-endian; offsets in bytes):
-  ///   0 magic "LNATTNS\0" (8) | 8 version u32 = 3 | 12 sizeof(Acc) u32 | 16 C u64 | 24 Dv u64
-  ///   32 eps f64 | 40 decay f64 | 48 normalize u8 | 49 scale f64
-  ///   57 map record (44, detail::MapFingerprint): kind u8, projection u8, row_norm u8,
-  ///      hyperbolic u8, input_dim u64, num_features u64, temperature f64, seed u64, hash u64
-  ///   101 transition u8 (TransitionKind) | 102 tokens i64 | 110 log scale f64
-  ///   118 S (C x Dv, row-major, Acc) | z (C, Acc) | CRC-32 u32 of every byte before it.
-  /// Format 2 (linattn 0.2.0 before gates were recorded) is format 3 without the transition
-  /// byte; it loads with the kind Options::decay when decay != 1, else none (set by the next
-  /// call).
-  /// Format 1 (0.1.0) had, after Dv: eps f64, decay f64, normalize u8, check_finite u8,
-  /// chunk u64, tokens i64, log scale f64, S, z, CRC-32 (no scale, no map record).
+  /// Writes format 4 (detail/state_record.hpp has the layout) with the map record `print`.
   void write(std::ostream& os, const detail::MapFingerprint& print) const {
-    detail::LittleEndianWriter out(os);
-    detail::write_state_header<Acc>(out, kMagic, kFormatVersion,
-                                    static_cast<std::uint64_t>(feature_dim()),
-                                    static_cast<std::uint64_t>(value_dim()));
-    out.put<double>(options_.eps);
-    out.put<double>(options_.decay);
-    out.put<std::uint8_t>(options_.normalize ? 1 : 0);
-    out.put<double>(detail::options_scale(options_));
-    detail::write_fingerprint(out, print);
-    out.put<std::uint8_t>(static_cast<std::uint8_t>(transition_));
-    out.put<std::int64_t>(tokens_);
-    out.put<double>(state_.log_scale);
+    detail::StateRecord record;
+    record.family = StateFamily::linear;
+    record.rows = static_cast<std::uint64_t>(feature_dim());
+    record.cols = static_cast<std::uint64_t>(value_dim());
+    record.transition = transition_;
+    record.tokens = tokens_;
+    record.linear.eps = options_.eps;
+    record.linear.decay = options_.decay;
+    record.linear.normalize = options_.normalize;
+    record.linear.scale = options_.scale;
+    record.linear.map = print;
+    record.linear.log_scale = state_.log_scale;
     // Pending per-feature gate factors are applied to the written sums (the format has no field).
     const ScaledSums<Acc> sums = this->sums();
-    for (Eigen::Index r = 0; r < feature_dim(); ++r) {
-      for (Eigen::Index c = 0; c < value_dim(); ++c) out.put<Acc>(sums.s(r, c));
-    }
-    for (Eigen::Index r = 0; r < feature_dim(); ++r) out.put<Acc>(sums.z(r));
-    const std::uint32_t checksum = out.checksum();
-    out.put<std::uint32_t>(checksum);
-    if (!os) throw Error("RecurrentState::save: the stream failed while writing");
+    detail::write_state_record<Acc>(os, record, sums.s, &sums.z, "RecurrentState::save");
   }
 
-  /// Reads and verifies a stream of format 1, 2 or 3; allocates no more than about twice the
-  /// bytes the stream really holds (a hostile header cannot force a huge allocation).
-  static Stored read_stored(std::istream& is, const char* where) {
-    detail::LittleEndianReader in(is, where);
-    const detail::StateHeader header = detail::read_state_header<Acc>(
-        in, kMagic, kFormatVersion, where, "a linattn state", "feature_dim", "value_dim");
-    Stored stored;
-    stored.version = header.version;
-    const std::uint64_t feature_dim = header.rows, value_dim = header.cols;
-    stored.feature_dim = feature_dim;
-    stored.value_dim = value_dim;
-    Options& options = stored.options;
-    options.eps = in.get<double>("eps");
-    options.decay = in.get<double>("decay");
-    double scale = 1.0;
-    std::uint8_t normalize = 0;
-    if (stored.version == 1) {
-      options.normalize = in.get<std::uint8_t>("normalize") != 0;
-      options.check_finite = in.get<std::uint8_t>("check_finite") != 0;
-      options.chunk = static_cast<Eigen::Index>(in.get<std::uint64_t>("chunk"));
-    } else {
-      normalize = in.get<std::uint8_t>("normalize");
-      options.normalize = normalize != 0;
-      scale = in.get<double>("scale");
-      stored.map = detail::read_fingerprint(in);
-    }
-    std::uint8_t transition = 0;
-    if (stored.version >= 3) transition = in.get<std::uint8_t>("the transition kind");
-    stored.tokens = in.get<std::int64_t>("the token count");
-    stored.log_scale = in.get<double>("the log scale");
-    const std::uint64_t s_entries = feature_dim * value_dim;
-    stored.payload.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(s_entries, 4096)));
-    for (std::uint64_t i = 0; i < s_entries + feature_dim; ++i) {
-      stored.payload.push_back(in.get<Acc>(i < s_entries ? "S" : "z"));
-    }
-    const std::uint32_t computed = in.checksum();
-    const auto checksum = in.get<std::uint32_t>("the checksum");
-    if (checksum != computed) {
-      throw Error(std::string(where) + ": checksum mismatch, the state is corrupt");
-    }
-    detail::validate_options(options, where);
-    if (normalize > 1) {
-      // The format is canonical (one byte value per setting): equal states save equal bytes.
-      throw Error(std::string(where) + ": invalid normalize byte " + std::to_string(normalize));
-    }
-    if (!(std::isfinite(scale) && scale > 0.0) || !detail::set_options_scale(options, scale)) {
-      throw Error(std::string(where) + ": the state was saved with scale " +
-                  detail::format_double(scale) +
-                  ", which this build's Options cannot hold (positive and finite, and 1 while "
-                  "Options has no scale)");
-    }
-    if (stored.version != 1) detail::validate_fingerprint(stored.map, feature_dim, where);
-    if (stored.tokens < 0 || stored.tokens > kMaxTokens || std::isnan(stored.log_scale) ||
-        stored.log_scale == std::numeric_limits<double>::infinity()) {
-      throw Error(std::string(where) + ": invalid token count or log scale");
-    }
-    stored.transition = read_transition(stored, transition, where);
-    for (const Acc x : stored.payload) {
-      if (!std::isfinite(x)) throw Error(std::string(where) + ": S or z holds a non-finite value");
-    }
-    return stored;
+  /// A linear-attention state of this Acc, read and verified by the one state reader.
+  static detail::StateRecord read_record(std::istream& is, const char* where) {
+    detail::RecordExpectation expect;
+    expect.scalar_bytes = sizeof(Acc);
+    expect.family = StateFamily::linear;
+    return detail::read_state_record(is, where, expect);
   }
 
-  /// The transition kind a verified stream records: format 3's byte, or for older formats what
-  /// they imply (format 1 had no gates; format 2 did not record them).
-  static TransitionKind read_transition(const Stored& stored, std::uint8_t byte,
-                                        const char* where) {
-    const bool decays = stored.options.decay != 1.0;
-    if (stored.version == 1)
-      return stored.tokens > 0 ? TransitionKind::decay : TransitionKind::none;
-    if (stored.version == 2) return decays ? TransitionKind::decay : TransitionKind::none;
-    const std::string head = std::string(where) + ": invalid transition record: ";
-    if (byte > static_cast<std::uint8_t>(TransitionKind::feature_gates)) {
-      throw Error(head + "unknown kind " + std::to_string(byte));
+  /// The options a record was saved with (format 1 also chunk and check_finite; the rest
+  /// default).
+  static Options saved_options(const detail::LinearRecord& saved) {
+    Options options;
+    options.eps = saved.eps;
+    options.decay = saved.decay;
+    options.normalize = saved.normalize;
+    options.scale = saved.scale;
+    if (saved.has_kernel_settings) {
+      options.check_finite = saved.check_finite;
+      options.chunk = static_cast<Eigen::Index>(saved.chunk);
     }
-    const auto kind = static_cast<TransitionKind>(byte);
-    if (decays && kind != TransitionKind::decay && kind != TransitionKind::none) {
-      throw Error(head + detail::transition_name(kind) + " on a state with decay " +
-                  detail::format_double(stored.options.decay));
-    }
-    return kind;
+    return options;
   }
 
   /// Throws Error naming the first result-changing option that differs from the saved one.
-  static void require_same_options(const Stored& stored, const Options& options,
+  static void require_same_options(const detail::LinearRecord& saved, const Options& options,
                                    const char* where) {
     const std::string head = std::string(where) + ": the state was saved with ";
-    const Options& saved = stored.options;
     if (!(saved.eps == options.eps)) {
       throw Error(head + "eps " + detail::format_double(saved.eps) + " but options.eps is " +
                   detail::format_double(options.eps));
@@ -775,28 +682,25 @@ class RecurrentState {
       throw Error(head + "normalize " + (saved.normalize ? "on" : "off") +
                   " but options.normalize is " + (options.normalize ? "on" : "off"));
     }
-    const double saved_scale = detail::options_scale(saved);
-    const double scale = detail::options_scale(options);
-    if (!(saved_scale == scale)) {
-      throw Error(head + "scale " + detail::format_double(saved_scale) + " but options.scale is " +
-                  detail::format_double(scale));
+    if (!(saved.scale == options.scale)) {
+      throw Error(head + "scale " + detail::format_double(saved.scale) + " but options.scale is " +
+                  detail::format_double(options.scale));
     }
   }
 
-  /// The state a verified stream holds, with the given options.
-  static RecurrentState build(const Stored& stored, const Options& options) {
-    const auto c = static_cast<Eigen::Index>(stored.feature_dim);
-    const auto dv = static_cast<Eigen::Index>(stored.value_dim);
-    RecurrentState state(c, dv, options);
-    state.state_.s = Eigen::Map<const Matrix<Acc>>(stored.payload.data(), c, dv);
-    state.state_.z = Eigen::Map<const Vector<Acc>>(stored.payload.data() + c * dv, c);
+  /// The state a verified record holds, with the given options.
+  static RecurrentState build(const detail::StateRecord& stored, const Options& options) {
+    RecurrentState state(static_cast<Eigen::Index>(stored.rows),
+                         static_cast<Eigen::Index>(stored.cols), options);
+    state.state_.s = detail::record_s<Acc>(stored);
+    state.state_.z = detail::record_z<Acc>(stored);
     state.tokens_ = stored.tokens;
     state.transition_ = stored.transition;
-    state.state_.log_scale = stored.log_scale;
+    state.state_.log_scale = stored.linear.log_scale;
     return state;
   }
   /// Token counts past this are refused (load) or would overflow (step, prefill).
-  static constexpr std::int64_t kMaxTokens = std::int64_t{1} << 62;
+  static constexpr std::int64_t kMaxTokens = detail::kMaxStateTokens;
 
   void require_token_room(Eigen::Index more, const char* where) const {
     if (tokens_ > kMaxTokens - static_cast<std::int64_t>(more)) {

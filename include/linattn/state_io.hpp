@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // A saved state in a byte buffer (a database blob) or a file replaced atomically, for every
-// state type that saves to a stream (RecurrentState, DeltaRuleState).
+// state type that saves to a stream (RecurrentState, DeltaRuleState), and what a saved state
+// holds, read without knowing its type.
 #pragma once
 
 #include <cerrno>
@@ -12,6 +13,7 @@
 #include <istream>
 #include <iterator>
 #include <linattn/config.hpp>
+#include <linattn/detail/state_record.hpp>
 #include <ostream>
 #include <streambuf>
 #include <string>
@@ -144,6 +146,57 @@ inline void replace_file(const std::string& path, const std::vector<std::uint8_t
 }
 
 }  // namespace detail
+
+/// What a saved state holds, as saved_state_info reads it from any format linattn wrote.
+struct SavedStateInfo {
+  StateFamily family = StateFamily::linear;  ///< which class loads it (state_family_class)
+  std::uint32_t format_version = 0;          ///< 4 for what this release writes
+  std::uint32_t scalar_bytes = 0;  ///< sizeof(Acc): 4 loads as <T, float>, 8 as <T, double>
+  std::uint64_t rows = 0;          ///< of S: C (RecurrentState) or Dk (DeltaRuleState)
+  std::uint64_t cols = 0;          ///< of S: Dv
+  TransitionKind transition = TransitionKind::none;  ///< what moved it (none: no token yet)
+  std::int64_t tokens = 0;                           ///< tokens it has seen
+};
+
+/// What the saved state at `is` holds (one state, read up to its last byte and verified as
+/// load_unchecked verifies it, whatever its family and scalar type): for tools, and to pick
+/// the class and type that load it. Reads every format linattn wrote; a session saved by
+/// SessionPool::save is one state per head, read one call at a time. Throws Error naming what
+/// is wrong for a stream no load would accept.
+/// @param is  binary stream positioned at a saved state
+inline SavedStateInfo saved_state_info(std::istream& is) {
+  const detail::StateRecord record = detail::read_state_record(is, "linattn::saved_state_info");
+  SavedStateInfo info;
+  info.family = record.family;
+  info.format_version = record.version;
+  info.scalar_bytes = record.scalar_bytes;
+  info.rows = record.rows;
+  info.cols = record.cols;
+  info.transition = record.transition;
+  info.tokens = record.tokens;
+  return info;
+}
+
+/// What the saved state in a byte buffer holds; refused unless the buffer holds that one
+/// state and nothing after it, as load_bytes refuses it.
+/// @param data  the buffer's first byte
+/// @param size  its length in bytes
+inline SavedStateInfo saved_state_info(const void* data, std::size_t size) {
+  detail::ByteSource source(data, size);
+  std::istream is(&source);
+  const SavedStateInfo info = saved_state_info(is);
+  if (source.left() != 0) {
+    throw Error("linattn::saved_state_info: the buffer holds " + std::to_string(source.left()) +
+                " bytes after the state (" + std::to_string(size) +
+                " in all): not one saved state");
+  }
+  return info;
+}
+
+/// As saved_state_info(data, size) over a vector.
+inline SavedStateInfo saved_state_info(const std::vector<std::uint8_t>& bytes) {
+  return saved_state_info(bytes.data(), bytes.size());
+}
 
 /// The bytes `state.save(os, args...)` writes, e.g. for a database blob.
 /// @param state  RecurrentState or DeltaRuleState (any state with save(std::ostream&, ...))

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Little-endian binary encoding with a running CRC-32, for RecurrentState::save/load, and
-// the Options fields a saved state records.
+// Little-endian binary encoding with a running CRC-32: the framing of every saved state
+// (detail/state_record.hpp writes and reads the format over it).
 #pragma once
 
 #include <array>
@@ -79,8 +79,7 @@ class LittleEndianWriter {
 class LittleEndianReader {
  public:
   /// `where` starts every message (the calling function).
-  explicit LittleEndianReader(std::istream& is, const char* where = "RecurrentState::load")
-      : is_(is), where_(where) {}
+  explicit LittleEndianReader(std::istream& is, const char* where) : is_(is), where_(where) {}
 
   /// The first read of a stream: as get_bytes, but a stream that is already failed, or gives
   /// no byte at all, gets its own message (not "truncated").
@@ -133,14 +132,8 @@ class LittleEndianReader {
 /// Entries past this many (rows x cols of a saved state) are refused by every load.
 inline constexpr std::uint64_t kMaxStateEntries = std::uint64_t{1} << 26;
 
-/// The fields that open every linattn state stream: magic (8 bytes), format version u32,
-/// sizeof(Acc) u32, rows u64, cols u64.
-struct StateHeader {
-  std::uint32_t version = 0;
-  std::uint64_t rows = 0, cols = 0;
-};
-
-/// Writes a StateHeader for a state of `rows` x `cols` Acc entries.
+/// Writes the fields that open every linattn state stream: magic (8 bytes), format version
+/// u32, sizeof(Acc) u32, rows u64, cols u64 (detail/state_record.hpp reads them).
 template <class Acc>
 void write_state_header(LittleEndianWriter& out, const char (&magic)[8], std::uint32_t version,
                         std::uint64_t rows, std::uint64_t cols) {
@@ -149,70 +142,6 @@ void write_state_header(LittleEndianWriter& out, const char (&magic)[8], std::ui
   out.put<std::uint32_t>(static_cast<std::uint32_t>(sizeof(Acc)));
   out.put<std::uint64_t>(rows);
   out.put<std::uint64_t>(cols);
-}
-
-/// Reads and checks a StateHeader: the magic (`what` names the expected kind of state), a
-/// version in [1, max_version], the scalar size of Acc, and dims of 1 to kMaxStateEntries.
-template <class Acc>
-StateHeader read_state_header(LittleEndianReader& in, const char (&magic)[8],
-                              std::uint32_t max_version, const char* where, const char* what,
-                              const char* rows_name, const char* cols_name) {
-  unsigned char magic_bytes[sizeof(magic)];
-  in.get_first_bytes(magic_bytes, sizeof(magic), "the magic bytes");
-  if (std::memcmp(magic_bytes, magic, sizeof(magic)) != 0) {
-    throw Error(std::string(where) + ": wrong magic bytes, not " + what);
-  }
-  StateHeader header;
-  header.version = in.get<std::uint32_t>("the format version");
-  if (header.version < 1 || header.version > max_version) {
-    throw Error(std::string(where) + ": format version " + std::to_string(header.version) +
-                ", this build reads versions 1 to " + std::to_string(max_version));
-  }
-  const auto scalar_size = in.get<std::uint32_t>("the scalar type");
-  if (scalar_size != sizeof(Acc)) {
-    throw Error(std::string(where) + ": the stream holds " + std::to_string(scalar_size) +
-                "-byte scalars, a state accumulating in " +
-                (std::is_same_v<Acc, float> ? "float" : "double") + " needs " +
-                std::to_string(sizeof(Acc)));
-  }
-  header.rows = in.get<std::uint64_t>(rows_name);
-  header.cols = in.get<std::uint64_t>(cols_name);
-  if (header.rows < 1 || header.cols < 1 || header.rows > kMaxStateEntries ||
-      header.cols > kMaxStateEntries || header.rows * header.cols > kMaxStateEntries) {
-    throw Error(std::string(where) + ": dims " + std::to_string(header.rows) + " x " +
-                std::to_string(header.cols) + " are empty or over the limit of 2^26 entries");
-  }
-  return header;
-}
-
-/// Options::scale where Options has one (docs/design.md lists it), 1 (its meaning: no scaling)
-/// where it does not yet: formats 2 and 3 always record a scale, so adding the member later changes
-/// no stream.
-template <class O, class = void>
-struct has_scale_member : std::false_type {};
-template <class O>
-struct has_scale_member<O, std::void_t<decltype(std::declval<O&>().scale)>> : std::true_type {};
-
-template <class O>
-double options_scale(const O& options) {
-  if constexpr (has_scale_member<O>::value) {
-    return static_cast<double>(options.scale);
-  } else {
-    static_cast<void>(options);
-    return 1.0;
-  }
-}
-
-/// Sets options.scale; false when O has no scale member and `scale` is not 1.
-template <class O>
-bool set_options_scale(O& options, double scale) {
-  if constexpr (has_scale_member<O>::value) {
-    options.scale = scale;
-    return true;
-  } else {
-    static_cast<void>(options);
-    return scale == 1.0;
-  }
 }
 
 }  // namespace linattn::detail
