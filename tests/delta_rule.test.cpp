@@ -6,6 +6,7 @@
 #include <limits>
 #include <linattn/delta_rule.hpp>
 #include <linattn/recurrent_state.hpp>
+#include <linattn/state_batch.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -336,6 +337,44 @@ TEMPLATE_TEST_CASE("DeltaRuleState saves and loads bit for bit and refuses what 
     CHECK(inspected.options().scale == options.scale);
     CHECK(inspected.s() == s_saved);
   }
+}
+
+TEST_CASE("a delta-rule state counts at most 2^62 tokens, as the engine's does",
+          "[delta_rule][save][errors]") {
+  using Catch::Contains;
+  DeltaOptions options;
+  options.l2_normalize = true;
+  const Sequence seq(3, 4, 2, 0, 77);
+  DeltaRuleState<double> state(4, 2, options);
+  (void)state.step(seq.q.row(0), seq.k.row(0), seq.v.row(0), seq.beta(0));
+  std::stringstream saved;
+  state.save(saved);
+  // Tokens at 34-41 of format 4: 2^62, the most a state counts, with the checksum recomputed.
+  std::string bytes = saved.str();
+  const std::uint64_t limit = std::uint64_t{1} << 62;
+  for (int i = 0; i < 8; ++i) bytes[34 + i] = static_cast<char>((limit >> (8 * i)) & 0xFF);
+  linattn::detail::Crc32 crc;
+  crc.update(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size() - 4);
+  for (int i = 0; i < 4; ++i) {
+    bytes[bytes.size() - 4 + i] = static_cast<char>((crc.value() >> (8 * i)) & 0xFF);
+  }
+  std::istringstream in(bytes);
+  DeltaRuleState<double> full = DeltaRuleState<double>::load(in, options);
+  REQUIRE(full.tokens() == static_cast<std::int64_t>(limit));
+  const Matrix<double> s_before = full.s();
+  // One more token, by a step, a prefill or a batch, is refused and moves nothing (before,
+  // the count passed the limit and the state saved what no load accepts).
+  CHECK_THROWS_WITH(full.step(seq.q.row(1), seq.k.row(1), seq.v.row(1), seq.beta(1)),
+                    Contains("DeltaRuleState::step: the token count would pass 2^62"));
+  CHECK_THROWS_WITH(full.prefill(seq.q, seq.k, seq.v, seq.beta),
+                    Contains("DeltaRuleState::prefill: the token count would pass 2^62"));
+  linattn::DeltaRuleStateBatch<double> batch(2, 4, 2, options);
+  batch[1] = full;
+  CHECK_THROWS_WITH(
+      batch.step(seq.q.topRows(2), seq.k.topRows(2), seq.v.topRows(2), seq.beta.head(2)),
+      Contains("DeltaRuleStateBatch::step: the token count would pass 2^62"));
+  CHECK(batch[0].tokens() == 0);
+  CHECK((full.s() == s_before && full.tokens() == static_cast<std::int64_t>(limit)));
 }
 
 namespace {

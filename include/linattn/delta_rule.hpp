@@ -13,6 +13,7 @@
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
 #include <linattn/detail/state_access.hpp>
+#include <linattn/detail/state_progress.hpp>
 #include <linattn/detail/state_record.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
@@ -583,7 +584,7 @@ class DeltaRuleState {
                  const Eigen::MatrixBase<DV>& v, T beta, Eigen::Ref<Vector<T>> out) {
     constexpr const char* where = "DeltaRuleState::step";
     check_token(q, k, v, beta, out, where);
-    require_transition(TransitionKind::decay, where);
+    require_advance(TransitionKind::decay, 1, where);
     load_token(q, k, v);
     advance(beta, 0, out);
   }
@@ -608,7 +609,7 @@ class DeltaRuleState {
                   " (one per key feature)");
     }
     detail::require_gates_in_range<Traits::log_space>(values, where, "gate");
-    require_transition(detail::transition_of_gate_dim(values.size()), where);
+    require_advance(detail::transition_of_gate_dim(values.size()), 1, where);
     load_token(q, k, v);
     load_gates<Traits::log_space>(values);
     advance(beta, values.size(), out);
@@ -647,7 +648,7 @@ class DeltaRuleState {
                     Eigen::Ref<Matrix<T>> out) {
     constexpr const char* where = "DeltaRuleState::prefill";
     validate_prefill(q, k, v, beta, out, where);
-    require_transition(TransitionKind::decay, where);
+    require_advance(TransitionKind::decay, q.rows(), where);
     detail::scan_delta_inputs(q, k, v, beta, options_, where);
     run(q, k, v, beta, static_cast<const detail::GateRows*>(nullptr), out, where);
   }
@@ -664,7 +665,7 @@ class DeltaRuleState {
     validate_prefill(q, k, v, beta, out, where);
     detail::validate_delta_gates(gates, q.rows(), key_dim(), where);
     const Eigen::Index gate_dim = detail::gate_traits<Gates>::values(gates).cols();
-    require_transition(detail::transition_of_gate_dim(gate_dim), where);
+    require_advance(detail::transition_of_gate_dim(gate_dim), q.rows(), where);
     detail::scan_delta_inputs(q, k, v, beta, options_, where);
     const detail::GateMatrix<Gates> gate_rows(gates);
     run(q, k, v, beta, &gate_rows, out, where);
@@ -673,20 +674,19 @@ class DeltaRuleState {
   /// S, Dk x Dv: out_t = S_t^T (s q_t).
   const Matrix<Acc>& s() const { return s_; }
   /// Tokens added since construction or the last reset().
-  std::int64_t tokens() const { return tokens_; }
+  std::int64_t tokens() const { return progress_.tokens(); }
   /// Dk.
   Eigen::Index key_dim() const { return s_.rows(); }
   /// Dv.
   Eigen::Index value_dim() const { return s_.cols(); }
   /// The transition the state is moved by (none until the first token).
-  TransitionKind transition() const { return kind_; }
+  TransitionKind transition() const { return progress_.transition(); }
   /// The options given at construction.
   const DeltaOptions& options() const { return options_; }
   /// S = 0, no tokens, no transition yet.
   void reset() {
     s_.setZero();
-    tokens_ = 0;
-    kind_ = TransitionKind::none;
+    progress_.reset();
   }
 
   /// Writes the state in the format every state saves in (format 4, detail/state_record.hpp:
@@ -698,8 +698,7 @@ class DeltaRuleState {
     record.family = StateFamily::delta_rule;
     record.rows = static_cast<std::uint64_t>(key_dim());
     record.cols = static_cast<std::uint64_t>(value_dim());
-    record.transition = kind_;
-    record.tokens = tokens_;
+    progress_.write(record);
     record.delta.scale = options_.scale;
     record.delta.l2_normalize = options_.l2_normalize;
     record.delta.allow_negative_eigenvalues = options_.allow_negative_eigenvalues;
@@ -773,8 +772,7 @@ class DeltaRuleState {
     DeltaRuleState state(static_cast<Eigen::Index>(stored.rows),
                          static_cast<Eigen::Index>(stored.cols), options);
     state.s_ = detail::record_s<Acc>(stored);
-    state.tokens_ = stored.tokens;
-    state.kind_ = stored.transition;
+    state.progress_ = detail::StateProgress::of(stored);
     return state;
   }
 
@@ -827,8 +825,7 @@ class DeltaRuleState {
     token_.q *= static_cast<Acc>(detail::delta_scale(options_, key_dim()));
     detail::delta_step(s_, token_, static_cast<Acc>(beta), gates);
     out = token_.out.template cast<T>();
-    ++tokens_;
-    if (kind_ == TransitionKind::none) kind_ = detail::transition_of_gate_dim(gates);
+    progress_.advance(1, detail::transition_of_gate_dim(gates));
   }
 
   template <class DQ, class DK, class DV, class DB>
@@ -854,22 +851,24 @@ class DeltaRuleState {
     detail::run_delta_rule<Acc, T>(q.derived(), k.derived(), v.derived(), beta.derived(), gates,
                                    options_, s_, &rows, where,
                                    detail::resolve_threads(detail::engine_options(options_)));
-    tokens_ += q.rows();
-    if (kind_ == TransitionKind::none) {
-      kind_ = detail::transition_of_gate_dim(gates == nullptr ? 0 : gates->cols());
-    }
+    progress_.advance(q.rows(),
+                      detail::transition_of_gate_dim(gates == nullptr ? 0 : gates->cols()));
   }
 
-  void require_transition(TransitionKind kind, const char* where) const {
-    if (detail::continues_transition(kind_, kind)) return;
-    throw detail::transition_mismatch(kind_, kind, where, "the state",
-                                      detail::delta_transition_name);
+  /// Throws unless a call of `count` tokens moved by `kind` may continue the state.
+  void require_advance(TransitionKind kind, Eigen::Index count, const char* where) const {
+    progress_.require_continues(kind, where, detail::delta_transition_name);
+    require_token_room(count, where);
+  }
+
+  /// Throws unless `count` more tokens keep the count within 2^62 (a batch asks each state).
+  void require_token_room(Eigen::Index count, const char* where) const {
+    progress_.require_room(count, where);
   }
 
   Matrix<Acc> s_;
   DeltaOptions options_;
-  std::int64_t tokens_ = 0;
-  TransitionKind kind_ = TransitionKind::none;
+  detail::StateProgress progress_;  ///< the tokens seen, what has moved the state
   detail::DeltaStepBuffers<Acc> token_;
 };
 

@@ -16,6 +16,7 @@
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
 #include <linattn/detail/state_access.hpp>
+#include <linattn/detail/state_progress.hpp>
 #include <linattn/detail/state_record.hpp>
 #include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
@@ -424,11 +425,11 @@ class RecurrentState {
     return ScaledSums<Acc>{std::move(folded.s), std::move(folded.z), folded.log_scale};
   }
   /// Tokens added since construction or reset.
-  std::int64_t tokens() const { return tokens_; }
+  std::int64_t tokens() const { return progress_.tokens(); }
   /// What has moved the state since construction or reset: none before its first token (or
   /// when a format-2 file did not say); save and load keep it. A step or prefill with another
   /// kind throws.
-  TransitionKind transition() const { return transition_; }
+  TransitionKind transition() const { return progress_.transition(); }
   /// C, rows of S.
   Eigen::Index feature_dim() const { return state_.s.rows(); }
   /// Dv, columns of S.
@@ -443,8 +444,7 @@ class RecurrentState {
     state_.log_scale = -std::numeric_limits<double>::infinity();
     state_.row_log.setZero();
     state_.rows_pending = false;
-    tokens_ = 0;
-    transition_ = TransitionKind::none;
+    progress_.reset();
   }
 
   /// A state holding the caller's sums, as if the tokens that made them had been added (FLA's
@@ -630,8 +630,7 @@ class RecurrentState {
     record.family = StateFamily::linear;
     record.rows = static_cast<std::uint64_t>(feature_dim());
     record.cols = static_cast<std::uint64_t>(value_dim());
-    record.transition = transition_;
-    record.tokens = tokens_;
+    progress_.write(record);
     record.linear.eps = options_.eps;
     record.linear.decay = options_.decay;
     record.linear.normalize = options_.normalize;
@@ -694,18 +693,12 @@ class RecurrentState {
                          static_cast<Eigen::Index>(stored.cols), options);
     state.state_.s = detail::record_s<Acc>(stored);
     state.state_.z = detail::record_z<Acc>(stored);
-    state.tokens_ = stored.tokens;
-    state.transition_ = stored.transition;
+    state.progress_ = detail::StateProgress::of(stored);
     state.state_.log_scale = stored.linear.log_scale;
     return state;
   }
-  /// Token counts past this are refused (load) or would overflow (step, prefill).
-  static constexpr std::int64_t kMaxTokens = detail::kMaxStateTokens;
-
   void require_token_room(Eigen::Index more, const char* where) const {
-    if (tokens_ > kMaxTokens - static_cast<std::int64_t>(more)) {
-      throw Error(std::string(where) + ": the token count would pass 2^62");
-    }
+    progress_.require_room(more, where);
   }
 
   template <class DQ, class DK, class DV>
@@ -892,8 +885,7 @@ class RecurrentState {
     detail::stream_one_token(operands);
     Acc den(0);
     detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, state_.z.data(), &den);
-    ++tokens_;
-    transition_ = token_transition();
+    progress_.advance(1, token_transition());
     // out holds the numerator; normalising it in place is coefficient-wise.
     detail::write_output_row(out, den, log_factor + detail::output_log_scale(options_), options_,
                              out);
@@ -1013,9 +1005,7 @@ class RecurrentState {
 
   /// Throws unless `kind` continues the state: the state has no kind yet, or the same one.
   void require_transition(TransitionKind kind, const char* where) const {
-    if (!detail::continues_transition(transition_, kind)) {
-      throw detail::transition_mismatch(transition_, kind, where, "the state");
-    }
+    progress_.require_continues(kind, where);
   }
 
   /// Puts the transition back to Options::decay when a gated step ends, thrown or not.
@@ -1121,14 +1111,12 @@ class RecurrentState {
     const detail::SerialEigenScope serial_eigen;
     detail::run_causal(source, next, out, options_, usable);
     state_ = std::move(next);
-    tokens_ += source.rows();
-    if (source.rows() > 0) transition_ = kind;
+    progress_.advance(source.rows(), kind);
   }
 
   detail::CarriedState<Acc> state_;
   Options options_;
-  std::int64_t tokens_ = 0;
-  TransitionKind transition_ = TransitionKind::none;  ///< what has moved the state
+  detail::StateProgress progress_;  ///< the tokens seen, what has moved the state
   Vector<Acc> query_, key_, value_;
   Vector<Acc> raw_q_, raw_k_;  ///< Dk: a mapped step's token in Acc, sized by the first one
   double token_log_q_ = 0.0, token_log_k_ = 0.0;  ///< its features' log scales

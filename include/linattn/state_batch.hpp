@@ -669,6 +669,7 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
     }
     detail::require_stable_steps(k, beta, options(), where, "k", "state");
     require_uniform_states(where);
+    for (const State& state : states_) state.require_token_room(1, where);
   }
 
   /// Throws unless every state has state 0's dimensions and the options that change results
@@ -732,6 +733,10 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
     if constexpr (!std::is_void_v<Gates>) gate_dim = gates->view.dim();
     const TransitionKind kind = detail::transition_of_gate_dim(gate_dim);
     require_transitions(kind, where);
+    for (Eigen::Index i = 0; i < size(); ++i) {
+      states_[static_cast<std::size_t>(i)].require_token_room(sequences.rows(i / out.heads()),
+                                                              where);
+    }
     // Each state works on a copy and is replaced only when every head succeeded.
     std::vector<State> next = states_;
     detail::run_heads_delta_rule<Acc>(q, k, v, gates, beta, out, sequences, run_options, where,
@@ -739,10 +744,7 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
                                         State& state =
                                             next[static_cast<std::size_t>(s * out.heads() + h)];
                                         run(state.s_);
-                                        const Eigen::Index rows = sequences.rows(s);
-                                        state.tokens_ += rows;
-                                        if (rows > 0 && state.kind_ == TransitionKind::none)
-                                          state.kind_ = kind;
+                                        state.progress_.advance(sequences.rows(s), kind);
                                       });
     states_ = std::move(next);
   }

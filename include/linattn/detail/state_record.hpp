@@ -31,13 +31,21 @@ enum class StateFamily : std::uint8_t {
 
 /// The state class that saves and loads a family, for messages: "RecurrentState".
 inline const char* state_family_class(StateFamily family) {
-  return family == StateFamily::delta_rule ? "DeltaRuleState" : "RecurrentState";
+  switch (family) {
+    case StateFamily::linear:
+      return "RecurrentState";
+    case StateFamily::delta_rule:
+      return "DeltaRuleState";
+  }
+  return "?";
 }
 
 }  // namespace linattn
 
 namespace linattn::detail {
 
+/// The highest StateFamily value this build reads.
+inline constexpr std::uint8_t kLastStateFamily = static_cast<std::uint8_t>(StateFamily::delta_rule);
 /// The format every state writes; the reader takes 1 to this.
 inline constexpr std::uint32_t kStateFormatVersion = 4;
 /// The magic of every format but the delta rule's first.
@@ -80,9 +88,9 @@ struct StateRecord {
   std::int64_t tokens = 0;
   LinearRecord linear;  ///< family linear only
   DeltaRecord delta;    ///< family delta_rule only
-  /// S row-major (rows x cols), then for the linear family z (rows); widened to double, which
-  /// holds every float exactly.
-  std::vector<double> payload;
+  /// S row-major (rows x cols), then for the linear family z (rows): the stream's
+  /// little-endian bytes of scalar_bytes each, decoded by record_s / record_z (bit for bit).
+  std::vector<unsigned char> payload;
 };
 
 /// What a state's load asks of a stream before reading its payload (nothing, for a tool).
@@ -90,6 +98,17 @@ struct RecordExpectation {
   std::uint32_t scalar_bytes = 0;  ///< 0: any
   std::optional<StateFamily> family;
 };
+
+/// Entries of S and, for the linear family, z that a record of `family` holds.
+inline std::uint64_t payload_entries(StateFamily family, std::uint64_t rows, std::uint64_t cols) {
+  switch (family) {
+    case StateFamily::linear:
+      return rows * cols + rows;
+    case StateFamily::delta_rule:
+      return rows * cols;
+  }
+  return 0;
+}
 
 inline const char* accumulation_name(std::uint32_t scalar_bytes) {
   return scalar_bytes == 4 ? "float" : scalar_bytes == 8 ? "double" : "?";
@@ -99,34 +118,54 @@ inline const char* accumulation_name(std::uint32_t scalar_bytes) {
 ///   0 magic "LNATTNS\0" (8) | 8 version u32 = 4 | 12 sizeof(Acc) u32 | 16 rows u64
 ///   24 cols u64 | 32 family u8 (StateFamily) | 33 transition u8 (TransitionKind)
 ///   34 tokens i64 | 42 the family's record | its payload | CRC-32 u32 of every byte before it.
-/// linear:     eps f64 | decay f64 | normalize u8 | scale f64 | map record (44 bytes,
-///             MapFingerprint) | log scale f64 | S (C x Dv, row-major, Acc) | z (C, Acc)
-/// delta_rule: scale f64 (as given) | l2_normalize u8 | allow_negative_eigenvalues u8 |
-///             S (Dk x Dv, row-major, Acc)
+/// linear:     42 eps f64 | 50 decay f64 | 58 normalize u8 | 59 scale f64 | 67 map record (44
+///             bytes, detail/map_record.hpp) | 111 log scale f64 | 119 S (C x Dv, row-major,
+///             Acc) | z (C, Acc)
+/// delta_rule: 42 scale f64 (as given: negative means Dk^-1/2) | 50 l2_normalize u8 |
+///             51 allow_negative_eigenvalues u8 | 52 S (Dk x Dv, row-major, Acc)
 /// The encoding is canonical (one byte value per setting): equal states save equal bytes.
+///
+/// The formats before it, which read_state_record still reads (each ends with the CRC-32):
+///   LNATTNS 3 (RecurrentState, 0.2): 0-31 as above with version 3 (rows C, cols Dv) | 32 eps
+///     f64 | 40 decay f64 | 48 normalize u8 | 49 scale f64 | 57 map record (44) | 101
+///     transition u8 | 102 tokens i64 | 110 log scale f64 | 118 S | z
+///   LNATTNS 2: format 3 without the transition byte (version 2; S at 117); the transition is
+///     decay when decay != 1, else none (set by the next call)
+///   LNATTNS 1 (0.1.0): 0-31 with version 1 | 32 eps f64 | 40 decay f64 | 48 normalize u8 | 49
+///     check_finite u8 | 50 chunk u64 | 58 tokens i64 | 66 log scale f64 | 74 S | z (no scale,
+///     no map record; normalize and check_finite read as != 0); the transition is decay once a
+///     token was seen
+///   LNATTND 1 (DeltaRuleState before format 4): magic "LNATTND\0" | 8 version u32 = 1 | 12-31
+///     as above (rows Dk) | 32 scale f64 | 40 l2_normalize u8 | 41 allow_negative_eigenvalues
+///     u8 | 42 transition u8 | 43 tokens i64 | 51 S
 /// @param record  every field but payload (rows and cols must be s's)
 /// @param s       S, rows x cols
 /// @param z       z (rows) for the linear family, nullptr for the delta rule
 template <class Acc>
 void write_state_record(std::ostream& os, const StateRecord& record, const Matrix<Acc>& s,
                         const Vector<Acc>* z, const char* where) {
+  LINATTN_ASSERT((z != nullptr) == (record.family == StateFamily::linear));
   LittleEndianWriter out(os);
   write_state_header<Acc>(out, kStateMagic, kStateFormatVersion, record.rows, record.cols);
   out.put<std::uint8_t>(static_cast<std::uint8_t>(record.family));
   out.put<std::uint8_t>(static_cast<std::uint8_t>(record.transition));
   out.put<std::int64_t>(record.tokens);
-  if (record.family == StateFamily::linear) {
-    const LinearRecord& linear = record.linear;
-    out.put<double>(linear.eps);
-    out.put<double>(linear.decay);
-    out.put<std::uint8_t>(linear.normalize ? 1 : 0);
-    out.put<double>(linear.scale);
-    write_fingerprint(out, linear.map);
-    out.put<double>(linear.log_scale);
-  } else {
-    out.put<double>(record.delta.scale);
-    out.put<std::uint8_t>(record.delta.l2_normalize ? 1 : 0);
-    out.put<std::uint8_t>(record.delta.allow_negative_eigenvalues ? 1 : 0);
+  switch (record.family) {
+    case StateFamily::linear: {
+      const LinearRecord& linear = record.linear;
+      out.put<double>(linear.eps);
+      out.put<double>(linear.decay);
+      out.put<std::uint8_t>(linear.normalize ? 1 : 0);
+      out.put<double>(linear.scale);
+      write_fingerprint(out, linear.map);
+      out.put<double>(linear.log_scale);
+      break;
+    }
+    case StateFamily::delta_rule:
+      out.put<double>(record.delta.scale);
+      out.put<std::uint8_t>(record.delta.l2_normalize ? 1 : 0);
+      out.put<std::uint8_t>(record.delta.allow_negative_eigenvalues ? 1 : 0);
+      break;
   }
   for (Eigen::Index r = 0; r < s.rows(); ++r) {
     for (Eigen::Index c = 0; c < s.cols(); ++c) out.put<Acc>(s(r, c));
@@ -170,6 +209,10 @@ inline void read_linear_settings(LittleEndianReader& in, Layout layout, LinearRe
 inline void check_linear(StateRecord& record, Layout layout, std::uint8_t normalize,
                          std::uint8_t transition, const char* where) {
   LinearRecord& linear = record.linear;
+  if (!(linear.scale > 0.0 && std::isfinite(linear.scale))) {
+    throw Error(std::string(where) + ": invalid scale " + format_double(linear.scale) +
+                " (positive and finite)");
+  }
   Options options;
   options.eps = linear.eps;
   options.decay = linear.decay;
@@ -179,7 +222,8 @@ inline void check_linear(StateRecord& record, Layout layout, std::uint8_t normal
     options.chunk = static_cast<Eigen::Index>(linear.chunk);
   }
   validate_options(options, where);
-  if (normalize > 1) {
+  // The format is canonical from format 2 on (one byte value per setting); 0.1.0 read != 0.
+  if (normalize > 1 && layout != Layout::linear_v1) {
     throw Error(std::string(where) + ": invalid normalize byte " + std::to_string(normalize));
   }
   linear.normalize = normalize != 0;
@@ -236,14 +280,33 @@ inline void check_delta(StateRecord& record, std::uint8_t l2, std::uint8_t negat
 
 }  // namespace record
 
+/// The little-endian value of a Scalar (float or double) at `bytes`.
+template <class Scalar>
+Scalar decode_little_endian(const unsigned char* bytes) {
+  bits_of<Scalar> bits = 0;
+  for (std::size_t i = 0; i < sizeof(Scalar); ++i) {
+    bits = static_cast<bits_of<Scalar>>(bits | (static_cast<bits_of<Scalar>>(bytes[i]) << (8 * i)));
+  }
+  Scalar value;
+  std::memcpy(&value, &bits, sizeof(Scalar));
+  return value;
+}
+
+/// Payload entry i of a record, widened to double (for checks; states decode in their Acc).
+inline double payload_entry(const StateRecord& record, std::size_t i) {
+  const unsigned char* at = record.payload.data() + i * record.scalar_bytes;
+  return record.scalar_bytes == 4 ? static_cast<double>(decode_little_endian<float>(at))
+                                  : decode_little_endian<double>(at);
+}
+
 /// Reads one saved state of any format linattn wrote (format 4 of either family; LNATTNS 1-3,
 /// RecurrentState's before it; LNATTND 1, DeltaRuleState's before it) up to its last byte, and
-/// verifies it: the magic, the version, the scalar size and the family against `expect` (each
-/// as soon as it is read, so a foreign stream is named before its payload is read), dims within
-/// 2^26 entries, the checksum, then every field (canonical bytes, valid settings, the
-/// transition against the token count, a finite payload). Allocates no more than about four
-/// times the bytes the stream really holds (a hostile header cannot force a huge allocation).
-/// Throws Error starting with `where`, naming what is wrong.
+/// verifies it: the magic, the version, the dims (within 2^26 entries), then the family and the
+/// scalar size against `expect` (before the rest is read, so a stream of the other family is
+/// named as such, whatever its scalar type), the checksum, then every field (canonical bytes,
+/// valid settings, the transition against the token count, a finite payload). Allocates no
+/// more than about twice the bytes the stream really holds (a hostile header cannot force a
+/// huge allocation). Throws Error starting with `where`, naming what is wrong.
 inline StateRecord read_state_record(std::istream& is, const char* where,
                                      const RecordExpectation& expect = {}) {
   using record::Layout;
@@ -268,11 +331,6 @@ inline StateRecord read_state_record(std::istream& is, const char* where,
     throw Error(std::string(where) + ": the stream holds " + std::to_string(record.scalar_bytes) +
                 "-byte scalars; a state accumulates in float (4) or double (8)");
   }
-  if (expect.scalar_bytes != 0 && record.scalar_bytes != expect.scalar_bytes) {
-    throw Error(std::string(where) + ": the stream holds " + std::to_string(record.scalar_bytes) +
-                "-byte scalars, a state accumulating in " + accumulation_name(expect.scalar_bytes) +
-                " needs " + std::to_string(expect.scalar_bytes));
-  }
   record.rows = in.get<std::uint64_t>("the rows of S");
   record.cols = in.get<std::uint64_t>("the columns of S");
   if (record.rows < 1 || record.cols < 1 || record.rows > kMaxStateEntries ||
@@ -291,7 +349,7 @@ inline StateRecord read_state_record(std::istream& is, const char* where,
     record.family = StateFamily::linear;
   } else {
     const auto family = in.get<std::uint8_t>("the state family");
-    if (family > static_cast<std::uint8_t>(StateFamily::delta_rule)) {
+    if (family > kLastStateFamily) {
       throw Error(std::string(where) + ": unknown state family " + std::to_string(family) +
                   " (a later linattn's?); this build reads 0 (RecurrentState) and 1 "
                   "(DeltaRuleState)");
@@ -304,18 +362,26 @@ inline StateRecord read_state_record(std::istream& is, const char* where,
                 state_family_class(record.family) +
                 "::load (linattn::saved_state_info says what a stream holds)");
   }
+  if (expect.scalar_bytes != 0 && record.scalar_bytes != expect.scalar_bytes) {
+    throw Error(std::string(where) + ": the stream holds " + std::to_string(record.scalar_bytes) +
+                "-byte scalars, a state accumulating in " + accumulation_name(expect.scalar_bytes) +
+                " needs " + std::to_string(expect.scalar_bytes));
+  }
 
   std::uint8_t transition = 0, normalize = 0, l2 = 0, negative = 0;
   if (layout == Layout::current) {
     transition = in.get<std::uint8_t>("the transition kind");
     record.tokens = in.get<std::int64_t>("the token count");
-    if (record.family == StateFamily::linear) {
-      record::read_linear_settings(in, layout, record.linear, normalize);
-      record.linear.log_scale = in.get<double>("the log scale");
-    } else {
-      record.delta.scale = in.get<double>("scale");
-      l2 = in.get<std::uint8_t>("l2_normalize");
-      negative = in.get<std::uint8_t>("allow_negative_eigenvalues");
+    switch (record.family) {
+      case StateFamily::linear:
+        record::read_linear_settings(in, layout, record.linear, normalize);
+        record.linear.log_scale = in.get<double>("the log scale");
+        break;
+      case StateFamily::delta_rule:
+        record.delta.scale = in.get<double>("scale");
+        l2 = in.get<std::uint8_t>("l2_normalize");
+        negative = in.get<std::uint8_t>("allow_negative_eigenvalues");
+        break;
     }
   } else if (layout == Layout::delta_legacy) {
     record.delta.scale = in.get<double>("scale");
@@ -330,14 +396,14 @@ inline StateRecord read_state_record(std::istream& is, const char* where,
     record.linear.log_scale = in.get<double>("the log scale");
   }
 
-  const bool linear = record.family == StateFamily::linear;
   const std::uint64_t s_entries = record.rows * record.cols;
-  const std::uint64_t entries = s_entries + (linear ? record.rows : 0);
-  record.payload.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(entries, 4096)));
+  const std::uint64_t entries = payload_entries(record.family, record.rows, record.cols);
+  const std::size_t width = record.scalar_bytes;
+  record.payload.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(entries, 4096)) * width);
+  unsigned char entry[8];
   for (std::uint64_t i = 0; i < entries; ++i) {
-    const char* what = i < s_entries ? "S" : "z";
-    record.payload.push_back(record.scalar_bytes == 4 ? static_cast<double>(in.get<float>(what))
-                                                      : in.get<double>(what));
+    in.get_bytes(entry, width, i < s_entries ? "S" : "z");
+    record.payload.insert(record.payload.end(), entry, entry + width);
   }
   const std::uint32_t computed = in.checksum();
   if (in.get<std::uint32_t>("the checksum") != computed) {
@@ -347,35 +413,48 @@ inline StateRecord read_state_record(std::istream& is, const char* where,
   if (record.tokens < 0 || record.tokens > kMaxStateTokens) {
     throw Error(std::string(where) + ": invalid token count " + std::to_string(record.tokens));
   }
-  if (linear) {
-    record::check_linear(record, layout, normalize, transition, where);
-  } else {
-    record::check_delta(record, l2, negative, transition, where);
+  switch (record.family) {
+    case StateFamily::linear:
+      record::check_linear(record, layout, normalize, transition, where);
+      break;
+    case StateFamily::delta_rule:
+      record::check_delta(record, l2, negative, transition, where);
+      break;
   }
-  for (const double x : record.payload) {
-    if (!std::isfinite(x)) {
-      throw Error(std::string(where) + (linear ? ": S or z" : ": S") + " holds a non-finite value");
+  for (std::size_t i = 0; i < entries; ++i) {
+    if (!std::isfinite(payload_entry(record, i))) {
+      throw Error(std::string(where) + (record.family == StateFamily::linear ? ": S or z" : ": S") +
+                  " holds a non-finite value");
     }
   }
   return record;
 }
 
-/// S of a verified record, in Acc (exact: the record holds what a state of Acc saved).
+/// S of a verified record read for a state of Acc (record.scalar_bytes == sizeof(Acc)): the
+/// saved bits.
 template <class Acc>
 Matrix<Acc> record_s(const StateRecord& record) {
-  const auto rows = static_cast<Eigen::Index>(record.rows);
-  const auto cols = static_cast<Eigen::Index>(record.cols);
-  using RowMajor = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  return Eigen::Map<const RowMajor>(record.payload.data(), rows, cols).template cast<Acc>();
+  LINATTN_ASSERT(record.scalar_bytes == sizeof(Acc));
+  Matrix<Acc> s(static_cast<Eigen::Index>(record.rows), static_cast<Eigen::Index>(record.cols));
+  for (Eigen::Index i = 0; i < s.size(); ++i) {  // Matrix is row-major, as the stream
+    s.data()[i] = decode_little_endian<Acc>(record.payload.data() +
+                                            static_cast<std::size_t>(i) * sizeof(Acc));
+  }
+  return s;
 }
 
-/// z of a verified linear record, in Acc.
+/// z of a verified linear record read for a state of Acc: the saved bits.
 template <class Acc>
 Vector<Acc> record_z(const StateRecord& record) {
+  LINATTN_ASSERT(record.scalar_bytes == sizeof(Acc) && record.family == StateFamily::linear);
   const auto rows = static_cast<Eigen::Index>(record.rows);
-  return Eigen::Map<const Vector<double>>(
-             record.payload.data() + static_cast<std::size_t>(record.rows * record.cols), rows)
-      .template cast<Acc>();
+  const std::size_t first = static_cast<std::size_t>(record.rows * record.cols) * sizeof(Acc);
+  Vector<Acc> z(rows);
+  for (Eigen::Index i = 0; i < rows; ++i) {
+    z(i) = decode_little_endian<Acc>(record.payload.data() + first +
+                                     static_cast<std::size_t>(i) * sizeof(Acc));
+  }
+  return z;
 }
 
 }  // namespace linattn::detail
