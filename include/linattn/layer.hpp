@@ -74,6 +74,76 @@ void require_layer_states(const States& states, const LayerHeads& heads, HeadGro
   }
 }
 
+/// The options of a layer's family validated as the family's calls validate them.
+inline void validate_layer_options(const Options& options, const char* owner) {
+  validate_options(options, owner);
+}
+inline void validate_layer_options(const DeltaOptions& options, const char* owner) {
+  validate_delta_options(options, owner);
+}
+
+/// What every layer holds and checks alike, whatever its family: H with q's, k's and v's head
+/// counts (LayerHeads), Dk, Dv and the family's options, validated when the layer is made; the
+/// exact head counts of its views and step rows; the batches its make_states returns.
+/// @tparam LayerOptions  the family's options (Options, DeltaOptions)
+template <class LayerOptions>
+class LayerShape {
+ public:
+  /// H, (value) heads per sequence.
+  Eigen::Index heads() const { return heads_.out; }
+  /// H and the head counts of q, k and v that every call takes.
+  const LayerHeads& layer_heads() const { return heads_; }
+  /// Dk, width of each head's q and k.
+  Eigen::Index key_dim() const { return key_dim_; }
+  /// Dv, width of each head's v and output.
+  Eigen::Index value_dim() const { return value_dim_; }
+  /// The options both forms run with.
+  const LayerOptions& options() const { return options_; }
+
+ protected:
+  /// `owner` names the layer in messages.
+  LayerShape(LayerHeads heads, Eigen::Index key_dim, Eigen::Index value_dim,
+             const LayerOptions& options, const char* owner)
+      : heads_(heads),
+        key_dim_(require_positive_dim(key_dim, owner, "key_dim")),
+        value_dim_(require_positive_dim(value_dim, owner, "value_dim")),
+        options_(options) {
+    validate_layer_options(options, owner);
+    validate_layer_heads(heads_, owner);
+  }
+
+  /// Throws unless q, k, v and out have the layer's head counts and widths.
+  template <class Q, class K, class V, class O>
+  void require_views(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                     const HeadsView<O>& out, const char* where) const {
+    require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+  }
+
+  /// Throws unless a step's q, k and v hold B * H_in rows each, for `states` states.
+  void require_step_rows(Eigen::Index states, Eigen::Index q_rows, Eigen::Index k_rows,
+                         Eigen::Index v_rows, const char* where) const {
+    require_layer_rows(q_rows, states, heads_, &LayerHeads::query, "q", where);
+    require_layer_rows(k_rows, states, heads_, &LayerHeads::key, "k", where);
+    require_layer_rows(v_rows, states, heads_, &LayerHeads::value, "v", where);
+  }
+
+  /// batch * H, the states make_states makes for `batch` sequences (`owner` names the layer).
+  Eigen::Index state_count(Eigen::Index batch, const char* owner) const {
+    return require_positive_dim(batch, owner, "batch") * heads_.out;
+  }
+
+  /// `states` marked with the layer's head counts (the rows of grouped inputs they take).
+  template <class States>
+  States with_layer_heads(States states) const {
+    BatchHeads::set(states, heads_);
+    return states;
+  }
+
+  LayerHeads heads_;
+  Eigen::Index key_dim_, value_dim_;
+  LayerOptions options_;
+};
+
 }  // namespace detail
 
 /// Multi-head causal linear attention that owns its feature map (so FAVOR+'s W is shared by
@@ -90,8 +160,13 @@ void require_layer_states(const States& states, const LayerHeads& heads, HeadGro
 /// @tparam Acc  accumulation type of the sums and states, float or double (default T, or float
 ///              for the 16-bit types)
 template <class T, class Map, class Acc = detail::default_accumulator_t<T>>
-class LinearAttentionLayer {
+class LinearAttentionLayer : public detail::LayerShape<Options> {
   static_assert(detail::check_feature_map<Map, Acc>(), "LinearAttentionLayer needs a feature map");
+  using Shape = detail::LayerShape<Options>;
+  using Shape::heads_;
+  using Shape::key_dim_;
+  using Shape::options_;
+  using Shape::value_dim_;
 
  public:
   /// The states make_states returns, one per (sequence, head).
@@ -104,13 +179,7 @@ class LinearAttentionLayer {
   /// @param options    eps, decay, normalize, chunk, check_finite, threads, head_grouping
   LinearAttentionLayer(Map map, LayerHeads heads, Eigen::Index key_dim, Eigen::Index value_dim,
                        const Options& options = {})
-      : map_(std::move(map)),
-        heads_(heads),
-        key_dim_(detail::require_positive_dim(key_dim, "LinearAttentionLayer", "key_dim")),
-        value_dim_(detail::require_positive_dim(value_dim, "LinearAttentionLayer", "value_dim")),
-        options_(options) {
-    detail::validate_options(options, "LinearAttentionLayer");
-    detail::validate_layer_heads(heads_, "LinearAttentionLayer");
+      : Shape(heads, key_dim, value_dim, options, "LinearAttentionLayer"), map_(std::move(map)) {
     feature_dim_ = map_.feature_dim(key_dim);
     if (feature_dim_ < 1) {
       throw Error("LinearAttentionLayer: the feature map gives feature_dim " +
@@ -136,18 +205,8 @@ class LinearAttentionLayer {
 
   /// The map applied to every head's queries and keys.
   const Map& feature_map() const { return map_; }
-  /// H, heads per sequence.
-  Eigen::Index heads() const { return heads_.out; }
-  /// H and the head counts of q, k and v that every call takes.
-  const LayerHeads& layer_heads() const { return heads_; }
-  /// Dk, width of each head's q and k.
-  Eigen::Index key_dim() const { return key_dim_; }
-  /// Dv, width of each head's v and output.
-  Eigen::Index value_dim() const { return value_dim_; }
   /// C = feature_map().feature_dim(key_dim()).
   Eigen::Index feature_dim() const { return feature_dim_; }
-  /// The options both forms run with.
-  const Options& options() const { return options_; }
   /// The heads' constant decays (empty unless the layer was made with HeadDecays).
   const HeadDecays& head_decays() const { return decays_; }
 
@@ -188,13 +247,10 @@ class LinearAttentionLayer {
   /// Fresh (empty) states for `batch` sequences: batch * heads() of them, state b * H + h for
   /// head h of sequence b.
   States make_states(Eigen::Index batch) const {
-    const Eigen::Index count =
-        detail::require_positive_dim(batch, "LinearAttentionLayer", "batch") * heads_.out;
-    States states = decays_.values.empty()
-                        ? States(count, feature_dim_, value_dim_, options_)
-                        : States(count, feature_dim_, value_dim_, decays_, options_);
-    detail::BatchHeads::set(states, heads_);  // the rows of grouped inputs it takes
-    return states;
+    const Eigen::Index count = this->state_count(batch, "LinearAttentionLayer");
+    return this->with_layer_heads(decays_.values.empty()
+                                      ? States(count, feature_dim_, value_dim_, options_)
+                                      : States(count, feature_dim_, value_dim_, decays_, options_));
   }
 
   /// A prompt through the parallel form that also leaves each sequence's states ready to step.
@@ -325,7 +381,7 @@ class LinearAttentionLayer {
   template <class Q, class K, class V, class O>
   void check_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                    const HeadsView<O>& out, const char* where) const {
-    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+    this->require_views(q, k, v, out, where);
   }
 
   /// Throws unless q has the layer's Dk and q, k and v hold B * H_in rows, the layer's H_in.
@@ -338,9 +394,7 @@ class LinearAttentionLayer {
                   " but the layer has key_dim " + std::to_string(key_dim_));
     }
     detail::require_layer_states(states, heads_, options_.head_grouping, where);
-    detail::require_layer_rows(q.rows(), states.size(), heads_, &LayerHeads::query, "q", where);
-    detail::require_layer_rows(k.rows(), states.size(), heads_, &LayerHeads::key, "k", where);
-    detail::require_layer_rows(v.rows(), states.size(), heads_, &LayerHeads::value, "v", where);
+    this->require_step_rows(states.size(), q.rows(), k.rows(), v.rows(), where);
   }
 
   /// Gates replace the decay: a layer made with HeadDecays takes none.
@@ -356,10 +410,7 @@ class LinearAttentionLayer {
   }
 
   Map map_;
-  LayerHeads heads_;
-  Eigen::Index key_dim_, value_dim_;
   Eigen::Index feature_dim_ = 0;
-  Options options_;
   HeadDecays decays_;  ///< empty: Options::decay for every head
 };
 
@@ -378,7 +429,13 @@ class LinearAttentionLayer {
 /// @tparam Acc  accumulation type of the sums and states, float or double (default T, or float
 ///              for the 16-bit types)
 template <class T, class Acc = detail::default_accumulator_t<T>>
-class DeltaRuleLayer {
+class DeltaRuleLayer : public detail::LayerShape<DeltaOptions> {
+  using Shape = detail::LayerShape<DeltaOptions>;
+  using Shape::heads_;
+  using Shape::key_dim_;
+  using Shape::options_;
+  using Shape::value_dim_;
+
  public:
   /// The states make_states returns, one per (sequence, head).
   using States = DeltaRuleStateBatch<T, Acc>;
@@ -391,24 +448,7 @@ class DeltaRuleLayer {
   ///                   check_finite, threads, head_grouping
   DeltaRuleLayer(LayerHeads heads, Eigen::Index key_dim, Eigen::Index value_dim,
                  const DeltaOptions& options = {})
-      : heads_(heads),
-        key_dim_(detail::require_positive_dim(key_dim, "DeltaRuleLayer", "key_dim")),
-        value_dim_(detail::require_positive_dim(value_dim, "DeltaRuleLayer", "value_dim")),
-        options_(options) {
-    detail::validate_delta_options(options, "DeltaRuleLayer");
-    detail::validate_layer_heads(heads_, "DeltaRuleLayer");
-  }
-
-  /// H, value heads per sequence.
-  Eigen::Index heads() const { return heads_.out; }
-  /// H and the head counts of q, k and v that every call takes.
-  const LayerHeads& layer_heads() const { return heads_; }
-  /// Dk, width of each head's q and k.
-  Eigen::Index key_dim() const { return key_dim_; }
-  /// Dv, width of each head's v and output.
-  Eigen::Index value_dim() const { return value_dim_; }
-  /// The options both forms run with.
-  const DeltaOptions& options() const { return options_; }
+      : Shape(heads, key_dim, value_dim, options, "DeltaRuleLayer") {}
 
   /// DeltaNet over whole sequences, each from a zero state.
   /// @param q     B x H_in x N x Dk queries (any layout, e.g. HeadsView::bnhd over a QKV buffer)
@@ -419,8 +459,7 @@ class DeltaRuleLayer {
   template <class Q, class K, class V, class B, class O>
   void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const HeadsView<B>& beta, const HeadsView<O>& out) const {
-    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_,
-                                "DeltaRuleLayer::forward");
+    this->require_views(q, k, v, out, "DeltaRuleLayer::forward");
     causal_delta_rule_into<Acc>(q, k, v, beta, out, options_);
   }
 
@@ -436,18 +475,15 @@ class DeltaRuleLayer {
             class = detail::enable_if_delta_head_gates<Gates, O>>
   void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const Gates& gates, const HeadsView<B>& beta, const HeadsView<O>& out) const {
-    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_,
-                                "DeltaRuleLayer::forward");
+    this->require_views(q, k, v, out, "DeltaRuleLayer::forward");
     causal_gated_delta_rule_into<Acc>(q, k, v, gates, beta, out, options_);
   }
 
   /// Fresh (zero) states for `batch` sequences: batch * heads() of them, state b * H + h for
   /// head h of sequence b.
   States make_states(Eigen::Index batch) const {
-    States states(detail::require_positive_dim(batch, "DeltaRuleLayer", "batch") * heads_.out,
-                  key_dim_, value_dim_, options_);
-    detail::BatchHeads::set(states, heads_);  // the rows of grouped inputs it takes
-    return states;
+    return this->with_layer_heads(
+        States(this->state_count(batch, "DeltaRuleLayer"), key_dim_, value_dim_, options_));
   }
 
   /// DeltaNet: a prompt through the parallel form that also leaves each sequence's states
@@ -461,7 +497,7 @@ class DeltaRuleLayer {
                     const HeadsView<V>& v, const HeadsView<B>& beta,
                     const HeadsView<O>& out) const {
     constexpr const char* where = "DeltaRuleLayer::prefill";
-    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+    this->require_views(q, k, v, out, where);
     require_states(states, where);
     states.prefill_into(q, k, v, beta, out);
   }
@@ -479,7 +515,7 @@ class DeltaRuleLayer {
                     const HeadsView<V>& v, const Gates& gates, const HeadsView<B>& beta,
                     const HeadsView<O>& out) const {
     constexpr const char* where = "DeltaRuleLayer::prefill";
-    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+    this->require_views(q, k, v, out, where);
     require_states(states, where);
     states.prefill_into(q, k, v, gates, beta, out);
   }
@@ -497,7 +533,7 @@ class DeltaRuleLayer {
                            const std::vector<std::int64_t>& offsets,
                            const HeadsView<O>& out) const {
     constexpr const char* where = "DeltaRuleLayer::prefill_varlen";
-    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+    this->require_views(q, k, v, out, where);
     require_states(states, where);
     states.prefill_varlen_into(q, k, v, beta, offsets, out);
   }
@@ -512,7 +548,7 @@ class DeltaRuleLayer {
                            const std::vector<std::int64_t>& offsets,
                            const HeadsView<O>& out) const {
     constexpr const char* where = "DeltaRuleLayer::prefill_varlen";
-    detail::require_layer_heads(q, k, v, out, heads_, key_dim_, value_dim_, where);
+    this->require_views(q, k, v, out, where);
     require_states(states, where);
     states.prefill_varlen_into(q, k, v, gates, beta, offsets, out);
   }
@@ -572,14 +608,8 @@ class DeltaRuleLayer {
                   Eigen::Index v_rows) const {
     constexpr const char* where = "DeltaRuleLayer::step";
     require_states(states, where);
-    detail::require_layer_rows(q_rows, states.size(), heads_, &LayerHeads::query, "q", where);
-    detail::require_layer_rows(k_rows, states.size(), heads_, &LayerHeads::key, "k", where);
-    detail::require_layer_rows(v_rows, states.size(), heads_, &LayerHeads::value, "v", where);
+    this->require_step_rows(states.size(), q_rows, k_rows, v_rows, where);
   }
-
-  LayerHeads heads_;
-  Eigen::Index key_dim_, value_dim_;
-  DeltaOptions options_;
 };
 
 }  // namespace linattn
