@@ -601,6 +601,22 @@ RecurrentState<T> stepped(const Map& map, Eigen::Index dk, Eigen::Index dv, Eige
   return state;
 }
 
+/// The sums the golden files of make_state_v1.cpp and make_state_v3.cpp hold (Identity, decay
+/// 0.5, three dyadic tokens): S = sum_t 0.5^(2 - t) k_t v_t^T and z likewise, exact in binary.
+struct GoldenSums {
+  Matrix<double> s = Matrix<double>::Zero(3, 2);
+  Vector<double> z = Vector<double>::Zero(3);
+  GoldenSums() {
+    Matrix<double> k(3, 3), v(3, 2);
+    k << 1.0, 0.5, -2.0, 0.25, 3.0, 1.0, -1.5, 0.75, 2.0;
+    v << 2.0, -1.0, 0.5, 4.0, -3.0, 0.125;
+    for (int t = 0; t < 3; ++t) {
+      s = 0.5 * s + k.row(t).transpose() * v.row(t);
+      z = 0.5 * z + k.row(t).transpose();
+    }
+  }
+};
+
 std::string data_file(const char* name) {
   const std::string path = std::string(LINATTN_TEST_DATA_DIR) + "/" + name;
   std::ifstream in(path, std::ios::binary);
@@ -993,15 +1009,9 @@ TEST_CASE("format-3 and format-2 files of earlier releases load with their exact
   // Identity; S = sum_t 0.5^(2 - t) k_t v_t^T and z likewise, exact in binary.
   const std::string v3 = data_file("state_v3_double_identity.bin");
   REQUIRE(v3.size() == 118 + (3 * 2 + 3) * 8 + 4);
-  Matrix<double> k(3, 3), v(3, 2);
-  k << 1.0, 0.5, -2.0, 0.25, 3.0, 1.0, -1.5, 0.75, 2.0;
-  v << 2.0, -1.0, 0.5, 4.0, -3.0, 0.125;
-  Matrix<double> s = Matrix<double>::Zero(3, 2);
-  Vector<double> z = Vector<double>::Zero(3);
-  for (int t = 0; t < 3; ++t) {
-    s = 0.5 * s + k.row(t).transpose() * v.row(t);
-    z = 0.5 * z + k.row(t).transpose();
-  }
+  const GoldenSums golden;
+  const Matrix<double>& s = golden.s;
+  const Vector<double>& z = golden.z;
   CHECK(s(0, 0) == 0x1.44p+2);  // as make_state_v3 printed it
   linattn::Options options;
   options.eps = 1e-5;
@@ -1078,15 +1088,9 @@ TEST_CASE("format-1 golden files of linattn 0.1.0 load with their exact sums",
     std::istringstream in(bytes);
     RecurrentState<double> state = RecurrentState<double>::load_unchecked(in);
     // What make_state_v1.cpp stepped: S = sum_t 0.5^(2 - t) k_t v_t^T, exact in binary.
-    Matrix<double> k(3, 3), v(3, 2);
-    k << 1.0, 0.5, -2.0, 0.25, 3.0, 1.0, -1.5, 0.75, 2.0;
-    v << 2.0, -1.0, 0.5, 4.0, -3.0, 0.125;
-    Matrix<double> s = Matrix<double>::Zero(3, 2);
-    Vector<double> z = Vector<double>::Zero(3);
-    for (int t = 0; t < 3; ++t) {
-      s = 0.5 * s + k.row(t).transpose() * v.row(t);
-      z = 0.5 * z + k.row(t).transpose();
-    }
+    const GoldenSums golden;
+    Matrix<double> s = golden.s;
+    const Vector<double>& z = golden.z;
     CHECK(s(0, 0) == 5.0625);
     CHECK(state.s() == s);
     CHECK(state.z() == z);

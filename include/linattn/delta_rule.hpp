@@ -714,7 +714,8 @@ class DeltaRuleState {
   static DeltaRuleState load(std::istream& is, const DeltaOptions& options) {
     constexpr const char* where = "DeltaRuleState::load";
     detail::validate_delta_options(options, where);
-    const detail::StateRecord stored = read_record(is, where);
+    const detail::StateRecord stored =
+        detail::read_state_of<Acc>(is, StateFamily::delta_rule, where);
     const auto dk = static_cast<Eigen::Index>(stored.rows);
     const std::string head = std::string(where) + ": the state was saved with ";
     const double saved_scale = detail::delta_scale(saved_options(stored.delta), dk);
@@ -745,19 +746,12 @@ class DeltaRuleState {
   /// rule's earlier format ("LNATTND" 1).
   /// @param is  binary stream positioned at a saved state; read up to its last byte
   static DeltaRuleState load_unchecked(std::istream& is) {
-    const detail::StateRecord stored = read_record(is, "DeltaRuleState::load_unchecked");
+    const detail::StateRecord stored =
+        detail::read_state_of<Acc>(is, StateFamily::delta_rule, "DeltaRuleState::load_unchecked");
     return build(stored, saved_options(stored.delta));
   }
 
  private:
-  /// A delta-rule state of this Acc, read and verified by the one state reader.
-  static detail::StateRecord read_record(std::istream& is, const char* where) {
-    detail::RecordExpectation expect;
-    expect.scalar_bytes = sizeof(Acc);
-    expect.family = StateFamily::delta_rule;
-    return detail::read_state_record(is, where, expect);
-  }
-
   /// The options a record was saved with (the rest default).
   static DeltaOptions saved_options(const detail::DeltaRecord& saved) {
     DeltaOptions options;

@@ -566,7 +566,7 @@ class RecurrentState {
     constexpr const char* where = "RecurrentState::load";
     if constexpr (detail::check_feature_map<Map, Acc>()) {
       detail::validate_options(options, where);
-      const detail::StateRecord stored = read_record(is, where);
+      const detail::StateRecord stored = detail::read_state_of<Acc>(is, StateFamily::linear, where);
       require_same_options(stored.linear, options, where);
       if (stored.version == 1) {
         throw Error(std::string(where) +
@@ -599,7 +599,8 @@ class RecurrentState {
   /// transition record, or non-finite sums.
   /// @param is  binary stream positioned at a saved state; read up to its last byte
   static RecurrentState load_unchecked(std::istream& is) {
-    const detail::StateRecord stored = read_record(is, "RecurrentState::load_unchecked");
+    const detail::StateRecord stored =
+        detail::read_state_of<Acc>(is, StateFamily::linear, "RecurrentState::load_unchecked");
     return build(stored, saved_options(stored.linear));
   }
 
@@ -640,14 +641,6 @@ class RecurrentState {
     // Pending per-feature gate factors are applied to the written sums (the format has no field).
     const ScaledSums<Acc> sums = this->sums();
     detail::write_state_record<Acc>(os, record, sums.s, &sums.z, "RecurrentState::save");
-  }
-
-  /// A linear-attention state of this Acc, read and verified by the one state reader.
-  static detail::StateRecord read_record(std::istream& is, const char* where) {
-    detail::RecordExpectation expect;
-    expect.scalar_bytes = sizeof(Acc);
-    expect.family = StateFamily::linear;
-    return detail::read_state_record(is, where, expect);
   }
 
   /// The options a record was saved with (format 1 also chunk and check_finite; the rest

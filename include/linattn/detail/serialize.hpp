@@ -48,6 +48,19 @@ using bits_of = std::conditional_t<
     std::conditional_t<sizeof(T) == 4, std::uint32_t,
                        std::conditional_t<sizeof(T) == 2, std::uint16_t, std::uint8_t>>>;
 
+/// The little-endian value of T (an integer, float or double) at `bytes`, whatever the host.
+template <class T>
+T decode_little_endian(const unsigned char* bytes) {
+  static_assert(std::is_arithmetic_v<T>);
+  bits_of<T> bits = 0;
+  for (std::size_t i = 0; i < sizeof(T); ++i) {
+    bits = static_cast<bits_of<T>>(bits | (static_cast<bits_of<T>>(bytes[i]) << (8 * i)));
+  }
+  T value;
+  std::memcpy(&value, &bits, sizeof(T));
+  return value;
+}
+
 /// Writes values little-endian whatever the host, checksumming every byte.
 class LittleEndianWriter {
  public:
@@ -102,13 +115,7 @@ class LittleEndianReader {
     static_assert(std::is_arithmetic_v<T>);
     unsigned char bytes[sizeof(T)];
     get_bytes(bytes, sizeof(T), what);
-    bits_of<T> bits = 0;
-    for (std::size_t i = 0; i < sizeof(T); ++i) {
-      bits = static_cast<bits_of<T>>(bits | (static_cast<bits_of<T>>(bytes[i]) << (8 * i)));
-    }
-    T value;
-    std::memcpy(&value, &bits, sizeof(T));
-    return value;
+    return decode_little_endian<T>(bytes);
   }
   void get_bytes(unsigned char* data, std::size_t size, const char* what) {
     is_.read(reinterpret_cast<char*>(data), static_cast<std::streamsize>(size));

@@ -280,18 +280,6 @@ inline void check_delta(StateRecord& record, std::uint8_t l2, std::uint8_t negat
 
 }  // namespace record
 
-/// The little-endian value of a Scalar (float or double) at `bytes`.
-template <class Scalar>
-Scalar decode_little_endian(const unsigned char* bytes) {
-  bits_of<Scalar> bits = 0;
-  for (std::size_t i = 0; i < sizeof(Scalar); ++i) {
-    bits = static_cast<bits_of<Scalar>>(bits | (static_cast<bits_of<Scalar>>(bytes[i]) << (8 * i)));
-  }
-  Scalar value;
-  std::memcpy(&value, &bits, sizeof(Scalar));
-  return value;
-}
-
 /// Payload entry i of a record, widened to double (for checks; states decode in their Acc).
 inline double payload_entry(const StateRecord& record, std::size_t i) {
   const unsigned char* at = record.payload.data() + i * record.scalar_bytes;
@@ -428,6 +416,15 @@ inline StateRecord read_state_record(std::istream& is, const char* where,
     }
   }
   return record;
+}
+
+/// A state of `family` accumulating in Acc, read and verified: what each state's load reads.
+template <class Acc>
+StateRecord read_state_of(std::istream& is, StateFamily family, const char* where) {
+  RecordExpectation expect;
+  expect.scalar_bytes = sizeof(Acc);
+  expect.family = family;
+  return read_state_record(is, where, expect);
 }
 
 /// S of a verified record read for a state of Acc (record.scalar_bytes == sizeof(Acc)): the
