@@ -718,7 +718,7 @@ class DeltaRuleState {
         detail::read_state_of<Acc>(is, StateFamily::delta_rule, where);
     const auto dk = static_cast<Eigen::Index>(stored.rows);
     const std::string head = std::string(where) + ": the state was saved with ";
-    const double saved_scale = detail::delta_scale(saved_options(stored.delta), dk);
+    const double saved_scale = detail::delta_scale(detail::saved_options(stored.delta), dk);
     const double scale = detail::delta_scale(options, dk);
     if (!(saved_scale == scale)) {
       throw Error(head + "scale " + std::to_string(saved_scale) + " (for Dk = " +
@@ -748,19 +748,10 @@ class DeltaRuleState {
   static DeltaRuleState load_unchecked(std::istream& is) {
     const detail::StateRecord stored =
         detail::read_state_of<Acc>(is, StateFamily::delta_rule, "DeltaRuleState::load_unchecked");
-    return build(stored, saved_options(stored.delta));
+    return build(stored, detail::saved_options(stored.delta));
   }
 
  private:
-  /// The options a record was saved with (the rest default).
-  static DeltaOptions saved_options(const detail::DeltaRecord& saved) {
-    DeltaOptions options;
-    options.scale = saved.scale;
-    options.l2_normalize = saved.l2_normalize;
-    options.allow_negative_eigenvalues = saved.allow_negative_eigenvalues;
-    return options;
-  }
-
   /// The state a verified record holds, with the given options.
   static DeltaRuleState build(const detail::StateRecord& stored, const DeltaOptions& options) {
     DeltaRuleState state(static_cast<Eigen::Index>(stored.rows),

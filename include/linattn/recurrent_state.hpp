@@ -601,7 +601,7 @@ class RecurrentState {
   static RecurrentState load_unchecked(std::istream& is) {
     const detail::StateRecord stored =
         detail::read_state_of<Acc>(is, StateFamily::linear, "RecurrentState::load_unchecked");
-    return build(stored, saved_options(stored.linear));
+    return build(stored, detail::saved_options(stored.linear));
   }
 
   /// load(is) without the map and the options no longer exists: it loaded states saved with
@@ -641,21 +641,6 @@ class RecurrentState {
     // Pending per-feature gate factors are applied to the written sums (the format has no field).
     const ScaledSums<Acc> sums = this->sums();
     detail::write_state_record<Acc>(os, record, sums.s, &sums.z, "RecurrentState::save");
-  }
-
-  /// The options a record was saved with (format 1 also chunk and check_finite; the rest
-  /// default).
-  static Options saved_options(const detail::LinearRecord& saved) {
-    Options options;
-    options.eps = saved.eps;
-    options.decay = saved.decay;
-    options.normalize = saved.normalize;
-    options.scale = saved.scale;
-    if (saved.has_kernel_settings) {
-      options.check_finite = saved.check_finite;
-      options.chunk = static_cast<Eigen::Index>(saved.chunk);
-    }
-    return options;
   }
 
   /// Throws Error naming the first result-changing option that differs from the saved one.

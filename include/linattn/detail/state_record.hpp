@@ -178,6 +178,30 @@ void write_state_record(std::ostream& os, const StateRecord& record, const Matri
   if (!os) throw Error(std::string(where) + ": the stream failed while writing");
 }
 
+/// The options a linear record was saved with (format 1 also chunk and check_finite; the rest
+/// default): what load_unchecked gives the state, and what the reader validates.
+inline Options saved_options(const LinearRecord& saved) {
+  Options options;
+  options.eps = saved.eps;
+  options.decay = saved.decay;
+  options.normalize = saved.normalize;
+  options.scale = saved.scale;
+  if (saved.has_kernel_settings) {
+    options.check_finite = saved.check_finite;
+    options.chunk = static_cast<Eigen::Index>(saved.chunk);
+  }
+  return options;
+}
+
+/// The options a delta-rule record was saved with (the rest default).
+inline DeltaOptions saved_options(const DeltaRecord& saved) {
+  DeltaOptions options;
+  options.scale = saved.scale;
+  options.l2_normalize = saved.l2_normalize;
+  options.allow_negative_eigenvalues = saved.allow_negative_eigenvalues;
+  return options;
+}
+
 namespace record {
 
 /// The layouts the reader knows: format 4 and what came before it.
@@ -213,15 +237,7 @@ inline void check_linear(StateRecord& record, Layout layout, std::uint8_t normal
     throw Error(std::string(where) + ": invalid scale " + format_double(linear.scale) +
                 " (positive and finite)");
   }
-  Options options;
-  options.eps = linear.eps;
-  options.decay = linear.decay;
-  options.scale = linear.scale;
-  if (linear.has_kernel_settings) {
-    options.check_finite = linear.check_finite;
-    options.chunk = static_cast<Eigen::Index>(linear.chunk);
-  }
-  validate_options(options, where);
+  validate_options(saved_options(linear), where);
   // The format is canonical from format 2 on (one byte value per setting); 0.1.0 read != 0.
   if (normalize > 1 && layout != Layout::linear_v1) {
     throw Error(std::string(where) + ": invalid normalize byte " + std::to_string(normalize));
