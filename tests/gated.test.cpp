@@ -669,8 +669,7 @@ TEST_CASE("gated backward: threads give the one-thread gradients", "[gated][back
   }
 }
 
-TEMPLATE_TEST_CASE("gated: bad input throws linattn::Error and writes nothing", "[gated]", float,
-                   double) {
+TEMPLATE_TEST_CASE("gated: bad input throws linattn::Error and writes nothing", "[gated]", float) {
   using T = TestType;
   const Eigen::Index n = 10;
   const Problem<T> p(n, 1, 3);
@@ -755,8 +754,7 @@ TEMPLATE_TEST_CASE("gated: bad input throws linattn::Error and writes nothing", 
   CHECK_THROWS_AS(linattn::GatedRecurrentState<T>(0, kDv), linattn::Error);
 }
 
-TEMPLATE_TEST_CASE("gated state: a throwing call leaves the state unchanged", "[gated]", float,
-                   double) {
+TEMPLATE_TEST_CASE("gated state: a throwing call leaves the state unchanged", "[gated]", float) {
   using T = TestType;
   const Eigen::Index n = 20;
   const Problem<T> p(n, kC, 12);
@@ -1161,7 +1159,7 @@ TEMPLATE_TEST_CASE("gated bonus backward: matches a naive reverse mode, resets i
 }
 
 TEMPLATE_TEST_CASE("gated bonus backward: threads give the one-thread gradients",
-                   "[gated][backward][bonus]", float, double) {
+                   "[gated][backward][bonus]", float) {
   // 8192 tokens split across the sequence; only the order of the sums changes. Double: 1e-12
   // (1e-10 for the gates' long reverse sums); float: the same orders in float, 1e-5 and 1e-4.
   using T = TestType;
@@ -1198,7 +1196,7 @@ TEMPLATE_TEST_CASE("gated bonus backward: threads give the one-thread gradients"
 }
 
 TEMPLATE_TEST_CASE("gated bonus backward: bad input throws linattn::Error and writes nothing",
-                   "[gated][backward][bonus]", float, double) {
+                   "[gated][backward][bonus]", float) {
   using T = TestType;
   using Catch::Contains;
   const Eigen::Index n = 10;
@@ -1324,7 +1322,7 @@ TEMPLATE_TEST_CASE("gated bonus backward: one token is the bonus term alone",
 }
 
 TEMPLATE_TEST_CASE("gated backward: a workspace gives the allocating call's gradients, bit for bit",
-                   "[gated][backward][workspace]", float, double) {
+                   "[gated][backward][workspace]", float) {
   using T = TestType;
   linattn::BackwardWorkspace<T> workspace;
   for (const Eigen::Index n : {300, 17, 600}) {

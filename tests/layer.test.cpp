@@ -188,8 +188,8 @@ TEMPLATE_TEST_CASE("layer: forward equals prefill then token-by-token steps", "[
   }
 }
 
-TEMPLATE_TEST_CASE("layer: views over a fused QKV buffer equal contiguous heads", "[layer]", float,
-                   double) {
+TEMPLATE_TEST_CASE("layer: views over a fused QKV buffer equal contiguous heads", "[layer]",
+                   float) {
   using T = TestType;
   const Eigen::Index n = 100, d = kDk;  // one width for q, k and v in a fused projection
   // [B, N, 3, H, D]: per token, all query heads, then all key heads, then all value heads.
@@ -478,7 +478,7 @@ double transition_forward_vs_recurrent(const Map& map, Eigen::Index gate_dim, Ei
 }  // namespace
 
 TEMPLATE_TEST_CASE("layer: HeadDecays and gates, forward equals prefill then steps",
-                   "[layer][gated]", float, double) {
+                   "[layer][gated]", float) {
   using T = TestType;
   const Eigen::Index n = 600;
   double worst = 0.0;
@@ -577,7 +577,7 @@ Matrix<double> stacked(const A& a, const B& b, const C& c) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("layer: varlen prefill continues each packed prompt's states, then steps",
-                   "[layer][varlen]", float, double) {
+                   "[layer][varlen]", float) {
   using T = TestType;
   using Layer = LinearAttentionLayer<T, linattn::EluPlusOne>;
   // Prompts of 5, 0, 17 and 1 tokens packed along N, H = 3 heads: state s * H + h. Every state
@@ -816,7 +816,7 @@ TEMPLATE_TEST_CASE("layer: varlen prefill errors move no state", "[layer][varlen
 }
 
 TEMPLATE_TEST_CASE("layer: grouped heads, forward equals the matrix calls and prefill + steps",
-                   "[layer][grouped]", float, double) {
+                   "[layer][grouped]", float) {
   using T = TestType;
   const Eigen::Index n = 300, prompt = 129;
   const linattn::EluPlusOne elu;

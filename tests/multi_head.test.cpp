@@ -181,8 +181,8 @@ bool same_data(const std::vector<T>& a, const std::vector<T>& b) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("HeadsView addresses the documented layouts", "[multi_head][heads_view]", float,
-                   double) {
+TEMPLATE_TEST_CASE("HeadsView addresses the documented layouts", "[multi_head][heads_view]",
+                   float) {
   using T = TestType;
   const Eigen::Index B = 2, H = 3, N = 4, D = 5;
   std::vector<T> data(static_cast<std::size_t>(B * H * N * D));
@@ -283,7 +283,7 @@ TEMPLATE_TEST_CASE("views: every layout gives each head the plain routine's resu
 }
 
 TEMPLATE_TEST_CASE("views: softmax_attention_into gives each head softmax_attention",
-                   "[multi_head][softmax]", float, double) {
+                   "[multi_head][softmax]", float) {
   using T = TestType;
   const Eigen::Index B = 2, H = 2, N = 300;  // more than one key tile (256)
   Tally tally;
@@ -318,7 +318,7 @@ TEMPLATE_TEST_CASE("views: softmax_attention_into gives each head softmax_attent
 }
 
 TEMPLATE_TEST_CASE("views: a head stride of 0 shares k and v across heads (multi-query)",
-                   "[multi_head]", float, double) {
+                   "[multi_head]", float) {
   using T = TestType;
   const Eigen::Index B = 2, H = 4, N = 200;
   const Heads<T> q = random_heads<T>(Layout::bnhd, B, H, N, kDk, 1300);
@@ -365,7 +365,7 @@ TEMPLATE_TEST_CASE("views: a head stride of 0 shares k and v across heads (multi
 }
 
 TEMPLATE_TEST_CASE("varlen: packed sequences of uneven lengths equal one call per sequence",
-                   "[multi_head][varlen]", float, double) {
+                   "[multi_head][varlen]", float) {
   using T = TestType;
   // An empty first sequence, a length-1 one, another empty one, then 70, 5 and 190 tokens.
   const std::vector<std::int64_t> offsets = {0, 0, 1, 1, 71, 76, 266};
@@ -431,7 +431,7 @@ TEMPLATE_TEST_CASE("varlen: packed sequences of uneven lengths equal one call pe
 }
 
 TEMPLATE_TEST_CASE("threads: results do not depend on Options::threads", "[multi_head][threads]",
-                   float, double) {
+                   float) {
   using T = TestType;
 #ifdef _OPENMP
   WARN("_OPENMP is defined (" << _OPENMP << "): Options::threads runs OpenMP threads");
@@ -617,7 +617,7 @@ TEMPLATE_TEST_CASE("threads: results do not depend on Options::threads", "[multi
 }
 
 TEMPLATE_TEST_CASE("segments: a RecurrentStateBatch prefilled in segments equals one call",
-                   "[multi_head][state_batch][segments]", float, double) {
+                   "[multi_head][state_batch][segments]", float) {
   using T = TestType;
   const Eigen::Index B = 2, H = 2, N = 1000;
   const std::vector<std::vector<Eigen::Index>> splits = {{0, 333, 700, 1000}, {0, 512, 1000}};
@@ -690,7 +690,7 @@ TEMPLATE_TEST_CASE("segments: a RecurrentStateBatch prefilled in segments equals
 
 TEMPLATE_TEST_CASE(
     "segments: RecurrentState::prefill in segments with threads = 2 equals one call, N = 20000",
-    "[multi_head][segments][threads]", float, double) {
+    "[multi_head][segments][threads]", float) {
   using T = TestType;
   const Eigen::Index N = 20000;
   const std::vector<Eigen::Index> bounds = {0, 7000, 13001, 20000};  // each >= 2048: split
@@ -1225,7 +1225,7 @@ TEMPLATE_TEST_CASE("gated views: every layout and gate form gives each head the 
 }
 
 TEMPLATE_TEST_CASE("HeadDecays: RetNet's multi-scale decay in one call", "[multi_head][gated]",
-                   float, double) {
+                   float) {
   using T = TestType;
   const Eigen::Index B = 2, H = 4, N = 200;
   linattn::HeadDecays decays;
@@ -1272,7 +1272,7 @@ TEMPLATE_TEST_CASE("HeadDecays: RetNet's multi-scale decay in one call", "[multi
 }
 
 TEMPLATE_TEST_CASE("gated varlen: packed sequences with gates equal one call per sequence",
-                   "[multi_head][gated][varlen]", float, double) {
+                   "[multi_head][gated][varlen]", float) {
   using T = TestType;
   const std::vector<std::int64_t> offsets = {0, 0, 1, 71, 76, 266};
   const Eigen::Index H = 3, total = 266;
@@ -1320,7 +1320,7 @@ TEMPLATE_TEST_CASE("gated varlen: packed sequences with gates equal one call per
 }
 
 TEMPLATE_TEST_CASE("gated views: threads over heads and over one long sequence",
-                   "[multi_head][gated][threads]", float, double) {
+                   "[multi_head][gated][threads]", float) {
   using T = TestType;
   SECTION("16 heads: bit for bit") {
     const Eigen::Index B = 1, H = 16, N = 300;
@@ -1469,7 +1469,7 @@ TEMPLATE_TEST_CASE("token-major views: a bad value is named by its head and noth
 TEMPLATE_TEST_CASE(
     "grouped heads: output head h reads head h / (H / H_in) of each input, or "
     "h % H_in tiled",
-    "[multi_head][grouped]", float, double) {
+    "[multi_head][grouped]", float) {
   using T = TestType;
   // FLA's and HF's grouping (repeat_interleave): Qwen3-Next's fewer q/k heads than v heads, and
   // grouped-query / multi-query attention's fewer k/v heads than q heads; and ggml's
@@ -1659,7 +1659,7 @@ TEMPLATE_TEST_CASE("bonus views: every layout gives each head the matrix call an
 }
 
 TEMPLATE_TEST_CASE("bonus views: varlen sequences, threads, and one long head on two threads",
-                   "[multi_head][gated][bonus][threads]", float, double) {
+                   "[multi_head][gated][bonus][threads]", float) {
   using T = TestType;
   const Eigen::Index H = 2, total = 2400;
   const std::vector<std::int64_t> offsets = {0, 37, 37, 1300, total};
@@ -1755,7 +1755,7 @@ TEMPLATE_TEST_CASE("bonus views: bad u and options throw before anything is writ
 // Non-causal cross-attention on views: N_q queries over N_k keys and values.
 
 TEMPLATE_TEST_CASE("cross views: N_q queries over N_k keys give each head the matrix call",
-                   "[multi_head][cross]", float, double) {
+                   "[multi_head][cross]", float) {
   using T = TestType;
   const Eigen::Index B = 2, H = 4;
   Tally tally;

@@ -283,7 +283,7 @@ TEMPLATE_TEST_CASE("save and load round-trip bit for bit and continue the sequen
 }
 
 TEMPLATE_TEST_CASE("load rejects every truncation and every flipped byte",
-                   "[recurrent_state][persistence][errors]", float, double) {
+                   "[recurrent_state][persistence][errors]", float) {
   using T = TestType;
   RecurrentState<T> state(3, 2);
   const linattn::EluPlusOne map;
@@ -693,7 +693,7 @@ TEMPLATE_TEST_CASE("save(os, map) and load(is, map, options) round-trip every ki
 }
 
 TEMPLATE_TEST_CASE("load(is, map, options) names the option that differs",
-                   "[recurrent_state][persistence][errors]", float, double) {
+                   "[recurrent_state][persistence][errors]", float) {
   using T = TestType;
   linattn::Options saved;
   saved.decay = 0.5;
@@ -736,7 +736,7 @@ TEMPLATE_TEST_CASE("load(is, map, options) names the option that differs",
 }
 
 TEMPLATE_TEST_CASE("load(is, map, options) names the map setting that differs",
-                   "[recurrent_state][persistence][errors]", float, double) {
+                   "[recurrent_state][persistence][errors]", float) {
   using T = TestType;
   const linattn::Options options;
   const Eigen::Index dk = 4, dv = 2;
@@ -830,7 +830,7 @@ TEMPLATE_TEST_CASE("load(is, map, options) names the map setting that differs",
 }
 
 TEMPLATE_TEST_CASE("save(os, map) refuses a map that does not fit the state, writing nothing",
-                   "[recurrent_state][persistence][errors]", float, double) {
+                   "[recurrent_state][persistence][errors]", float) {
   using T = TestType;
   const RecurrentState<T> state(5, 2);
   std::ostringstream os;
@@ -1064,7 +1064,7 @@ TEST_CASE("format-3 and format-2 files of earlier releases load with their exact
 }
 
 TEMPLATE_TEST_CASE("an empty or unreadable stream says so",
-                   "[recurrent_state][persistence][errors]", float, double) {
+                   "[recurrent_state][persistence][errors]", float) {
   using T = TestType;
   std::istringstream empty;
   CHECK_THROWS_WITH(RecurrentState<T>::load_unchecked(empty),

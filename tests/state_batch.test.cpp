@@ -146,7 +146,7 @@ int states_moved(const RecurrentStateBatch<T>& batch,
 }  // namespace
 
 TEMPLATE_TEST_CASE("batch steps equal per-session RecurrentState steps bit for bit",
-                   "[state_batch]", float, double) {
+                   "[state_batch]", float) {
   using T = TestType;
   const Eigen::Index count = 6, steps = 40;
   int differing = 0, rows = 0;
@@ -244,7 +244,7 @@ TEMPLATE_TEST_CASE("a batch step that throws moves no state", "[state_batch][err
 }
 
 TEMPLATE_TEST_CASE("prefill_into equals a per-head RecurrentState::prefill, then steps continue",
-                   "[state_batch][prefill]", float, double) {
+                   "[state_batch][prefill]", float) {
   using T = TestType;
   const Eigen::Index B = 2, H = 3, N = 300, steps = 25;
   int differing = 0, compared = 0;
@@ -545,7 +545,7 @@ bool same_gated_state(const RecurrentState<T>& a, const RecurrentState<T>& b) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("gated batch steps equal per-session gated steps bit for bit",
-                   "[state_batch][gated]", float, double) {
+                   "[state_batch][gated]", float) {
   using T = TestType;
   const Eigen::Index count = 5, steps = 30;
   int differing = 0, rows = 0;
@@ -582,7 +582,7 @@ TEMPLATE_TEST_CASE("gated batch steps equal per-session gated steps bit for bit"
 }
 
 TEMPLATE_TEST_CASE("gated prefill_into equals a per-head gated prefill, then gated steps continue",
-                   "[state_batch][gated][prefill]", float, double) {
+                   "[state_batch][gated][prefill]", float) {
   using T = TestType;
   const Eigen::Index B = 2, H = 2, N = 200, steps = 10;
   for (const Kind kind : {Kind::featurized, Kind::elu, Kind::prf}) {
@@ -734,7 +734,7 @@ TEMPLATE_TEST_CASE("a batch step or prefill with another transition than a state
 }
 
 TEMPLATE_TEST_CASE("bonus batch: steps and a prefill from views equal per-state bonus calls",
-                   "[state_batch][gated][bonus]", float, double) {
+                   "[state_batch][gated][bonus]", float) {
   using T = TestType;
   using Catch::Contains;
   // H = 2 heads of B = 3 sequences: state b * H + h reads row h of u (R = H rows).
@@ -1040,7 +1040,7 @@ TEMPLATE_TEST_CASE("varlen prefill continues each packed prompt's states as per-
 }
 
 TEMPLATE_TEST_CASE("gated varlen prefill continues each packed prompt's states",
-                   "[state_batch][gated][prefill][varlen]", float, double) {
+                   "[state_batch][gated][prefill][varlen]", float) {
   using T = TestType;
   const Eigen::Index H = 2, count = kVarlenSequences * H, pre = 2;
   const std::uint64_t step_seed = 7600;
@@ -1163,7 +1163,7 @@ TEMPLATE_TEST_CASE("gated varlen prefill continues each packed prompt's states",
 }
 
 TEMPLATE_TEST_CASE("bonus varlen prefill continues each packed prompt's states",
-                   "[state_batch][gated][bonus][varlen]", float, double) {
+                   "[state_batch][gated][bonus][varlen]", float) {
   using T = TestType;
   // RWKV-6: state s * H + h reads row h of u; two bonus steps first, then the packed prompts.
   const Eigen::Index H = 2, count = kVarlenSequences * H, pre = 2;
@@ -1537,7 +1537,7 @@ TEMPLATE_TEST_CASE("delta batch: steps equal per-state steps bit for bit and the
 }
 
 TEMPLATE_TEST_CASE("delta batch: prefill from views continues each state as its own prefill",
-                   "[state_batch][delta_rule]", float, double) {
+                   "[state_batch][delta_rule]", float) {
   using T = TestType;
   const Eigen::Index B = 2, H = 4, Hqk = 2, count = B * H, N = 45;
   const Eigen::Index gate_cols = GENERATE(Eigen::Index(0), Eigen::Index(1), kDk);
@@ -1625,7 +1625,7 @@ TEMPLATE_TEST_CASE("delta batch: prefill from views continues each state as its 
 }
 
 TEMPLATE_TEST_CASE("delta batch: varlen prefill continues each packed prompt's states",
-                   "[state_batch][delta_rule]", float, double) {
+                   "[state_batch][delta_rule]", float) {
   using T = TestType;
   // Three prompts of 7, 0 and 30 tokens packed along N; H = 2 value heads over one q/k head
   // (grouped); states s * H + h. Every state first takes a step of its own.
