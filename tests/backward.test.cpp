@@ -452,7 +452,7 @@ TEST_CASE("mapped backward says when exponential features overflow the accumulat
 }
 
 TEMPLATE_TEST_CASE("backward with a workspace gives the allocating call's gradients, bit for bit",
-                   "[backward][workspace]", float) {
+                   "[backward][workspace]", float, double) {
   using T = TestType;
   constexpr Eigen::Index c = 16, dv = 12;
   linattn::BackwardWorkspace<T> workspace;

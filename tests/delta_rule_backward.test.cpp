@@ -632,7 +632,7 @@ TEST_CASE("the delta rule's backward: chunk, layouts, _into and the accumulation
 TEMPLATE_TEST_CASE(
     "the delta rule's backward with a workspace gives the allocating call's "
     "gradients, bit for bit, and holds the size it documents",
-    "[delta_rule_backward][workspace]", float) {
+    "[delta_rule_backward][workspace]", float, double) {
   using T = TestType;
   constexpr Eigen::Index dk = 12, dv = 10;
   linattn::DeltaBackwardWorkspace<T> workspace;

@@ -478,7 +478,7 @@ double transition_forward_vs_recurrent(const Map& map, Eigen::Index gate_dim, Ei
 }  // namespace
 
 TEMPLATE_TEST_CASE("layer: HeadDecays and gates, forward equals prefill then steps",
-                   "[layer][gated]", float) {
+                   "[layer][gated]", float, double) {
   using T = TestType;
   const Eigen::Index n = 600;
   double worst = 0.0;
@@ -577,7 +577,7 @@ Matrix<double> stacked(const A& a, const B& b, const C& c) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("layer: varlen prefill continues each packed prompt's states, then steps",
-                   "[layer][varlen]", float) {
+                   "[layer][varlen]", float, double) {
   using T = TestType;
   using Layer = LinearAttentionLayer<T, linattn::EluPlusOne>;
   // Prompts of 5, 0, 17 and 1 tokens packed along N, H = 3 heads: state s * H + h. Every state

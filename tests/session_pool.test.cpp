@@ -207,7 +207,7 @@ TEMPLATE_TEST_CASE("pool steps equal each session stepped alone across adds, dro
 
 TEMPLATE_TEST_CASE(
     "pool: a delta-rule prefill of some sessions equals a batch of them, others untouched",
-    "[session_pool][delta_rule]", float) {
+    "[session_pool][delta_rule]", float, double) {
   using T = TestType;
   using Batch = DeltaRuleStateBatch<T>;
   using State = DeltaRuleState<T>;
@@ -341,7 +341,7 @@ TEMPLATE_TEST_CASE("pool: equal-length engine prefill of new sessions equals a b
 }
 
 TEMPLATE_TEST_CASE("pool: a session saved and loaded continues bit for bit", "[session_pool][io]",
-                   float) {
+                   float, double) {
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
   SessionPool<Batch> pool(decay_layer<T>(), gated_layer<T>());
@@ -466,7 +466,7 @@ TEMPLATE_TEST_CASE("pool errors name what was wrong and change nothing", "[sessi
 }
 
 TEMPLATE_TEST_CASE("pool: a packed engine prefill of some sessions equals a batch of them",
-                   "[session_pool][varlen]", float) {
+                   "[session_pool][varlen]", float, double) {
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
   SessionPool<Batch> pool(gated_layer<T>());
@@ -518,7 +518,7 @@ TEMPLATE_TEST_CASE("pool: a packed engine prefill of some sessions equals a batc
 }
 
 TEMPLATE_TEST_CASE("pool: a whole session as one blob, added back in place or refused whole",
-                   "[session_pool][io]", float) {
+                   "[session_pool][io]", float, double) {
   using T = TestType;
   using Batch = RecurrentStateBatch<T>;
   using Catch::Matchers::Contains;

@@ -816,8 +816,7 @@ TEMPLATE_TEST_CASE("bonus batch: steps and a prefill from views equal per-state 
               v[1].template cast<double>(), g[1].template cast<double>(),
               u.row(1).transpose().template cast<double>(), options.scale, h);
           const Matrix<T> got = view(od, kDv).head(0, 1);
-          CHECK(linattn_test::relative_error(got, expected) <=
-                (std::is_same_v<T, float> ? 2e-5 : 1e-12));
+          CHECK(linattn_test::relative_error(got, expected) <= 2e-5);
         }
       }
     }
@@ -1040,7 +1039,7 @@ TEMPLATE_TEST_CASE("varlen prefill continues each packed prompt's states as per-
 }
 
 TEMPLATE_TEST_CASE("gated varlen prefill continues each packed prompt's states",
-                   "[state_batch][gated][prefill][varlen]", float) {
+                   "[state_batch][gated][prefill][varlen]", float, double) {
   using T = TestType;
   const Eigen::Index H = 2, count = kVarlenSequences * H, pre = 2;
   const std::uint64_t step_seed = 7600;
@@ -1163,7 +1162,7 @@ TEMPLATE_TEST_CASE("gated varlen prefill continues each packed prompt's states",
 }
 
 TEMPLATE_TEST_CASE("bonus varlen prefill continues each packed prompt's states",
-                   "[state_batch][gated][bonus][varlen]", float) {
+                   "[state_batch][gated][bonus][varlen]", float, double) {
   using T = TestType;
   // RWKV-6: state s * H + h reads row h of u; two bonus steps first, then the packed prompts.
   const Eigen::Index H = 2, count = kVarlenSequences * H, pre = 2;
@@ -1625,7 +1624,7 @@ TEMPLATE_TEST_CASE("delta batch: prefill from views continues each state as its 
 }
 
 TEMPLATE_TEST_CASE("delta batch: varlen prefill continues each packed prompt's states",
-                   "[state_batch][delta_rule]", float) {
+                   "[state_batch][delta_rule]", float, double) {
   using T = TestType;
   // Three prompts of 7, 0 and 30 tokens packed along N; H = 2 value heads over one q/k head
   // (grouped); states s * H + h. Every state first takes a step of its own.
