@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: MIT
-// linattn::compiled: the kernels (chunked, streamed, stepped; both families) that accumulate in
-// double.
+// linattn::compiled: the kernels (chunked, streamed, stepped, backward; both families) that
+// accumulate in double.
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
+#include <linattn/detail/gradient_stream.hpp>
 
 #define LINATTN_DEFINE_DOUBLE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(template, T, O)
 LINATTN_DEFINE_DOUBLE_KERNELS(double, double)
@@ -21,3 +22,5 @@ LINATTN_DEFINE_DOUBLE_DELTA_KERNELS(double, Eigen::bfloat16)
 LINATTN_STREAM_INSTANCES(template, double)
 LINATTN_DELTA_STEP_INSTANCES(template, double)
 LINATTN_DELTA_BACKWARD_INSTANCES(template, double)
+// The linear/gated engine's backward: its two streamed passes and their thread split.
+LINATTN_GRADIENT_INSTANCES(template, double)

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: MIT
-// linattn::compiled: the kernels (chunked, streamed, stepped; both families) that accumulate in
-// float.
+// linattn::compiled: the kernels (chunked, streamed, stepped, backward; both families) that
+// accumulate in float.
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
+#include <linattn/detail/gradient_stream.hpp>
 
 #define LINATTN_DEFINE_FLOAT_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(template, T, O)
 LINATTN_DEFINE_FLOAT_KERNELS(float, float)
@@ -19,3 +20,5 @@ LINATTN_DEFINE_FLOAT_DELTA_KERNELS(float, Eigen::bfloat16)
 LINATTN_STREAM_INSTANCES(template, float)
 LINATTN_DELTA_STEP_INSTANCES(template, float)
 LINATTN_DELTA_BACKWARD_INSTANCES(template, float)
+// The linear/gated engine's backward: its two streamed passes and their thread split.
+LINATTN_GRADIENT_INSTANCES(template, float)

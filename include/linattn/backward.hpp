@@ -105,11 +105,9 @@ void require_gradient_shape(const Out& grad, Eigen::Index rows, Eigen::Index col
   }
 }
 
-/// The causal backward on validated inputs: the fused two-pass stream (GradientStream), in
-/// Acc, over q and k as features (Identity) or through `map` chunk by chunk, with `gates`
-/// (their log rows) or Options::decay moving the state, and `scratch` (or buffers of its own)
-/// as its workspace; a long sequence is split across Options::threads. Options::scale s
-/// multiplies phi_q.
+/// The causal backward on validated inputs: causal_backward_rows over q and k as features
+/// (Identity) or through `map` chunk by chunk, with `gates` (their log rows) or Options::decay
+/// moving the state, and `scratch` (or buffers of its own) as its workspace.
 template <class Acc, class DQ, class DK, class DV, class DG, class OutQ, class OutK, class OutV,
           class Map = Identity>
 void causal_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -117,106 +115,14 @@ void causal_backward(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>
                      OutQ&& grad_q, OutK&& grad_k, OutV&& grad_v, const Options& options,
                      const SequenceGates* gates = nullptr, GradientScratch<Acc>* scratch = nullptr,
                      const Map& map = {}, const char* where = "") {
-  using Features = FeatureChunks<Acc, DQ, DK, Map>;
-  const Eigen::Index n = v.rows();
+  using Source =
+      GradientSourceOf<Acc, DQ, DK, DV, DG, std::remove_reference_t<OutQ>,
+                       std::remove_reference_t<OutK>, std::remove_reference_t<OutV>, Map>;
+  const Source source(q.derived(), k.derived(), v.derived(), grad_out.derived(), grad_q, grad_k,
+                      grad_v, map);
   const Eigen::Index feature_dim = is_identity_map<Map> ? q.cols() : map.feature_dim(q.cols());
-  const LogRows* logs = gates != nullptr ? &gates->logs() : nullptr;
-  GradientScratch<Acc> own;
-  GradientScratch<Acc>& first = scratch != nullptr ? *scratch : own;
-  const Features features(q.derived(), k.derived(), map);
-  const int threads = resolve_threads(options);
-  const Eigen::Index parts = std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
-  if (parts < 2) {
-    GradientStream<Acc> stream(feature_dim, v.cols(), options, logs, first, first, n);
-    features.require_finite(stream.chunk(), where);
-    stream.forward_pass(features, v, grad_out, grad_q, 0, n);
-    stream.state().setZero();
-    stream.z().setZero();
-    stream.reversed_pass(features, v, grad_out, grad_k, grad_v, 0, n);
-    return;
-  }
-  // One long sequence on several threads, each pass as the forward's driver does it: a short
-  // first segment (the last, for the reversed pass) streams while the others are absorbed
-  // (one product a piece); a prefix (suffix) through each segment's transition gives every
-  // later segment its starting state; then they stream, a thread each.
-  const SerialEigenScope serial_eigen;
-  const Eigen::Index chunk =
-      GradientStream<Acc>(feature_dim, v.cols(), options, logs, first, first, n).chunk();
-  features.require_finite(chunk, where);
-  const std::vector<Eigen::Index> bounds =
-      segment_bounds(n, static_cast<int>(parts), chunk, kBackwardAbsorbCost);
-  const Eigen::Index segments = static_cast<Eigen::Index>(bounds.size()) - 1;
-  std::vector<GradientScratch<Acc>> scratches(static_cast<std::size_t>(segments - 1));
-  std::vector<GradientStream<Acc>> streams;
-  streams.reserve(static_cast<std::size_t>(segments));
-  for (Eigen::Index s = 0; s < segments; ++s) {
-    streams.emplace_back(feature_dim, v.cols(), options, logs,
-                         s == 0 ? first : scratches[static_cast<std::size_t>(s - 1)], first, n);
-  }
-  std::vector<Matrix<Acc>> xs(static_cast<std::size_t>(segments));
-  std::vector<Vector<Acc>> zs(static_cast<std::size_t>(segments));
-  std::vector<Eigen::Array<double, 1, Eigen::Dynamic>> moved(static_cast<std::size_t>(segments));
-  // Segments are counted in streaming order i (the reversed pass from the last): segment(i)
-  // is the stream that runs it, [begin_of(i), end_of(i)) its rows (bounds mirrored).
-  auto run_pass = [&](bool reversed) {
-    auto segment = [&](Eigen::Index i) { return reversed ? segments - 1 - i : i; };
-    auto begin_of = [&](Eigen::Index i) {
-      return reversed ? n - bounds[static_cast<std::size_t>(i + 1)]
-                      : bounds[static_cast<std::size_t>(i)];
-    };
-    auto end_of = [&](Eigen::Index i) {
-      return reversed ? n - bounds[static_cast<std::size_t>(i)]
-                      : bounds[static_cast<std::size_t>(i + 1)];
-    };
-    auto pass = [&](Eigen::Index i, bool absorb_only) {
-      const Features own(q.derived(), k.derived(), map);
-      GradientStream<Acc>& stream = streams[static_cast<std::size_t>(segment(i))];
-      if (reversed) {
-        stream.reversed_pass(own, v, grad_out, grad_k, grad_v, begin_of(i), end_of(i), absorb_only);
-      } else {
-        stream.forward_pass(own, v, grad_out, grad_q, begin_of(i), end_of(i), absorb_only);
-      }
-    };
-    for (GradientStream<Acc>& stream : streams) {
-      stream.state().setZero();
-      stream.z().setZero();
-    }
-    parallel_for(segments - 1, static_cast<int>(segments - 1),
-                 [&](Eigen::Index i) { pass(i, i > 0); });
-    for (Eigen::Index i = 1; i + 1 < segments; ++i) {
-      GradientStream<Acc>& local = streams[static_cast<std::size_t>(segment(i))];
-      const auto at = static_cast<std::size_t>(i);
-      xs[at] = local.state();
-      zs[at] = local.z();
-      moved[at] = local.total();
-    }
-    for (Eigen::Index i = 1; i + 1 < segments; ++i) {
-      // The state entering segment i + 1: segment i's start moved across it, plus its sums.
-      const GradientStream<Acc>& before = streams[static_cast<std::size_t>(segment(i - 1))];
-      GradientStream<Acc>& into = streams[static_cast<std::size_t>(segment(i))];
-      const auto at = static_cast<std::size_t>(i);
-      if (i == 1) {
-        into.state() = before.state();  // segment 0 streamed: its final state
-        into.z() = before.z();
-      }
-      GradientStream<Acc>& next = streams[static_cast<std::size_t>(segment(i + 1))];
-      const Eigen::Array<double, 1, Eigen::Dynamic>& log_moved = moved[at];
-      if (log_moved.size() == 1) {
-        const Acc factor = static_cast<Acc>(std::exp(log_moved(0)));
-        next.state() = into.state() * factor + xs[at];
-        next.z() = into.z() * factor + zs[at];
-      } else {
-        const Eigen::Array<Acc, Eigen::Dynamic, 1> factor =
-            log_moved.transpose().exp().template cast<Acc>();
-        next.state() = (into.state().array().colwise() * factor).matrix() + xs[at];
-        next.z() = (into.z().array() * factor).matrix() + zs[at];
-      }
-    }
-    parallel_for(segments - 1, static_cast<int>(segments - 1),
-                 [&](Eigen::Index i) { pass(i + 1, false); });
-  };
-  run_pass(false);
-  run_pass(true);
+  causal_backward_rows<Acc>(source, v.rows(), feature_dim, v.cols(), options,
+                            gates != nullptr ? &gates->logs() : nullptr, scratch, where);
 }
 
 /// The non-causal backward on validated inputs: five GEMMs through C x (Dv + 1) sums.

@@ -11,6 +11,7 @@
 #include <limits>
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
+#include <linattn/detail/parallel.hpp>
 #include <linattn/detail/stream.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/gates.hpp>
@@ -49,46 +50,94 @@ InputRows<Acc> input_rows(const Eigen::MatrixBase<Derived>& x, Eigen::Index begi
   }
 }
 
-/// The features the gradient stream reads, a chunk at a time: q and k themselves (Identity),
-/// or a map's features of them, recomputed in Acc for each pass, whose gradients the map's
-/// backward carries back to q and k chunk by chunk (a feature map acts on each token alone).
-template <class Acc, class DQ, class DK, class Map>
-class FeatureChunks {
+/// The operands of a sequence's causal backward, as the gradient stream reads them.
+enum class GradientOperand { q, k, v, grad_out };
+
+/// The inputs and gradients of one sequence's causal backward behind one interface, so that
+/// the passes and their thread split (causal_backward_rows) are compiled once per Acc: rows of
+/// phi_q, phi_k (q and k themselves, or a map's features of them, recomputed in Acc for each
+/// pass), v and grad_out a chunk at a time, and the gradients' rows stored back (a map's
+/// backward carries them to q and k chunk by chunk: a feature map acts on each token alone).
+/// `buffer` and `raw` belong to the calling stream, so one source serves every thread.
+template <class Acc>
+class GradientSource {
  public:
-  FeatureChunks(const DQ& q, const DK& k, const Map& map) : q_(q), k_(k), map_(map) {}
-
-  /// Rows [begin, begin + len) of phi_q (`buffer`: chunk x C, used unless read in place).
-  InputRows<Acc> queries(Eigen::Index begin, Eigen::Index len, Eigen::Index chunk,
-                         Matrix<Acc>& buffer) const {
-    return features(q_, begin, len, chunk, buffer, false);
-  }
-  /// Rows [begin, begin + len) of phi_k.
-  InputRows<Acc> keys(Eigen::Index begin, Eigen::Index len, Eigen::Index chunk,
-                      Matrix<Acc>& buffer) const {
-    return features(k_, begin, len, chunk, buffer, true);
-  }
-  /// grad_q rows [begin, begin + len) from the rows of d loss / d phi_q in `grad`.
-  template <class Out>
-  void store_queries(const Matrix<Acc>& grad, Eigen::Index begin, Eigen::Index len,
-                     Out& out) const {
-    store(q_, grad, begin, len, out);
-  }
-  /// grad_k rows [begin, begin + len) from the rows of d loss / d phi_k in `grad`.
-  template <class Out>
-  void store_keys(const Matrix<Acc>& grad, Eigen::Index begin, Eigen::Index len, Out& out) const {
-    store(k_, grad, begin, len, out);
-  }
-
+  virtual ~GradientSource() = default;
+  /// Rows [begin, begin + len) of an operand: in place when they are Acc rows in memory, else
+  /// in `buffer` (chunk x width, sized on first use); `raw` holds a chunk of q or k for a map.
+  virtual InputRows<Acc> rows(GradientOperand operand, Eigen::Index begin, Eigen::Index len,
+                              Eigen::Index chunk, Matrix<Acc>& buffer, Matrix<Acc>& raw) const = 0;
+  /// Gradient rows [begin, begin + len) of q, k or v from d loss / d phi_q, d phi_k or d v in
+  /// the first len rows of `grad`.
+  virtual void store(GradientOperand operand, const Matrix<Acc>& grad, Eigen::Index begin,
+                     Eigen::Index len, Matrix<Acc>& raw) const = 0;
   /// Throws unless every feature is finite (unscaled exponential features can overflow where
   /// the forward's stabiliser does not): a map's features, chunk by chunk, before any gradient
   /// is written, unless the map declares finite_features.
-  void require_finite(Eigen::Index chunk, const char* where) const {
+  virtual void require_finite(Eigen::Index chunk, const char* where) const = 0;
+
+ protected:
+  GradientSource() = default;
+  GradientSource(const GradientSource&) = default;
+  GradientSource& operator=(const GradientSource&) = default;
+};
+
+/// The GradientSource of a causal backward's matrices: q and k (features for Identity), v,
+/// grad_out, and the gradients grad_q, grad_k, grad_v (any row-addressable outputs).
+template <class Acc, class DQ, class DK, class DV, class DG, class OutQ, class OutK, class OutV,
+          class Map>
+class GradientSourceOf final : public GradientSource<Acc> {
+ public:
+  GradientSourceOf(const DQ& q, const DK& k, const DV& v, const DG& grad_out, OutQ& grad_q,
+                   OutK& grad_k, OutV& grad_v, const Map& map)
+      : q_(q),
+        k_(k),
+        v_(v),
+        grad_out_(grad_out),
+        grad_q_(grad_q),
+        grad_k_(grad_k),
+        grad_v_(grad_v),
+        map_(map) {}
+
+  InputRows<Acc> rows(GradientOperand operand, Eigen::Index begin, Eigen::Index len,
+                      Eigen::Index chunk, Matrix<Acc>& buffer, Matrix<Acc>& raw) const override {
+    switch (operand) {
+      case GradientOperand::q:
+        return features(q_, begin, len, chunk, buffer, raw, false);
+      case GradientOperand::k:
+        return features(k_, begin, len, chunk, buffer, raw, true);
+      case GradientOperand::v:
+        return input_rows<Acc>(v_, begin, len, chunk, buffer);
+      case GradientOperand::grad_out:
+        break;
+    }
+    return input_rows<Acc>(grad_out_, begin, len, chunk, buffer);
+  }
+
+  void store(GradientOperand operand, const Matrix<Acc>& grad, Eigen::Index begin, Eigen::Index len,
+             Matrix<Acc>& raw) const override {
+    switch (operand) {
+      case GradientOperand::q:
+        store_features(q_, grad, begin, len, raw, grad_q_);
+        return;
+      case GradientOperand::k:
+        store_features(k_, grad, begin, len, raw, grad_k_);
+        return;
+      case GradientOperand::v:
+      case GradientOperand::grad_out:
+        break;
+    }
+    auto rows = grad_v_.middleRows(begin, len);
+    store_rows<typename OutV::Scalar>(grad, len, rows);
+  }
+
+  void require_finite(Eigen::Index chunk, const char* where) const override {
     if constexpr (!is_identity_map<Map> && !has_finite_features<Map>::value) {
-      Matrix<Acc> buffer;
+      Matrix<Acc> buffer, raw;
       for (int keys = 0; keys < 2; ++keys) {
         for (Eigen::Index begin = 0; begin < q_.rows(); begin += chunk) {
           const Eigen::Index len = std::min(chunk, q_.rows() - begin);
-          features(keys ? k_ : q_, begin, len, chunk, buffer, keys != 0);
+          features(keys ? k_ : q_, begin, len, chunk, buffer, raw, keys != 0);
           if (!buffer.topRows(len).allFinite()) {
             throw Error(std::string(where) + ": the feature map overflows " +
                         (std::is_same_v<Acc, float> ? "float" : "double") + " on " +
@@ -107,43 +156,50 @@ class FeatureChunks {
  private:
   template <class X>
   InputRows<Acc> features(const X& x, Eigen::Index begin, Eigen::Index len, Eigen::Index chunk,
-                          Matrix<Acc>& buffer, bool keys) const {
+                          Matrix<Acc>& buffer, Matrix<Acc>& raw, bool keys) const {
     if constexpr (is_identity_map<Map>) {
+      static_cast<void>(raw);
       static_cast<void>(keys);
       return input_rows<Acc>(x, begin, len, chunk, buffer);
     } else {
       fit_buffer(buffer, chunk, map_.feature_dim(x.cols()));
-      raw_ = x.middleRows(begin, len).template cast<Acc>();
+      raw = x.middleRows(begin, len).template cast<Acc>();
       if constexpr (has_queries_into<Map, Acc>::value && has_keys_into<Map, Acc>::value) {
         if (keys) {
-          map_.keys_into(raw_, buffer.topRows(len));
+          map_.keys_into(raw, buffer.topRows(len));
         } else {
-          map_.queries_into(raw_, buffer.topRows(len));
+          map_.queries_into(raw, buffer.topRows(len));
         }
       } else {
-        buffer.topRows(len) = keys ? map_.keys(raw_) : map_.queries(raw_);
+        buffer.topRows(len) = keys ? map_.keys(raw) : map_.queries(raw);
       }
       return {buffer.data(), buffer.cols()};
     }
   }
 
   template <class X, class Out>
-  void store(const X& x, const Matrix<Acc>& grad, Eigen::Index begin, Eigen::Index len,
-             Out& out) const {
+  void store_features(const X& x, const Matrix<Acc>& grad, Eigen::Index begin, Eigen::Index len,
+                      Matrix<Acc>& raw, Out& out) const {
     using O = typename Out::Scalar;
     if constexpr (is_identity_map<Map>) {
+      static_cast<void>(x);
+      static_cast<void>(raw);
       auto rows = out.middleRows(begin, len);
       store_rows<O>(grad, len, rows);
     } else {
-      raw_ = x.middleRows(begin, len).template cast<Acc>();
-      out.middleRows(begin, len) = map_.backward(raw_, grad.topRows(len)).template cast<O>();
+      raw = x.middleRows(begin, len).template cast<Acc>();
+      out.middleRows(begin, len) = map_.backward(raw, grad.topRows(len)).template cast<O>();
     }
   }
 
   const DQ& q_;
   const DK& k_;
+  const DV& v_;
+  const DG& grad_out_;
+  OutQ& grad_q_;
+  OutK& grad_k_;
+  OutV& grad_v_;
   const Map& map_;
-  mutable Matrix<Acc> raw_;  ///< a chunk of raw q or k, for the map
 };
 
 /// Scratch memory of the fused backward: the per-token factors the reversed pass reads from
@@ -228,92 +284,16 @@ class GradientStream {
   const Eigen::Array<double, 1, Eigen::Dynamic>& total() const { return total_; }
 
   /// The forward pass over tokens [first, last) from the carried state: grad_q rows = d loss /
-  /// d q (through `features`), and the factors of the reversed pass. With `absorb_only`, the
-  /// state moves over the tokens (one product a piece) and nothing is written; total() is
-  /// their log transition.
-  template <class Features, class DV, class DG, class Out>
-  void forward_pass(const Features& features, const Eigen::MatrixBase<DV>& v,
-                    const Eigen::MatrixBase<DG>& grad_out, Out& grad_q, Eigen::Index first,
-                    Eigen::Index last, bool absorb_only = false) {
-    total_.setZero();
-    for (Eigen::Index begin = first; begin < last; begin += chunk_) {
-      const Eigen::Index len = std::min(chunk_, last - begin);
-      const InputRows<Acc> rk = features.keys(begin, len, chunk_, buf_.k);
-      const InputRows<Acc> rv = input_rows<Acc>(v, begin, len, chunk_, buf_.v);
-      for (Eigen::Index u = 0; u < len; ++u) load_lambda(u, begin + u);
-      if (absorb_only) {
-        for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
-          const InputRows<Acc> a = weighted(rk, p, 1, m, buf_.weight, buf_.weighted_a);
-          absorb_rows(at(a, p), nullptr, at(rv, p), nullptr, m);
-        });
-        continue;
-      }
-      const InputRows<Acc> rq = features.queries(begin, len, chunk_, buf_.q);
-      const InputRows<Acc> rg = input_rows<Acc>(grad_out, begin, len, chunk_, buf_.g);
-      buf_.horiz.topRows(len).setZero();
-      for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
-        const InputRows<Acc> a = weighted(rk, p, 1, m, buf_.weight, buf_.weighted_a);
-        const InputRows<Acc> c =
-            width_ > 1 ? weighted(rq, p, 1, m, buf_.lift, buf_.weighted_c) : rq;
-        // No column readout: grad_out . num_t is q_t . (S_t grad_out_t), a row readout's dot.
-        run(at(a, p), {&one_, 0}, at(rv, p), InputRows<Acc>{nullptr, 0}, at(rg, p), p, m, 1);
-        for (Eigen::Index u = p; u < p + m; ++u) finish_query_row(u, begin + u, a, c, rq);
-      });
-      features.store_queries(buf_.horiz, begin, len, grad_q);
-    }
-  }
+  /// d q, and the factors of the reversed pass. With `absorb_only`, the state moves over the
+  /// tokens (one product a piece) and nothing is written; total() is their log transition.
+  void forward_pass(const GradientSource<Acc>& source, Eigen::Index first, Eigen::Index last,
+                    bool absorb_only = false);
 
   /// The reversed pass over tokens [first, last), from the last, from the carried state (dS
-  /// after token last - 1 moved on, 0 at the sequence's end): grad_k (through `features`) and
-  /// grad_v rows, after forward_pass wrote the tokens' factors. `absorb_only` as above.
-  template <class Features, class DV, class DG, class OutK, class OutV>
-  void reversed_pass(const Features& features, const Eigen::MatrixBase<DV>& v,
-                     const Eigen::MatrixBase<DG>& grad_out, OutK& grad_k, OutV& grad_v,
-                     Eigen::Index first, Eigen::Index last, bool absorb_only = false) {
-    total_.setZero();
-    const Eigen::Index chunks = (last - first + chunk_ - 1) / chunk_;
-    for (Eigen::Index chunk = chunks - 1; chunk >= 0; --chunk) {
-      const Eigen::Index begin = first + chunk * chunk_;
-      const Eigen::Index len = std::min(chunk_, last - begin);
-      const InputRows<Acc> rq = features.queries(begin, len, chunk_, buf_.q);
-      const InputRows<Acc> rg = input_rows<Acc>(grad_out, begin, len, chunk_, buf_.g);
-      // Processing order u runs from the chunk's last row; token t is moved by A_{t+1}.
-      for (Eigen::Index u = 0; u < len; ++u) {
-        const Eigen::Index t = begin + len - 1 - u;
-        load_lambda(u, t + 1);
-      }
-      const Acc* inv = factors_.inv.data() + begin;
-      if (absorb_only) {
-        for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
-          const Eigen::Index top = len - 1 - p;
-          const InputRows<Acc> a = weighted(rq, top, -1, m, buf_.weight, buf_.weighted_a, p);
-          const Eigen::Index low = top - m + 1;  // the piece's rows are [low, top]
-          absorb_rows(at(a, low), inv + low, at(rg, low),
-                      options_.normalize ? factors_.gden.data() + begin + low : nullptr, m);
-        });
-        continue;
-      }
-      const InputRows<Acc> rk = features.keys(begin, len, chunk_, buf_.k);
-      const InputRows<Acc> rv = input_rows<Acc>(v, begin, len, chunk_, buf_.v);
-      buf_.horiz.topRows(len).setZero();
-      buf_.vert.topRows(len).setZero();
-      for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
-        // Processing steps p..p+m-1 are the chunk's rows len-1-p down to len-p-m.
-        const Eigen::Index top = len - 1 - p;
-        const InputRows<Acc> a = weighted(rq, top, -1, m, buf_.weight, buf_.weighted_a, p);
-        const InputRows<Acc> c =
-            width_ > 1 ? weighted(rk, top, -1, m, buf_.lift, buf_.weighted_c, p) : rk;
-        // The update's factor s / d_t of each token: G_t = s grad_out_t / d_t, read in place.
-        run(at(a, top), {inv + top, 1}, at(rg, top), at(c, top), at(rv, top), top, m, -1);
-        for (Eigen::Index u = p; u < p + m; ++u) {
-          finish_key_row(u, len - 1 - u, begin + len - 1 - u, a);
-        }
-      });
-      features.store_keys(buf_.horiz, begin, len, grad_k);
-      auto rows_v = grad_v.middleRows(begin, len);
-      store_rows<typename OutV::Scalar>(buf_.vert, len, rows_v);
-    }
-  }
+  /// after token last - 1 moved on, 0 at the sequence's end): grad_k and grad_v rows, after
+  /// forward_pass wrote the tokens' factors. `absorb_only` as above.
+  void reversed_pass(const GradientSource<Acc>& source, Eigen::Index first, Eigen::Index last,
+                     bool absorb_only = false);
 
  private:
   static constexpr double kRange = kStreamLogRange<Acc>;
@@ -519,6 +499,208 @@ class GradientStream {
   Eigen::Array<double, 1, Eigen::Dynamic> total_;  ///< the last absorb's log transition
   GradientScratch<Acc>& buf_;
   GradientScratch<Acc>& factors_;
+  Matrix<Acc> raw_;  ///< a chunk of raw q or k, for a map's features and backward
 };
 
+template <class Acc>
+void GradientStream<Acc>::forward_pass(const GradientSource<Acc>& source, Eigen::Index first,
+                                       Eigen::Index last, bool absorb_only) {
+  total_.setZero();
+  for (Eigen::Index begin = first; begin < last; begin += chunk_) {
+    const Eigen::Index len = std::min(chunk_, last - begin);
+    const InputRows<Acc> rk = source.rows(GradientOperand::k, begin, len, chunk_, buf_.k, raw_);
+    const InputRows<Acc> rv = source.rows(GradientOperand::v, begin, len, chunk_, buf_.v, raw_);
+    for (Eigen::Index u = 0; u < len; ++u) load_lambda(u, begin + u);
+    if (absorb_only) {
+      for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
+        const InputRows<Acc> a = weighted(rk, p, 1, m, buf_.weight, buf_.weighted_a);
+        absorb_rows(at(a, p), nullptr, at(rv, p), nullptr, m);
+      });
+      continue;
+    }
+    const InputRows<Acc> rq = source.rows(GradientOperand::q, begin, len, chunk_, buf_.q, raw_);
+    const InputRows<Acc> rg =
+        source.rows(GradientOperand::grad_out, begin, len, chunk_, buf_.g, raw_);
+    buf_.horiz.topRows(len).setZero();
+    for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
+      const InputRows<Acc> a = weighted(rk, p, 1, m, buf_.weight, buf_.weighted_a);
+      const InputRows<Acc> c = width_ > 1 ? weighted(rq, p, 1, m, buf_.lift, buf_.weighted_c) : rq;
+      // No column readout: grad_out . num_t is q_t . (S_t grad_out_t), a row readout's dot.
+      run(at(a, p), {&one_, 0}, at(rv, p), InputRows<Acc>{nullptr, 0}, at(rg, p), p, m, 1);
+      for (Eigen::Index u = p; u < p + m; ++u) finish_query_row(u, begin + u, a, c, rq);
+    });
+    source.store(GradientOperand::q, buf_.horiz, begin, len, raw_);
+  }
+}
+
+template <class Acc>
+void GradientStream<Acc>::reversed_pass(const GradientSource<Acc>& source, Eigen::Index first,
+                                        Eigen::Index last, bool absorb_only) {
+  total_.setZero();
+  const Eigen::Index chunks = (last - first + chunk_ - 1) / chunk_;
+  for (Eigen::Index chunk = chunks - 1; chunk >= 0; --chunk) {
+    const Eigen::Index begin = first + chunk * chunk_;
+    const Eigen::Index len = std::min(chunk_, last - begin);
+    const InputRows<Acc> rq = source.rows(GradientOperand::q, begin, len, chunk_, buf_.q, raw_);
+    const InputRows<Acc> rg =
+        source.rows(GradientOperand::grad_out, begin, len, chunk_, buf_.g, raw_);
+    // Processing order u runs from the chunk's last row; token t is moved by A_{t+1}.
+    for (Eigen::Index u = 0; u < len; ++u) {
+      const Eigen::Index t = begin + len - 1 - u;
+      load_lambda(u, t + 1);
+    }
+    const Acc* inv = factors_.inv.data() + begin;
+    if (absorb_only) {
+      for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
+        const Eigen::Index top = len - 1 - p;
+        const InputRows<Acc> a = weighted(rq, top, -1, m, buf_.weight, buf_.weighted_a, p);
+        const Eigen::Index low = top - m + 1;  // the piece's rows are [low, top]
+        absorb_rows(at(a, low), inv + low, at(rg, low),
+                    options_.normalize ? factors_.gden.data() + begin + low : nullptr, m);
+      });
+      continue;
+    }
+    const InputRows<Acc> rk = source.rows(GradientOperand::k, begin, len, chunk_, buf_.k, raw_);
+    const InputRows<Acc> rv = source.rows(GradientOperand::v, begin, len, chunk_, buf_.v, raw_);
+    buf_.horiz.topRows(len).setZero();
+    buf_.vert.topRows(len).setZero();
+    for_each_piece(len, [&](Eigen::Index p, Eigen::Index m) {
+      // Processing steps p..p+m-1 are the chunk's rows len-1-p down to len-p-m.
+      const Eigen::Index top = len - 1 - p;
+      const InputRows<Acc> a = weighted(rq, top, -1, m, buf_.weight, buf_.weighted_a, p);
+      const InputRows<Acc> c =
+          width_ > 1 ? weighted(rk, top, -1, m, buf_.lift, buf_.weighted_c, p) : rk;
+      // The update's factor s / d_t of each token: G_t = s grad_out_t / d_t, read in place.
+      run(at(a, top), {inv + top, 1}, at(rg, top), at(c, top), at(rv, top), top, m, -1);
+      for (Eigen::Index u = p; u < p + m; ++u) {
+        finish_key_row(u, len - 1 - u, begin + len - 1 - u, a);
+      }
+    });
+    source.store(GradientOperand::k, buf_.horiz, begin, len, raw_);
+    source.store(GradientOperand::v, buf_.vert, begin, len, raw_);
+  }
+}
+
+/// The causal backward of one sequence of n tokens on validated inputs: the fused two-pass
+/// stream over `source`, in Acc, with `logs` (N x G log gates) or Options::decay moving the
+/// state, and `scratch` (or buffers of its own) as its workspace; a long sequence is split
+/// across Options::threads. Options::scale s multiplies phi_q. Compiled once per Acc; the
+/// compiled mode (LINATTN_COMPILED) instantiates it in the library.
+template <class Acc>
+void causal_backward_rows(const GradientSource<Acc>& source, Eigen::Index n,
+                          Eigen::Index feature_dim, Eigen::Index value_dim, const Options& options,
+                          const LogRows* logs, GradientScratch<Acc>* scratch, const char* where) {
+  GradientScratch<Acc> own;
+  GradientScratch<Acc>& first = scratch != nullptr ? *scratch : own;
+  const int threads = resolve_threads(options);
+  const Eigen::Index parts = std::min<Eigen::Index>(threads, n / kMinRowsPerThread);
+  if (parts < 2) {
+    GradientStream<Acc> stream(feature_dim, value_dim, options, logs, first, first, n);
+    source.require_finite(stream.chunk(), where);
+    stream.forward_pass(source, 0, n);
+    stream.state().setZero();
+    stream.z().setZero();
+    stream.reversed_pass(source, 0, n);
+    return;
+  }
+  // One long sequence on several threads, each pass as the forward's driver does it: a short
+  // first segment (the last, for the reversed pass) streams while the others are absorbed
+  // (one product a piece); a prefix (suffix) through each segment's transition gives every
+  // later segment its starting state; then they stream, a thread each.
+  const SerialEigenScope serial_eigen;
+  const Eigen::Index chunk =
+      GradientStream<Acc>(feature_dim, value_dim, options, logs, first, first, n).chunk();
+  source.require_finite(chunk, where);
+  const std::vector<Eigen::Index> bounds =
+      segment_bounds(n, static_cast<int>(parts), chunk, kBackwardAbsorbCost);
+  const Eigen::Index segments = static_cast<Eigen::Index>(bounds.size()) - 1;
+  std::vector<GradientScratch<Acc>> scratches(static_cast<std::size_t>(segments - 1));
+  std::vector<GradientStream<Acc>> streams;
+  streams.reserve(static_cast<std::size_t>(segments));
+  for (Eigen::Index s = 0; s < segments; ++s) {
+    streams.emplace_back(feature_dim, value_dim, options, logs,
+                         s == 0 ? first : scratches[static_cast<std::size_t>(s - 1)], first, n);
+  }
+  std::vector<Matrix<Acc>> xs(static_cast<std::size_t>(segments));
+  std::vector<Vector<Acc>> zs(static_cast<std::size_t>(segments));
+  std::vector<Eigen::Array<double, 1, Eigen::Dynamic>> moved(static_cast<std::size_t>(segments));
+  // Segments are counted in streaming order i (the reversed pass from the last): segment(i)
+  // is the stream that runs it, [begin_of(i), end_of(i)) its rows (bounds mirrored).
+  auto run_pass = [&](bool reversed) {
+    auto segment = [&](Eigen::Index i) { return reversed ? segments - 1 - i : i; };
+    auto begin_of = [&](Eigen::Index i) {
+      return reversed ? n - bounds[static_cast<std::size_t>(i + 1)]
+                      : bounds[static_cast<std::size_t>(i)];
+    };
+    auto end_of = [&](Eigen::Index i) {
+      return reversed ? n - bounds[static_cast<std::size_t>(i)]
+                      : bounds[static_cast<std::size_t>(i + 1)];
+    };
+    auto pass = [&](Eigen::Index i, bool absorb_only) {
+      GradientStream<Acc>& stream = streams[static_cast<std::size_t>(segment(i))];
+      if (reversed) {
+        stream.reversed_pass(source, begin_of(i), end_of(i), absorb_only);
+      } else {
+        stream.forward_pass(source, begin_of(i), end_of(i), absorb_only);
+      }
+    };
+    for (GradientStream<Acc>& stream : streams) {
+      stream.state().setZero();
+      stream.z().setZero();
+    }
+    parallel_for(segments - 1, static_cast<int>(segments - 1),
+                 [&](Eigen::Index i) { pass(i, i > 0); });
+    for (Eigen::Index i = 1; i + 1 < segments; ++i) {
+      GradientStream<Acc>& local = streams[static_cast<std::size_t>(segment(i))];
+      const auto at = static_cast<std::size_t>(i);
+      xs[at] = local.state();
+      zs[at] = local.z();
+      moved[at] = local.total();
+    }
+    for (Eigen::Index i = 1; i + 1 < segments; ++i) {
+      // The state entering segment i + 1: segment i's start moved across it, plus its sums.
+      const GradientStream<Acc>& before = streams[static_cast<std::size_t>(segment(i - 1))];
+      GradientStream<Acc>& into = streams[static_cast<std::size_t>(segment(i))];
+      const auto at = static_cast<std::size_t>(i);
+      if (i == 1) {
+        into.state() = before.state();  // segment 0 streamed: its final state
+        into.z() = before.z();
+      }
+      GradientStream<Acc>& next = streams[static_cast<std::size_t>(segment(i + 1))];
+      const Eigen::Array<double, 1, Eigen::Dynamic>& log_moved = moved[at];
+      if (log_moved.size() == 1) {
+        const Acc factor = static_cast<Acc>(std::exp(log_moved(0)));
+        next.state() = into.state() * factor + xs[at];
+        next.z() = into.z() * factor + zs[at];
+      } else {
+        const Eigen::Array<Acc, Eigen::Dynamic, 1> factor =
+            log_moved.transpose().exp().template cast<Acc>();
+        next.state() = (into.state().array().colwise() * factor).matrix() + xs[at];
+        next.z() = (into.z().array() * factor).matrix() + zs[at];
+      }
+    }
+    parallel_for(segments - 1, static_cast<int>(segments - 1),
+                 [&](Eigen::Index i) { pass(i + 1, false); });
+  };
+  run_pass(false);
+  run_pass(true);
+}
+
 }  // namespace linattn::detail
+
+/// The compiled mode's instances of the causal backward, one accumulation type T each;
+/// `prefix` is `extern template` (every TU that defines LINATTN_COMPILED) or `template` (the
+/// library).
+#define LINATTN_GRADIENT_INSTANCES(prefix, T)                                              \
+  prefix class linattn::detail::GradientStream<T>;                                         \
+  prefix void linattn::detail::causal_backward_rows<T>(                                    \
+      const linattn::detail::GradientSource<T>&, Eigen::Index, Eigen::Index, Eigen::Index, \
+      const linattn::Options&, const linattn::detail::LogRows*,                            \
+      linattn::detail::GradientScratch<T>*, const char*);
+
+#ifdef LINATTN_COMPILED
+#define LINATTN_DECLARE_GRADIENT_KERNELS(T) LINATTN_GRADIENT_INSTANCES(extern template, T)
+LINATTN_DECLARE_GRADIENT_KERNELS(float)
+LINATTN_DECLARE_GRADIENT_KERNELS(double)
+#undef LINATTN_DECLARE_GRADIENT_KERNELS
+#endif
