@@ -5,6 +5,7 @@
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
 #include <linattn/detail/gradient_stream.hpp>
+#include <linattn/softmax.hpp>
 
 #define LINATTN_DEFINE_DOUBLE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(template, T, O)
 LINATTN_DEFINE_DOUBLE_KERNELS(double, double)
@@ -24,3 +25,5 @@ LINATTN_DELTA_STEP_INSTANCES(template, double)
 LINATTN_DELTA_BACKWARD_INSTANCES(template, double)
 // The linear/gated engine's backward: its two streamed passes and their thread split.
 LINATTN_GRADIENT_INSTANCES(template, double)
+// The softmax baseline's tiles, forward and backward.
+LINATTN_SOFTMAX_INSTANCES(template, double)

@@ -5,6 +5,7 @@
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
 #include <linattn/detail/gradient_stream.hpp>
+#include <linattn/softmax.hpp>
 
 #define LINATTN_DEFINE_FLOAT_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(template, T, O)
 LINATTN_DEFINE_FLOAT_KERNELS(float, float)
@@ -22,3 +23,5 @@ LINATTN_DELTA_STEP_INSTANCES(template, float)
 LINATTN_DELTA_BACKWARD_INSTANCES(template, float)
 // The linear/gated engine's backward: its two streamed passes and their thread split.
 LINATTN_GRADIENT_INSTANCES(template, float)
+// The softmax baseline's tiles, forward and backward.
+LINATTN_SOFTMAX_INSTANCES(template, float)

@@ -42,6 +42,15 @@ void validate_softmax_inputs(const Eigen::MatrixBase<DQ>& q, const Eigen::Matrix
   validate_sequence(q, k, v, options, where, "q", "k");
 }
 
+/// Rows the softmax tiles read: row-major, rows anywhere in memory (a matrix, a block of one, a
+/// head of a [B, H, N, D] view). Other inputs (column-major, strided entries, expressions) are
+/// copied once into such rows when the call binds them.
+template <class T>
+using SoftmaxRows = Eigen::Ref<const Matrix<T>, 0, Eigen::OuterStride<>>;
+/// Rows the softmax forward writes: any row-major rows, entries at any stride (a view's head).
+template <class T>
+using SoftmaxOut = Eigen::Ref<Matrix<T>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>>;
+
 /// Online-softmax attention over tiles of queries and keys. Only key tiles that a query tile
 /// can see are visited: [window_begin(i), i] for every query i. Memory O(tile * (tile + Dv)).
 template <class T>
@@ -61,73 +70,15 @@ class TiledSoftmax {
 
   /// @param window  keys j with i - window < j <= i are seen (causal), or all keys when
   ///                window <= 0 and causal is false.
-  template <class DQ, class DK, class DV, class OutRef>
-  void run(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-           const Eigen::MatrixBase<DV>& v, T scale, bool causal, Eigen::Index window, OutRef out) {
-    const Eigen::Index n = q.rows();
-    for (Eigen::Index qb = 0; qb < n; qb += kQueryTile) {
-      const Eigen::Index qlen = std::min(kQueryTile, n - qb);
-      attend(q, k, v, scale, causal, window, qb, qlen);
-      for (Eigen::Index r = 0; r < qlen; ++r) out.row(qb + r) = acc_.row(r) / row_sum_(r);
-    }
-  }
+  void run(const SoftmaxRows<T>& q, const SoftmaxRows<T>& k, const SoftmaxRows<T>& v, T scale,
+           bool causal, Eigen::Index window, SoftmaxOut<T> out);
 
   /// Query rows [qb, qb + qlen), qlen <= kQueryTile, against every key they see. Leaves, in
   /// the first qlen rows, the unnormalised output in acc(), the running maximum of the scaled
   /// logits in row_max() and the sum of exp(logit - row_max) in row_sum(); the output is
   /// acc / row_sum and the logsumexp row_max + log(row_sum).
-  template <class DQ, class DK, class DV>
-  void attend(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-              const Eigen::MatrixBase<DV>& v, T scale, bool causal, Eigen::Index window,
-              Eigen::Index qb, Eigen::Index qlen) {
-    const Eigen::Index n = q.rows();
-    const T minus_inf = -std::numeric_limits<T>::infinity();
-    Eigen::Ref<Matrix<T>> queries = q_.topRows(qlen);
-    queries = q.middleRows(qb, qlen) * scale;  // fold the scale into q once
-    Eigen::Ref<Matrix<T>> acc = acc_.topRows(qlen);
-    acc.setZero();
-    row_max_.head(qlen).setConstant(minus_inf);
-    row_sum_.head(qlen).setZero();
-    // Keys visible to this tile: [first, last).
-    const Eigen::Index last = causal ? qb + qlen : n;
-    const Eigen::Index first =
-        (causal && window > 0) ? std::max<Eigen::Index>(0, qb - window + 1) : 0;
-    for (Eigen::Index kb = first; kb < last; kb += kKeyTile) {
-      const Eigen::Index klen = std::min(kKeyTile, last - kb);
-      k_.topRows(klen) = k.middleRows(kb, klen);
-      v_.topRows(klen) = v.middleRows(kb, klen);
-      Eigen::Ref<Matrix<T>> scores = scores_.topLeftCorner(qlen, klen);
-      scores.noalias() = queries * k_.topRows(klen).transpose();
-      // Mask keys outside [i - window + 1, i] where the tile straddles an edge.
-      if (causal) {
-        const bool crosses_diagonal = kb + klen > qb;
-        const bool crosses_window = window > 0 && kb < qb + qlen - window;
-        if (crosses_diagonal || crosses_window) {
-          for (Eigen::Index r = 0; r < qlen; ++r) {
-            const Eigen::Index i = qb + r;
-            for (Eigen::Index c = 0; c < klen; ++c) {
-              const Eigen::Index j = kb + c;
-              if (j > i || (window > 0 && j <= i - window)) scores(r, c) = minus_inf;
-            }
-          }
-        }
-      }
-      for (Eigen::Index r = 0; r < qlen; ++r) {
-        const T tile_max = scores.row(r).maxCoeff();
-        const T new_max = std::max(row_max_(r), tile_max);
-        if (new_max == minus_inf) {  // nothing visible to this query yet
-          scores.row(r).setZero();
-          continue;
-        }
-        const T rescale = std::exp(row_max_(r) - new_max);
-        scores.row(r) = (scores.row(r).array() - new_max).exp().matrix();
-        row_sum_(r) = row_sum_(r) * rescale + scores.row(r).sum();
-        acc.row(r) *= rescale;
-        row_max_(r) = new_max;
-      }
-      acc.noalias() += scores * v_.topRows(klen);
-    }
-  }
+  void attend(const SoftmaxRows<T>& q, const SoftmaxRows<T>& k, const SoftmaxRows<T>& v, T scale,
+              bool causal, Eigen::Index window, Eigen::Index qb, Eigen::Index qlen);
 
   /// kQueryTile x Dv; see attend.
   const Matrix<T>& acc() const { return acc_; }
@@ -166,79 +117,150 @@ class TiledSoftmaxBackward {
 
   /// Writes every row of grad_q, grad_k (N x Dk) and grad_v (N x Dv); they may not alias the
   /// inputs.
-  template <class DQ, class DK, class DV, class DO>
-  void run(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-           const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& dout, T scale, bool causal,
-           Eigen::Ref<Matrix<T>> grad_q, Eigen::Ref<Matrix<T>> grad_k,
-           Eigen::Ref<Matrix<T>> grad_v) {
-    const Eigen::Index n = q.rows();
-    const T minus_inf = -std::numeric_limits<T>::infinity();
-    statistics(q, k, v, dout, scale, causal);
-    grad_q.setZero();
-    // Key tiles outside, so dK_j and dV_j stay in a tile buffer; dQ_i accumulates in place.
-    for (Eigen::Index kb = 0; kb < n; kb += kKeyTile) {
-      const Eigen::Index klen = std::min(kKeyTile, n - kb);
-      // The scale goes on the keys: S = Q (sK)^T and dQ = dS (sK) take it for free, and dK =
-      // s dS^T Q takes it once per key tile instead of once per pair.
-      k_.topRows(klen) = k.middleRows(kb, klen) * scale;
-      v_.topRows(klen) = v.middleRows(kb, klen);
-      dk_.topRows(klen).setZero();
-      dv_.topRows(klen).setZero();
-      const Eigen::Index first = causal ? kb / kQueryTile * kQueryTile : 0;
-      for (Eigen::Index qb = first; qb < n; qb += kQueryTile) {
-        const Eigen::Index qlen = std::min(kQueryTile, n - qb);
-        // Causal: keys after this tile's last query are masked in every row, so they are left
-        // out of the products rather than computed and zeroed.
-        const Eigen::Index kcols = causal ? std::min(klen, qb + qlen - kb) : klen;
-        Eigen::Ref<Matrix<T>> queries = q_.topRows(qlen);
-        Eigen::Ref<Matrix<T>> douts = dout_.topRows(qlen);
-        queries = q.middleRows(qb, qlen);
-        douts = dout.middleRows(qb, qlen);
-        const Eigen::Ref<const Matrix<T>> keys = k_.topRows(kcols);
-        const Eigen::Ref<const Matrix<T>> values = v_.topRows(kcols);
-        Eigen::Ref<Matrix<T>> p = p_.topLeftCorner(qlen, kcols);
-        Eigen::Ref<Matrix<T>> ds = ds_.topLeftCorner(qlen, kcols);
-        p.noalias() = queries * keys.transpose();
-        if (causal && kb + kcols - 1 > qb) {  // the tile crosses the diagonal
-          for (Eigen::Index r = 0; r < qlen; ++r) {
-            const Eigen::Index visible = std::clamp<Eigen::Index>(qb + r - kb + 1, 0, kcols);
-            p.row(r).tail(kcols - visible).setConstant(minus_inf);
-          }
-        }
-        p = (p.array().colwise() - lse_.segment(qb, qlen).array()).exp().matrix();
-        dv_.topRows(kcols).noalias() += p.transpose() * douts;
-        ds.noalias() = douts * values.transpose();  // dP
-        ds = (p.array() * (ds.array().colwise() - delta_.segment(qb, qlen).array())).matrix();
-        grad_q.middleRows(qb, qlen).noalias() += ds * keys;
-        dk_.topRows(kcols).noalias() += ds.transpose() * queries;
-      }
-      grad_k.middleRows(kb, klen) = dk_.topRows(klen) * scale;
-      grad_v.middleRows(kb, klen) = dv_.topRows(klen);
-    }
-  }
+  void run(const SoftmaxRows<T>& q, const SoftmaxRows<T>& k, const SoftmaxRows<T>& v,
+           const SoftmaxRows<T>& dout, T scale, bool causal, Eigen::Ref<Matrix<T>> grad_q,
+           Eigen::Ref<Matrix<T>> grad_k, Eigen::Ref<Matrix<T>> grad_v);
 
  private:
   /// L_i = log sum_j exp(S_ij) and D_i = dO_i . O_i for every row, one query tile at a time.
-  template <class DQ, class DK, class DV, class DO>
-  void statistics(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                  const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DO>& dout, T scale,
-                  bool causal) {
-    const Eigen::Index n = q.rows();
-    for (Eigen::Index qb = 0; qb < n; qb += TiledSoftmax<T>::kQueryTile) {
-      const Eigen::Index qlen = std::min(TiledSoftmax<T>::kQueryTile, n - qb);
-      forward_.attend(q, k, v, scale, causal, 0, qb, qlen);
-      for (Eigen::Index r = 0; r < qlen; ++r) {
-        const T sum = forward_.row_sum()(r);
-        lse_(qb + r) = forward_.row_max()(r) + std::log(sum);
-        delta_(qb + r) = dout.row(qb + r).dot(forward_.acc().row(r)) / sum;
-      }
-    }
-  }
+  void statistics(const SoftmaxRows<T>& q, const SoftmaxRows<T>& k, const SoftmaxRows<T>& v,
+                  const SoftmaxRows<T>& dout, T scale, bool causal);
 
   TiledSoftmax<T> forward_;
   Vector<T> lse_, delta_;                          // N
   Matrix<T> q_, dout_, k_, v_, p_, ds_, dk_, dv_;  // tiles
 };
+
+template <class T>
+void TiledSoftmax<T>::run(const SoftmaxRows<T>& q, const SoftmaxRows<T>& k, const SoftmaxRows<T>& v,
+                          T scale, bool causal, Eigen::Index window, SoftmaxOut<T> out) {
+  const Eigen::Index n = q.rows();
+  for (Eigen::Index qb = 0; qb < n; qb += kQueryTile) {
+    const Eigen::Index qlen = std::min(kQueryTile, n - qb);
+    attend(q, k, v, scale, causal, window, qb, qlen);
+    for (Eigen::Index r = 0; r < qlen; ++r) out.row(qb + r) = acc_.row(r) / row_sum_(r);
+  }
+}
+
+template <class T>
+void TiledSoftmax<T>::attend(const SoftmaxRows<T>& q, const SoftmaxRows<T>& k,
+                             const SoftmaxRows<T>& v, T scale, bool causal, Eigen::Index window,
+                             Eigen::Index qb, Eigen::Index qlen) {
+  const Eigen::Index n = q.rows();
+  const T minus_inf = -std::numeric_limits<T>::infinity();
+  Eigen::Ref<Matrix<T>> queries = q_.topRows(qlen);
+  queries = q.middleRows(qb, qlen) * scale;  // fold the scale into q once
+  Eigen::Ref<Matrix<T>> acc = acc_.topRows(qlen);
+  acc.setZero();
+  row_max_.head(qlen).setConstant(minus_inf);
+  row_sum_.head(qlen).setZero();
+  // Keys visible to this tile: [first, last).
+  const Eigen::Index last = causal ? qb + qlen : n;
+  const Eigen::Index first =
+      (causal && window > 0) ? std::max<Eigen::Index>(0, qb - window + 1) : 0;
+  for (Eigen::Index kb = first; kb < last; kb += kKeyTile) {
+    const Eigen::Index klen = std::min(kKeyTile, last - kb);
+    k_.topRows(klen) = k.middleRows(kb, klen);
+    v_.topRows(klen) = v.middleRows(kb, klen);
+    Eigen::Ref<Matrix<T>> scores = scores_.topLeftCorner(qlen, klen);
+    scores.noalias() = queries * k_.topRows(klen).transpose();
+    // Mask keys outside [i - window + 1, i] where the tile straddles an edge.
+    if (causal) {
+      const bool crosses_diagonal = kb + klen > qb;
+      const bool crosses_window = window > 0 && kb < qb + qlen - window;
+      if (crosses_diagonal || crosses_window) {
+        for (Eigen::Index r = 0; r < qlen; ++r) {
+          const Eigen::Index i = qb + r;
+          for (Eigen::Index c = 0; c < klen; ++c) {
+            const Eigen::Index j = kb + c;
+            if (j > i || (window > 0 && j <= i - window)) scores(r, c) = minus_inf;
+          }
+        }
+      }
+    }
+    for (Eigen::Index r = 0; r < qlen; ++r) {
+      const T tile_max = scores.row(r).maxCoeff();
+      const T new_max = std::max(row_max_(r), tile_max);
+      if (new_max == minus_inf) {  // nothing visible to this query yet
+        scores.row(r).setZero();
+        continue;
+      }
+      const T rescale = std::exp(row_max_(r) - new_max);
+      scores.row(r) = (scores.row(r).array() - new_max).exp().matrix();
+      row_sum_(r) = row_sum_(r) * rescale + scores.row(r).sum();
+      acc.row(r) *= rescale;
+      row_max_(r) = new_max;
+    }
+    acc.noalias() += scores * v_.topRows(klen);
+  }
+}
+
+template <class T>
+void TiledSoftmaxBackward<T>::run(const SoftmaxRows<T>& q, const SoftmaxRows<T>& k,
+                                  const SoftmaxRows<T>& v, const SoftmaxRows<T>& dout, T scale,
+                                  bool causal, Eigen::Ref<Matrix<T>> grad_q,
+                                  Eigen::Ref<Matrix<T>> grad_k, Eigen::Ref<Matrix<T>> grad_v) {
+  const Eigen::Index n = q.rows();
+  const T minus_inf = -std::numeric_limits<T>::infinity();
+  statistics(q, k, v, dout, scale, causal);
+  grad_q.setZero();
+  // Key tiles outside, so dK_j and dV_j stay in a tile buffer; dQ_i accumulates in place.
+  for (Eigen::Index kb = 0; kb < n; kb += kKeyTile) {
+    const Eigen::Index klen = std::min(kKeyTile, n - kb);
+    // The scale goes on the keys: S = Q (sK)^T and dQ = dS (sK) take it for free, and dK =
+    // s dS^T Q takes it once per key tile instead of once per pair.
+    k_.topRows(klen) = k.middleRows(kb, klen) * scale;
+    v_.topRows(klen) = v.middleRows(kb, klen);
+    dk_.topRows(klen).setZero();
+    dv_.topRows(klen).setZero();
+    const Eigen::Index first = causal ? kb / kQueryTile * kQueryTile : 0;
+    for (Eigen::Index qb = first; qb < n; qb += kQueryTile) {
+      const Eigen::Index qlen = std::min(kQueryTile, n - qb);
+      // Causal: keys after this tile's last query are masked in every row, so they are left
+      // out of the products rather than computed and zeroed.
+      const Eigen::Index kcols = causal ? std::min(klen, qb + qlen - kb) : klen;
+      Eigen::Ref<Matrix<T>> queries = q_.topRows(qlen);
+      Eigen::Ref<Matrix<T>> douts = dout_.topRows(qlen);
+      queries = q.middleRows(qb, qlen);
+      douts = dout.middleRows(qb, qlen);
+      const Eigen::Ref<const Matrix<T>> keys = k_.topRows(kcols);
+      const Eigen::Ref<const Matrix<T>> values = v_.topRows(kcols);
+      Eigen::Ref<Matrix<T>> p = p_.topLeftCorner(qlen, kcols);
+      Eigen::Ref<Matrix<T>> ds = ds_.topLeftCorner(qlen, kcols);
+      p.noalias() = queries * keys.transpose();
+      if (causal && kb + kcols - 1 > qb) {  // the tile crosses the diagonal
+        for (Eigen::Index r = 0; r < qlen; ++r) {
+          const Eigen::Index visible = std::clamp<Eigen::Index>(qb + r - kb + 1, 0, kcols);
+          p.row(r).tail(kcols - visible).setConstant(minus_inf);
+        }
+      }
+      p = (p.array().colwise() - lse_.segment(qb, qlen).array()).exp().matrix();
+      dv_.topRows(kcols).noalias() += p.transpose() * douts;
+      ds.noalias() = douts * values.transpose();  // dP
+      ds = (p.array() * (ds.array().colwise() - delta_.segment(qb, qlen).array())).matrix();
+      grad_q.middleRows(qb, qlen).noalias() += ds * keys;
+      dk_.topRows(kcols).noalias() += ds.transpose() * queries;
+    }
+    grad_k.middleRows(kb, klen) = dk_.topRows(klen) * scale;
+    grad_v.middleRows(kb, klen) = dv_.topRows(klen);
+  }
+}
+
+template <class T>
+void TiledSoftmaxBackward<T>::statistics(const SoftmaxRows<T>& q, const SoftmaxRows<T>& k,
+                                         const SoftmaxRows<T>& v, const SoftmaxRows<T>& dout,
+                                         T scale, bool causal) {
+  const Eigen::Index n = q.rows();
+  for (Eigen::Index qb = 0; qb < n; qb += TiledSoftmax<T>::kQueryTile) {
+    const Eigen::Index qlen = std::min(TiledSoftmax<T>::kQueryTile, n - qb);
+    forward_.attend(q, k, v, scale, causal, 0, qb, qlen);
+    for (Eigen::Index r = 0; r < qlen; ++r) {
+      const T sum = forward_.row_sum()(r);
+      lse_(qb + r) = forward_.row_max()(r) + std::log(sum);
+      delta_(qb + r) = dout.row(qb + r).dot(forward_.acc().row(r)) / sum;
+    }
+  }
+}
 
 }  // namespace detail
 
@@ -279,7 +301,9 @@ Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& q,
 /// Gradients of softmax_attention: given dO = d loss / d out, writes d loss / d q, k and v. The
 /// FlashAttention-2 algorithm on tiles (Eigen GEMMs, one thread): it recomputes the softmax
 /// statistics rather than taking them from the forward, and allocates O(N + tile * (tile + Dk
-/// + Dv)), never an N x N buffer. Causal mode skips the tiles above the diagonal.
+/// + Dv)), never an N x N buffer (an input that is not row-major rows in memory, such as a
+/// column-major matrix or an expression, is first copied once). Causal mode skips the tiles
+/// above the diagonal.
 /// @param q         N x Dk queries
 /// @param k         N x Dk keys
 /// @param v         N x Dv values
@@ -605,3 +629,16 @@ class SlidingWindowCache {
 };
 
 }  // namespace linattn
+
+/// The compiled mode's instances of the softmax tiles, one scalar type T each; `prefix` is
+/// `extern template` (every TU that defines LINATTN_COMPILED) or `template` (the library).
+#define LINATTN_SOFTMAX_INSTANCES(prefix, T)     \
+  prefix class linattn::detail::TiledSoftmax<T>; \
+  prefix class linattn::detail::TiledSoftmaxBackward<T>;
+
+#ifdef LINATTN_COMPILED
+#define LINATTN_DECLARE_SOFTMAX_KERNELS(T) LINATTN_SOFTMAX_INSTANCES(extern template, T)
+LINATTN_DECLARE_SOFTMAX_KERNELS(float)
+LINATTN_DECLARE_SOFTMAX_KERNELS(double)
+#undef LINATTN_DECLARE_SOFTMAX_KERNELS
+#endif
