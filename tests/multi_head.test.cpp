@@ -283,7 +283,7 @@ TEMPLATE_TEST_CASE("views: every layout gives each head the plain routine's resu
 }
 
 TEMPLATE_TEST_CASE("views: softmax_attention_into gives each head softmax_attention",
-                   "[multi_head][softmax]", float) {
+                   "[multi_head][softmax]", float, double) {
   using T = TestType;
   const Eigen::Index B = 2, H = 2, N = 300;  // more than one key tile (256)
   Tally tally;

@@ -138,7 +138,14 @@ void TiledSoftmax<T>::run(const SoftmaxRows<T>& q, const SoftmaxRows<T>& k, cons
   for (Eigen::Index qb = 0; qb < n; qb += kQueryTile) {
     const Eigen::Index qlen = std::min(kQueryTile, n - qb);
     attend(q, k, v, scale, causal, window, qb, qlen);
-    for (Eigen::Index r = 0; r < qlen; ++r) out.row(qb + r) = acc_.row(r) / row_sum_(r);
+    for (Eigen::Index r = 0; r < qlen; ++r) {
+      if (out.innerStride() == 1) {  // adjacent entries: vectorised stores
+        Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(&out.coeffRef(qb + r, 0), out.cols()) =
+            acc_.row(r) / row_sum_(r);
+      } else {
+        out.row(qb + r) = acc_.row(r) / row_sum_(r);
+      }
+    }
   }
 }
 
