@@ -347,6 +347,18 @@ TEMPLATE_TEST_CASE("views: a head stride of 0 shares k and v across heads (multi
       }
     }
   }
+  // A token stride of 0: one value row per sequence and head, read by every token. Softmax
+  // weights sum to 1, so every output row is that row.
+  const Matrix<T> v_rows = gaussian<T>(B * H, kDv, 1303);
+  const HeadsView<const T> one_v(v_rows.data(), B, H, N, kDv, HeadStrides{H * kDv, kDv, 0, 1});
+  Heads<T> same(Layout::bhnd, B, H, N, kDv, kSentinel<T>);
+  linattn::softmax_attention_into(q.cview(), kv, one_v, linattn::Mask::causal, same.view(), -1, 2);
+  for (Eigen::Index b = 0; b < B; ++b) {
+    for (Eigen::Index h = 0; h < H; ++h) {
+      const Matrix<T> got = same.head(b, h);
+      CHECK(relative_error(got, v_rows.row(b * H + h).replicate(N, 1)) <= tolerance<T>());
+    }
+  }
   Heads<T> out(Layout::bhnd, B, H, N, kDv, kSentinel<T>);
   linattn::softmax_attention_into(q.cview(), kv, vv, linattn::Mask::causal, out.view(), -1, 2);
   for (Eigen::Index b = 0; b < B; ++b) {

@@ -320,6 +320,33 @@ TEMPLATE_TEST_CASE("softmax backward takes views and writes into strided outputs
   CHECK((out.rightCols(1).array() == T(7)).all());  // nothing written outside the outputs
 }
 
+TEMPLATE_TEST_CASE("softmax reads rows with an outer stride of 0 (one row repeated)", "[softmax]",
+                   float) {
+  using T = TestType;
+  const Eigen::Index n = 300, dk = 8, dv = 5;
+  const Matrix<T> q = gaussian<T>(n, dk, 1501), k = gaussian<T>(n, dk, 1502);
+  const Matrix<T> v_row = gaussian<T>(1, dv, 1503), dout = gaussian<T>(n, dv, 1504);
+  // Every token's value is one row in memory (Eigen's Ref would take the stride 0 as unset and
+  // read n rows dv apart): the weights sum to 1, so every output row is that row.
+  const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> v(v_row.data(), n, dv,
+                                                               Eigen::OuterStride<>(0));
+  const Matrix<T> repeated = v_row.replicate(n, 1);
+  for (const linattn::Mask mask : {linattn::Mask::causal, linattn::Mask::none}) {
+    const Matrix<T> out = linattn::softmax_attention(q, k, v, mask);
+    CHECK(out == linattn::softmax_attention(q, k, repeated, mask));  // the same rows, bit for bit
+    CHECK(relative_error(out, repeated) <= tolerance<T>());
+  }
+  CHECK(linattn::sliding_window_attention(q, k, v, 16) ==
+        linattn::sliding_window_attention(q, k, repeated, 16));
+  const linattn::AttentionGradients<T> shared =
+      linattn::softmax_attention_backward(q, k, v, dout, linattn::Mask::causal);
+  const linattn::AttentionGradients<T> plain =
+      linattn::softmax_attention_backward(q, k, repeated, dout, linattn::Mask::causal);
+  CHECK(shared.q == plain.q);
+  CHECK(shared.k == plain.k);
+  CHECK(shared.v == plain.v);
+}
+
 TEMPLATE_TEST_CASE("softmax backward stays finite for large logits", "[softmax][backward]", float,
                    double) {
   using T = TestType;

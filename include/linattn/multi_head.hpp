@@ -860,7 +860,8 @@ void causal_gated_linear_attention_varlen_into(const HeadsView<Q>& q, const Head
 }
 
 /// Softmax attention (the tiled baseline) for every head of every sequence, threads over
-/// B x H.
+/// B x H. A head whose features are not adjacent (dim stride other than 1) or whose tokens
+/// share a row (token stride 0) is copied once into rows first, by the thread that attends it.
 /// @param q        B x Hq x N x Dk queries (Hq divides H)
 /// @param k        B x Hk x N x Dk keys (Hk divides H)
 /// @param v        B x Hv x N x Dv values (Hv divides H)
@@ -885,7 +886,10 @@ void softmax_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const 
       q, k, v, out, sequences, options,
       [&](Eigen::Index, Eigen::Index, const auto& qs, const auto& ks, const auto& vs, auto os,
           int) {
-        detail::TiledSoftmax<O>(q.dim(), v.dim()).run(qs, ks, vs, s, mask == Mask::causal, 0, os);
+        Matrix<O> q_copy, k_copy, v_copy;  // a head Ref cannot read in place (token stride 0)
+        detail::TiledSoftmax<O>(q.dim(), v.dim())
+            .run(detail::softmax_rows(qs, q_copy), detail::softmax_rows(ks, k_copy),
+                 detail::softmax_rows(vs, v_copy), s, mask == Mask::causal, 0, os);
       });
 }
 

@@ -47,12 +47,26 @@ void validate_softmax_inputs(const Eigen::MatrixBase<DQ>& q, const Eigen::Matrix
 /// copied once into such rows when the call binds them.
 template <class T>
 using SoftmaxRows = Eigen::Ref<const Matrix<T>, 0, Eigen::OuterStride<>>;
+/// x as the tiles read it: in place where its rows are in memory, else (or where a Ref would
+/// misread it: Eigen takes an outer stride of 0, one row repeated, as unset) copied into `copy`.
+template <class T, class Derived>
+SoftmaxRows<T> softmax_rows(const Eigen::MatrixBase<Derived>& x, Matrix<T>& copy) {
+  if constexpr ((int(Derived::Flags) & Eigen::DirectAccessBit) != 0) {
+    if (x.rows() > 1 && x.derived().outerStride() == 0) {
+      copy = x;
+      return SoftmaxRows<T>(copy);
+    }
+  }
+  return SoftmaxRows<T>(x.derived());
+}
+
 /// Rows the softmax forward writes: any row-major rows, entries at any stride (a view's head).
 template <class T>
 using SoftmaxOut = Eigen::Ref<Matrix<T>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>>;
 
 /// Online-softmax attention over tiles of queries and keys. Only key tiles that a query tile
-/// can see are visited: [window_begin(i), i] for every query i. Memory O(tile * (tile + Dv)).
+/// can see are visited: [window_begin(i), i] for every query i. Memory O(tile * (tile + Dv)),
+/// and the callers' copies of inputs whose rows are not in memory (softmax_rows).
 template <class T>
 class TiledSoftmax {
  public:
@@ -272,7 +286,8 @@ void TiledSoftmaxBackward<T>::statistics(const SoftmaxRows<T>& q, const SoftmaxR
 }  // namespace detail
 
 /// Softmax attention, tiled with an online softmax (numerically stable, never an N x N buffer;
-/// the tile products are Eigen GEMMs). Causal mode skips the tiles above the diagonal.
+/// the tile products are Eigen GEMMs). Causal mode skips the tiles above the diagonal. Inputs
+/// that are not row-major rows in memory (column-major, an expression) are copied once first.
 /// @param q       N x Dk queries
 /// @param k       N x Dk keys
 /// @param v       N x Dv values
@@ -290,7 +305,10 @@ void softmax_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixB
   detail::require_output_shape(out, q.rows(), v.cols(), where);
   const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
   const detail::SerialEigenScope serial_eigen;  // a single-thread baseline, also under OpenMP
-  detail::TiledSoftmax<T>(q.cols(), v.cols()).run(q, k, v, s, mask == Mask::causal, 0, out);
+  Matrix<T> q_copy, k_copy, v_copy;             // used only for rows a Ref cannot read in place
+  detail::TiledSoftmax<T>(q.cols(), v.cols())
+      .run(detail::softmax_rows(q, q_copy), detail::softmax_rows(k, k_copy),
+           detail::softmax_rows(v, v_copy), s, mask == Mask::causal, 0, out);
 }
 
 /// Softmax attention (tiled); returns N x Dv. See softmax_attention_into.
@@ -350,8 +368,11 @@ void softmax_attention_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen
   require_shape(grad_v, v.cols(), "grad_v");
   const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
   const detail::SerialEigenScope serial_eigen;  // a single-thread baseline, also under OpenMP
+  Matrix<T> q_copy, k_copy, v_copy, grad_copy;  // used only for rows a Ref cannot read in place
   detail::TiledSoftmaxBackward<T>(q.rows(), q.cols(), v.cols())
-      .run(q, k, v, grad_out, s, mask == Mask::causal, grad_q, grad_k, grad_v);
+      .run(detail::softmax_rows(q, q_copy), detail::softmax_rows(k, k_copy),
+           detail::softmax_rows(v, v_copy), detail::softmax_rows(grad_out, grad_copy), s,
+           mask == Mask::causal, grad_q, grad_k, grad_v);
 }
 
 /// Gradients of softmax_attention; returns {d q (N x Dk), d k (N x Dk), d v (N x Dv)}. See
@@ -395,7 +416,10 @@ void sliding_window_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::
   detail::require_output_shape(out, q.rows(), v.cols(), where);
   const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
   const detail::SerialEigenScope serial_eigen;
-  detail::TiledSoftmax<T>(q.cols(), v.cols()).run(q, k, v, s, true, window, out);
+  Matrix<T> q_copy, k_copy, v_copy;  // used only for rows a Ref cannot read in place
+  detail::TiledSoftmax<T>(q.cols(), v.cols())
+      .run(detail::softmax_rows(q, q_copy), detail::softmax_rows(k, k_copy),
+           detail::softmax_rows(v, v_copy), s, true, window, out);
 }
 
 /// Sliding-window softmax attention; returns N x Dv. See sliding_window_attention_into.

@@ -133,20 +133,10 @@ class GradientSourceOf final : public GradientSource<Acc> {
 
   void require_finite(Eigen::Index chunk, const char* where) const override {
     if constexpr (!is_identity_map<Map> && !has_finite_features<Map>::value) {
-      Matrix<Acc> buffer, raw;
-      for (int keys = 0; keys < 2; ++keys) {
-        for (Eigen::Index begin = 0; begin < q_.rows(); begin += chunk) {
-          const Eigen::Index len = std::min(chunk, q_.rows() - begin);
-          features(keys ? k_ : q_, begin, len, chunk, buffer, raw, keys != 0);
-          if (!buffer.topRows(len).allFinite()) {
-            throw Error(std::string(where) + ": the feature map overflows " +
-                        (std::is_same_v<Acc, float> ? "float" : "double") + " on " +
-                        (keys ? "k" : "q") +
-                        "; the backward needs finite features (accumulate in double, "
-                        "the backward<double>, or scale the inputs down)");
-          }
-        }
-      }
+      // q and k each on their own: `keys ? k_ : q_` of two expression types would evaluate a
+      // whole N-row matrix for every chunk.
+      require_finite_features(q_, false, chunk, where);
+      require_finite_features(k_, true, chunk, where);
     } else {
       static_cast<void>(chunk);
       static_cast<void>(where);
@@ -154,6 +144,23 @@ class GradientSourceOf final : public GradientSource<Acc> {
   }
 
  private:
+  /// Throws unless the map's features of every chunk of x (q, or k when `keys`) are finite.
+  template <class X>
+  void require_finite_features(const X& x, bool keys, Eigen::Index chunk, const char* where) const {
+    Matrix<Acc> buffer, raw;
+    for (Eigen::Index begin = 0; begin < x.rows(); begin += chunk) {
+      const Eigen::Index len = std::min(chunk, x.rows() - begin);
+      features(x, begin, len, chunk, buffer, raw, keys);
+      if (!buffer.topRows(len).allFinite()) {
+        throw Error(std::string(where) + ": the feature map overflows " +
+                    (std::is_same_v<Acc, float> ? "float" : "double") + " on " +
+                    (keys ? "k" : "q") +
+                    "; the backward needs finite features (accumulate in double, "
+                    "the backward<double>, or scale the inputs down)");
+      }
+    }
+  }
+
   template <class X>
   InputRows<Acc> features(const X& x, Eigen::Index begin, Eigen::Index len, Eigen::Index chunk,
                           Matrix<Acc>& buffer, Matrix<Acc>& raw, bool keys) const {
