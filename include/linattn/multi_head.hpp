@@ -885,12 +885,7 @@ void softmax_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const 
   detail::for_each_sequence_head(
       q, k, v, out, sequences, options,
       [&](Eigen::Index, Eigen::Index, const auto& qs, const auto& ks, const auto& vs, auto os,
-          int) {
-        Matrix<O> q_copy, k_copy, v_copy;  // a head Ref cannot read in place (token stride 0)
-        detail::TiledSoftmax<O>(q.dim(), v.dim())
-            .run(detail::softmax_rows(qs, q_copy), detail::softmax_rows(ks, k_copy),
-                 detail::softmax_rows(vs, v_copy), s, mask == Mask::causal, 0, os);
-      });
+          int) { detail::tiled_softmax(qs, ks, vs, s, mask == Mask::causal, 0, os); });
 }
 
 }  // namespace linattn

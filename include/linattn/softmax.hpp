@@ -283,6 +283,18 @@ void TiledSoftmaxBackward<T>::statistics(const SoftmaxRows<T>& q, const SoftmaxR
   }
 }
 
+/// The tiled forward over any inputs, each read in place where softmax_rows can and copied
+/// once otherwise: what every softmax call writes its output with.
+template <class DQ, class DK, class DV, class T = typename DQ::Scalar>
+void tiled_softmax(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                   const Eigen::MatrixBase<DV>& v, std::common_type_t<T> scale, bool causal,
+                   Eigen::Index window, SoftmaxOut<std::common_type_t<T>> out) {
+  Matrix<T> q_copy, k_copy, v_copy;  // used only for rows a Ref cannot read in place
+  TiledSoftmax<T>(q.cols(), v.cols())
+      .run(softmax_rows(q, q_copy), softmax_rows(k, k_copy), softmax_rows(v, v_copy), scale, causal,
+           window, out);
+}
+
 }  // namespace detail
 
 /// Softmax attention, tiled with an online softmax (numerically stable, never an N x N buffer;
@@ -305,10 +317,7 @@ void softmax_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixB
   detail::require_output_shape(out, q.rows(), v.cols(), where);
   const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
   const detail::SerialEigenScope serial_eigen;  // a single-thread baseline, also under OpenMP
-  Matrix<T> q_copy, k_copy, v_copy;             // used only for rows a Ref cannot read in place
-  detail::TiledSoftmax<T>(q.cols(), v.cols())
-      .run(detail::softmax_rows(q, q_copy), detail::softmax_rows(k, k_copy),
-           detail::softmax_rows(v, v_copy), s, mask == Mask::causal, 0, out);
+  detail::tiled_softmax(q, k, v, s, mask == Mask::causal, 0, out);
 }
 
 /// Softmax attention (tiled); returns N x Dv. See softmax_attention_into.
@@ -416,10 +425,7 @@ void sliding_window_attention_into(const Eigen::MatrixBase<DQ>& q, const Eigen::
   detail::require_output_shape(out, q.rows(), v.cols(), where);
   const T s = static_cast<T>(detail::resolve_scale(scale, q.cols(), where));
   const detail::SerialEigenScope serial_eigen;
-  Matrix<T> q_copy, k_copy, v_copy;  // used only for rows a Ref cannot read in place
-  detail::TiledSoftmax<T>(q.cols(), v.cols())
-      .run(detail::softmax_rows(q, q_copy), detail::softmax_rows(k, k_copy),
-           detail::softmax_rows(v, v_copy), s, true, window, out);
+  detail::tiled_softmax(q, k, v, s, true, window, out);
 }
 
 /// Sliding-window softmax attention; returns N x Dv. See sliding_window_attention_into.
