@@ -5,6 +5,7 @@
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
 #include <linattn/detail/gradient_stream.hpp>
+#include <linattn/multi_head.hpp>
 #include <linattn/softmax.hpp>
 
 #define LINATTN_DEFINE_DOUBLE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(template, T, O)
@@ -27,3 +28,10 @@ LINATTN_DELTA_BACKWARD_INSTANCES(template, double)
 LINATTN_GRADIENT_INSTANCES(template, double)
 // The softmax baseline's tiles, forward and backward.
 LINATTN_SOFTMAX_INSTANCES(template, double)
+// The view forward's drivers, and the checks of double views.
+#define LINATTN_DEFINE_DOUBLE_HEADS(T, S) LINATTN_HEADS_INSTANCES(template, T, S)
+LINATTN_DEFINE_DOUBLE_HEADS(double, double)
+LINATTN_DEFINE_DOUBLE_HEADS(double, float)
+LINATTN_DEFINE_DOUBLE_HEADS(double, Eigen::half)
+LINATTN_DEFINE_DOUBLE_HEADS(double, Eigen::bfloat16)
+LINATTN_HEADS_CHECK_INSTANCES(template, double)

@@ -5,6 +5,7 @@
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
 #include <linattn/detail/gradient_stream.hpp>
+#include <linattn/multi_head.hpp>
 #include <linattn/softmax.hpp>
 
 #define LINATTN_DEFINE_FLOAT_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(template, T, O)
@@ -25,3 +26,11 @@ LINATTN_DELTA_BACKWARD_INSTANCES(template, float)
 LINATTN_GRADIENT_INSTANCES(template, float)
 // The softmax baseline's tiles, forward and backward.
 LINATTN_SOFTMAX_INSTANCES(template, float)
+// The view forward's drivers, and the checks of the float and 16-bit views.
+#define LINATTN_DEFINE_FLOAT_HEADS(T, S) LINATTN_HEADS_INSTANCES(template, T, S)
+LINATTN_DEFINE_FLOAT_HEADS(float, float)
+LINATTN_DEFINE_FLOAT_HEADS(float, Eigen::half)
+LINATTN_DEFINE_FLOAT_HEADS(float, Eigen::bfloat16)
+LINATTN_HEADS_CHECK_INSTANCES(template, float)
+LINATTN_HEADS_CHECK_INSTANCES(template, Eigen::half)
+LINATTN_HEADS_CHECK_INSTANCES(template, Eigen::bfloat16)

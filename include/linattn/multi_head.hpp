@@ -8,6 +8,7 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/bonus.hpp>
 #include <linattn/detail/chunked.hpp>
+#include <linattn/detail/function_ref.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
@@ -268,9 +269,27 @@ void with_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>
   }
 }
 
+/// Rows [begin, begin + rows) of a head, as a map of the head's own type (middleRows would
+/// make a Block of it: one more type for every kernel that reads rows).
+template <class M>
+Eigen::Map<M, Eigen::Unaligned, Eigen::OuterStride<>> middle_rows(
+    Eigen::Map<M, Eigen::Unaligned, Eigen::OuterStride<>> head, Eigen::Index begin,
+    Eigen::Index rows) {
+  return {head.data() + begin * head.outerStride(), rows, head.cols(),
+          Eigen::OuterStride<>(head.outerStride())};
+}
+template <class M>
+Eigen::Map<M, Eigen::Unaligned, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>> middle_rows(
+    Eigen::Map<M, Eigen::Unaligned, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>> head,
+    Eigen::Index begin, Eigen::Index rows) {
+  return {head.data() + begin * head.outerStride(), rows, head.cols(),
+          Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>(head.outerStride(), head.innerStride())};
+}
+
 /// Runs every (sequence, head) pair: over pairs on the threads when there are enough of them,
 /// else one pair at a time with the threads splitting the sequence.
-/// run(s, h, q_rows, k_rows, v_rows, out_rows, threads) attends sequence s of head h.
+/// run(s, h, q_rows, k_rows, v_rows, out_rows, threads) attends sequence s of head h; the
+/// input rows are maps (HeadsView's RowsMap or HeadMap), the output rows a Ref.
 template <class Q, class K, class V, class O, class Run>
 void for_each_sequence_head(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                             const HeadsView<O>& out, const SequenceRows& sequences,
@@ -289,8 +308,8 @@ void for_each_sequence_head(const HeadsView<Q>& q, const HeadsView<K>& k, const 
     const Eigen::Index key_rows = sequences.key_rows(s);
     with_heads(q, k, v, out, sequences.batch_of(s), h, options.head_grouping,
                [&](const auto& qh, const auto& kh, const auto& vh, auto oh) {
-                 run(s, h, qh.middleRows(begin, rows), kh.middleRows(begin, key_rows),
-                     vh.middleRows(begin, key_rows), decltype(oh)(oh.middleRows(begin, rows)),
+                 run(s, h, middle_rows(qh, begin, rows), middle_rows(kh, begin, key_rows),
+                     middle_rows(vh, begin, key_rows), decltype(oh)(oh.middleRows(begin, rows)),
                      inner_threads);
                });
   };
@@ -330,6 +349,33 @@ template <class Transition>
 inline constexpr bool is_head_bonus = false;
 template <class S, bool LogSpace>
 inline constexpr bool is_head_bonus<HeadBonus<S, LogSpace>> = true;
+
+/// A view call's transition with its type erased, for the drivers compiled once: a gate view
+/// (`gates`; `log_space` for log gates), one constant decay per head (`decays`), or neither
+/// (Options::decay for every head).
+template <class S>
+struct AnyHeadTransition {
+  const HeadDecays* decays = nullptr;
+  const ConstHeadsView<S>* gates = nullptr;
+  bool log_space = false;
+};
+
+template <class S>
+AnyHeadTransition<S> any_transition(const UniformDecay&) {
+  return {};
+}
+template <class S>
+AnyHeadTransition<S> any_transition(const HeadDecays& decays) {
+  return {&decays, nullptr, false};
+}
+template <class S, bool LogSpace>
+AnyHeadTransition<S> any_transition(const HeadGates<S, LogSpace>& gates) {
+  return {nullptr, &gates.view, LogSpace};
+}
+template <class S, bool LogSpace>
+AnyHeadTransition<S> any_transition(const HeadBonus<S, LogSpace>& bonus) {
+  return any_transition<S>(bonus.gates);
+}
 
 /// The TransitionKind a multi-head transition gives each head's state.
 inline TransitionKind transition_kind(const UniformDecay&) { return TransitionKind::decay; }
@@ -438,16 +484,34 @@ void validate_transition(const HeadGates<S, LogSpace>& gates, const HeadShape& s
   }
 }
 
+/// Throws unless the bonus u is H x C and finite and normalize is off.
+template <class S>
+void validate_head_bonus(const Matrix<S>& u, const HeadShape& shape, const Options& options,
+                         const char* where) {
+  if (u.rows() != shape.heads || u.cols() != shape.dim) {
+    throw Error(std::string(where) + ": the bonus u is " + shape_string(u) + " but must be " +
+                shape_string(shape.heads, shape.dim) + " (H x C, one row per head)");
+  }
+  validate_bonus(u.reshaped(), shape.heads * shape.dim, options, where);
+}
+
 /// Throws unless the gate view fits (as above), u is H x C and finite, and normalize is off.
 template <class S, bool LogSpace>
 void validate_transition(const HeadBonus<S, LogSpace>& bonus, const HeadShape& shape,
                          const Options& options, const char* where) {
   validate_transition(bonus.gates, shape, options, where);
-  if (bonus.u.rows() != shape.heads || bonus.u.cols() != shape.dim) {
-    throw Error(std::string(where) + ": the bonus u is " + shape_string(bonus.u) + " but must be " +
-                shape_string(shape.heads, shape.dim) + " (H x C, one row per head)");
+  validate_head_bonus(bonus.u, shape, options, where);
+}
+
+/// The checks above, for an erased transition.
+template <class S>
+void validate_transition(const AnyHeadTransition<S>& transition, const HeadShape& shape,
+                         const Options& options, const char* where) {
+  if (transition.decays != nullptr) validate_transition(*transition.decays, shape, options, where);
+  // The shape checks do not depend on how the gates are given.
+  if (transition.gates != nullptr) {
+    validate_transition(HeadGates<S, false>{*transition.gates}, shape, options, where);
   }
-  validate_bonus(bonus.u.reshaped(), shape.heads * shape.dim, options, where);
 }
 
 /// The range check of every head's gates (always, like the matrix form's), over the threads.
@@ -466,6 +530,29 @@ void scan_transition(const HeadGates<S, LogSpace>& gates, int threads, const cha
           require_gates_in_range<LogSpace>(head, where, head_name("gates", b, h).c_str());
         }
       });
+}
+template <class S>
+void scan_transition(const AnyHeadTransition<S>& transition, int threads, const char* where) {
+  if (transition.gates == nullptr) return;
+  if (transition.log_space) {
+    scan_transition(HeadGates<S, true>{*transition.gates}, threads, where);
+  } else {
+    scan_transition(HeadGates<S, false>{*transition.gates}, threads, where);
+  }
+}
+
+/// body(gates) with tokens [begin, ...) of a head's gates of an erased transition.
+template <class S, class Body>
+void with_gate_rows(const AnyHeadTransition<S>& transition,
+                    const typename ConstHeadsView<S>::HeadMap& head, Eigen::Index begin,
+                    const Body& body) {
+  if (transition.log_space) {
+    const HeadGateRows<S, true> rows(head, begin);
+    body(static_cast<const GateRows*>(&rows));
+  } else {
+    const HeadGateRows<S, false> rows(head, begin);
+    body(static_cast<const GateRows*>(&rows));
+  }
 }
 
 /// body(gates, options) for tokens [begin, begin + rows) of head h of batch entry b: the
@@ -487,6 +574,125 @@ void with_transition(const HeadGates<S, LogSpace>& gates, Eigen::Index b, Eigen:
   const HeadGateRows<S, LogSpace> rows(gates.view.head(b, h), begin);
   body(static_cast<const GateRows*>(&rows), options);
 }
+template <class S, class Body>
+void with_transition(const AnyHeadTransition<S>& transition, Eigen::Index b, Eigen::Index h,
+                     Eigen::Index begin, Options& options, const Body& body) {
+  if (transition.decays != nullptr) {
+    with_transition(*transition.decays, b, h, begin, options, body);
+  } else if (transition.gates != nullptr) {
+    with_gate_rows(transition, transition.gates->head(b, h), begin,
+                   [&](const GateRows* gates) { body(gates, options); });
+  } else {
+    body(static_cast<const GateRows*>(nullptr), options);
+  }
+}
+
+/// One head's rows in a view call: adjacent features, or any strides.
+template <class S>
+using HeadRows = typename ConstHeadsView<S>::RowsMap;
+template <class S>
+using StridedHeadRows = typename ConstHeadsView<S>::HeadMap;
+
+/// What a driver does with the token source it was given.
+template <class T>
+using SourceBody = FunctionRef<void(ChunkSource<T>&)>;
+
+/// A view call's feature map with its type erased: builds the token source (ChunkSource) of
+/// one head's rows, in accumulation type T from input scalar S. The one piece of a view call
+/// compiled for the caller's map; the drivers that run the heads are compiled once.
+template <class T, class S>
+class HeadSources {
+ public:
+  HeadSources(const HeadSources&) = delete;
+  HeadSources& operator=(const HeadSources&) = delete;
+
+  /// C, the width of phi(q) for inputs of width input_dim.
+  virtual Eigen::Index feature_dim(Eigen::Index input_dim) const = 0;
+  /// body(source) with the source over (q, k, v), `gates` attached when not null.
+  virtual void with_source(const HeadRows<S>& q, const HeadRows<S>& k, const HeadRows<S>& v,
+                           const GateRows* gates, bool check_finite, const char* where,
+                           SourceBody<T> body) const = 0;
+  virtual void with_source(const StridedHeadRows<S>& q, const StridedHeadRows<S>& k,
+                           const StridedHeadRows<S>& v, const GateRows* gates, bool check_finite,
+                           const char* where, SourceBody<T> body) const = 0;
+
+ protected:
+  HeadSources() = default;
+  ~HeadSources() = default;
+};
+
+/// HeadSources of one feature map (Identity: the rows are the features).
+template <class T, class S, class Map>
+class HeadSourcesOf final : public HeadSources<T, S> {
+ public:
+  explicit HeadSourcesOf(const Map& map) : map_(map) {}
+
+  Eigen::Index feature_dim(Eigen::Index input_dim) const override {
+    if constexpr (is_identity_map<Map>) {
+      return input_dim;
+    } else {
+      return map_.feature_dim(input_dim);
+    }
+  }
+  void with_source(const HeadRows<S>& q, const HeadRows<S>& k, const HeadRows<S>& v,
+                   const GateRows* gates, bool check_finite, const char* where,
+                   SourceBody<T> body) const override {
+    detail::with_source<T>(q, k, v, map_, gates, check_finite, where, body);
+  }
+  void with_source(const StridedHeadRows<S>& q, const StridedHeadRows<S>& k,
+                   const StridedHeadRows<S>& v, const GateRows* gates, bool check_finite,
+                   const char* where, SourceBody<T> body) const override {
+    detail::with_source<T>(q, k, v, map_, gates, check_finite, where, body);
+  }
+
+ private:
+  const Map& map_;
+};
+
+/// What a driver does with one (sequence, head): run(s, h, source, queries, out, threads,
+/// options) attends `source` (cross-attention: keys and values only, the queries from
+/// `queries`; else null) into `out` with `threads` and head h's options.
+template <class T, class S>
+using HeadRun = FunctionRef<void(Eigen::Index, Eigen::Index, ChunkSource<T>&, const ChunkSource<T>*,
+                                 OutRows<S>, int, const Options&)>;
+
+/// Runs every (sequence, head) of a view call (for_each_sequence_head) through `sources` and
+/// the transition: the one loop of the view forward and the batch prefill.
+template <class T, class S>
+void for_each_head_source(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
+                          const ConstHeadsView<S>& v, const HeadsView<S>& out,
+                          const SequenceRows& sequences, const HeadSources<T, S>& sources,
+                          const AnyHeadTransition<S>& transition, const Options& options,
+                          const char* where, HeadRun<T, S> run) {
+  for_each_sequence_head(
+      q, k, v, out, sequences, options,
+      [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
+          int threads) {
+        Options head_options = options;
+        head_options.threads = threads;
+        const OutRows<S> out_rows(os);
+        with_transition(
+            transition, sequences.batch_of(s), h, sequences.begin(s), head_options,
+            [&](const GateRows* gates, const Options& run_options) {
+              if (qs.rows() != ks.rows()) {
+                // Cross-attention: the sums over N_k keys, read by N_q queries.
+                sources.with_source(ks, ks, vs, nullptr, options.check_finite, where,
+                                    [&](ChunkSource<T>& keys) {
+                                      sources.with_source(qs, qs, vs, nullptr, options.check_finite,
+                                                          where, [&](ChunkSource<T>& queries) {
+                                                            run(s, h, keys, &queries, out_rows,
+                                                                threads, run_options);
+                                                          });
+                                    });
+                return;
+              }
+              sources.with_source(qs, ks, vs, gates, options.check_finite, where,
+                                  [&](ChunkSource<T>& source) {
+                                    run(s, h, source, nullptr, out_rows, threads, run_options);
+                                  });
+            });
+      });
+}
 
 /// True when heads of one token lie side by side and a head's rows far apart (a token-major
 /// [B, N, H, D] view): such heads run best chunk by chunk across heads (causal_head_group).
@@ -500,13 +706,13 @@ bool token_major(const HeadsView<T>& view) {
 /// token, so the hardware prefetcher follows it, where one head alone reads one row per
 /// H * D elements and waits on memory for each), attended per head from the packed rows (each with
 /// a state of its own), and unpacked the same way. Gates are packed with the tokens.
-template <class T, class Q, class K, class V, class O, class Map, class Transition>
-void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                       const HeadsView<O>& out, const Map* map, const Transition& transition,
+template <class T, class S>
+void causal_head_group(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
+                       const ConstHeadsView<S>& v, const HeadsView<S>& out,
+                       const HeadSources<T, S>& sources, const AnyHeadTransition<S>& transition,
                        const SequenceRows& sequences, Eigen::Index s, Eigen::Index h0,
                        Eigen::Index h1, Eigen::Index feature_dim, const Options& options,
                        const char* where) {
-  using Rows = typename ConstHeadsView<O>::RowsMap;
   const Eigen::Index b = sequences.batch_of(s);
   const Eigen::Index first = sequences.begin(s);
   const Eigen::Index rows = sequences.rows(s);
@@ -514,18 +720,18 @@ void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const Heads
   // Whole chunks, at least 64 tokens: a kernel call per head and block.
   const Eigen::Index block = options.chunk * ((64 + options.chunk - 1) / options.chunk);
   const Eigen::Index dk = q.dim(), dv = v.dim();
-  Eigen::Index gate_cols = 0;
-  if constexpr (is_head_gates<Transition>) gate_cols = transition.view.dim();
+  const ConstHeadsView<S>* gate_view = transition.gates;
+  const Eigen::Index gate_cols = gate_view != nullptr ? gate_view->dim() : 0;
   struct Head {
     CarriedState<T> state;
-    Matrix<O> q, k, v, g, out;
+    Matrix<S> q, k, v, g, out;
   };
   std::vector<Head> heads;
   heads.reserve(static_cast<std::size_t>(h1 - h0));
   for (Eigen::Index h = h0; h < h1; ++h) {
-    heads.push_back(Head{CarriedState<T>(feature_dim, dv), Matrix<O>(block, dk),
-                         Matrix<O>(block, dk), Matrix<O>(block, dv), Matrix<O>(block, gate_cols),
-                         Matrix<O>(block, dv)});
+    heads.push_back(Head{CarriedState<T>(feature_dim, dv), Matrix<S>(block, dk),
+                         Matrix<S>(block, dk), Matrix<S>(block, dv), Matrix<S>(block, gate_cols),
+                         Matrix<S>(block, dv)});
   }
   for (Eigen::Index begin = 0; begin < rows; begin += block) {
     const Eigen::Index len = std::min(block, rows - begin);
@@ -537,37 +743,35 @@ void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const Heads
         head.q.row(r) = q.head_rows(b, input_head(q, out.heads(), h, grouping)).row(t);
         head.k.row(r) = k.head_rows(b, input_head(k, out.heads(), h, grouping)).row(t);
         head.v.row(r) = v.head_rows(b, input_head(v, out.heads(), h, grouping)).row(t);
-        if constexpr (is_head_gates<Transition>) {
-          if (transition.view.strides().dim == 1) {
-            head.g.row(r) = transition.view.head_rows(b, h).row(t);
+        if (gate_view != nullptr) {
+          if (gate_view->strides().dim == 1) {
+            head.g.row(r) = gate_view->head_rows(b, h).row(t);
           } else {
-            head.g.row(r) = transition.view.head(b, h).row(t);
+            head.g.row(r) = gate_view->head(b, h).row(t);
           }
         }
       }
     }
     for (Eigen::Index h = h0; h < h1; ++h) {
       Head& head = heads[static_cast<std::size_t>(h - h0)];
-      const Rows qs(head.q.data(), len, dk, Eigen::OuterStride<>(dk));
-      const Rows ks(head.k.data(), len, dk, Eigen::OuterStride<>(dk));
-      const Rows vs(head.v.data(), len, dv, Eigen::OuterStride<>(dv));
+      const HeadRows<S> qs(head.q.data(), len, dk, Eigen::OuterStride<>(dk));
+      const HeadRows<S> ks(head.k.data(), len, dk, Eigen::OuterStride<>(dk));
+      const HeadRows<S> vs(head.v.data(), len, dv, Eigen::OuterStride<>(dv));
       auto run = [&](const GateRows* gates, const Options& run_options) {
-        with_map(map, [&](const auto& head_map) {
-          with_source<T>(qs, ks, vs, head_map, gates, options.check_finite, where,
-                         [&](ChunkSource<T>& source) {
-                           causal_rows<T, O>(source, head.state, OutRows<O>(head.out.topRows(len)),
-                                             run_options, 1);
-                         });
-        });
+        sources.with_source(qs, ks, vs, gates, options.check_finite, where,
+                            [&](ChunkSource<T>& source) {
+                              causal_rows<T, S>(source, head.state,
+                                                OutRows<S>(head.out.topRows(len)), run_options, 1);
+                            });
       };
       Options head_options = options;
       head_options.threads = 1;
-      if constexpr (is_head_gates<Transition>) {
-        const typename ConstHeadsView<O>::HeadMap packed(
+      if (gate_view != nullptr) {
+        const typename ConstHeadsView<S>::HeadMap packed(
             head.g.data(), len, gate_cols,
             Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>(gate_cols, 1));
-        const HeadGateRows<O, Transition::log_space> gates(packed, 0);
-        run(&gates, head_options);
+        with_gate_rows(transition, packed, 0,
+                       [&](const GateRows* gates) { run(gates, head_options); });
       } else {
         with_transition(transition, b, h, 0, head_options, run);
       }
@@ -584,9 +788,10 @@ void causal_head_group(const HeadsView<Q>& q, const HeadsView<K>& k, const Heads
 /// Runs causal_head_group over every sequence, the heads of each split into as many groups as
 /// the threads need; false (nothing done) when the views are not token-major or there are
 /// fewer heads than threads (the per-head path splits each sequence across them instead).
-template <class T, class Q, class K, class V, class O, class Map, class Transition>
-bool causal_token_major(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                        const HeadsView<O>& out, const Map* map, const Transition& transition,
+template <class T, class S>
+bool causal_token_major(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
+                        const ConstHeadsView<S>& v, const HeadsView<S>& out,
+                        const HeadSources<T, S>& sources, const AnyHeadTransition<S>& transition,
                         const SequenceRows& sequences, Eigen::Index feature_dim,
                         const Options& options, const char* where) {
   const Eigen::Index heads = out.heads();
@@ -596,15 +801,16 @@ bool causal_token_major(const HeadsView<Q>& q, const HeadsView<K>& k, const Head
       out.strides().dim != 1 || heads < 2 || sequences.count * heads < threads) {
     return false;
   }
-  if constexpr (is_head_gates<Transition>) {
-    if (transition.view.strides().dim != 1 && transition.view.dim() > 1) return false;
+  if (transition.gates != nullptr && transition.gates->strides().dim != 1 &&
+      transition.gates->dim() > 1) {
+    return false;
   }
   const Eigen::Index groups =
       std::min<Eigen::Index>(heads, (threads + sequences.count - 1) / sequences.count);
   const SerialEigenScope serial_eigen;
   parallel_for(sequences.count * groups, threads, [&](Eigen::Index i) {
     const Eigen::Index s = i / groups, g = i % groups;
-    causal_head_group<T>(q, k, v, out, map, transition, sequences, s, heads * g / groups,
+    causal_head_group<T>(q, k, v, out, sources, transition, sequences, s, heads * g / groups,
                          heads * (g + 1) / groups, feature_dim, options, where);
   });
   return true;
@@ -620,11 +826,65 @@ void with_map(const Map* map, const Body& body) {
   }
 }
 
-/// Linear attention (causal or not) over every sequence and head; `map` is null for
-/// featurized inputs.
+/// The shape checks of a view forward (validate_heads, then the offsets): its sequences.
+template <class S>
+SequenceRows check_view_call(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
+                             const ConstHeadsView<S>& v, const HeadsView<S>& out,
+                             const std::vector<std::int64_t>* offsets, const Options& options,
+                             bool causal, const char* where, const char* q_name,
+                             const char* k_name) {
+  const bool cross_ok = !causal && offsets == nullptr;
+  validate_heads(q, k, v, out, v.dim(), options, where, q_name, k_name, cross_ok);
+  SequenceRows sequences = sequence_rows(q, offsets, where, q_name);
+  if (cross_ok && k.tokens() != q.tokens()) sequences.key_tokens = k.tokens();
+  return sequences;
+}
+
+/// The transition's checks (and the bonus u's, when not null), then the scans for gates out
+/// of range and (check_finite) non-finite inputs: the last checks before a view call writes.
+template <class S>
+void check_view_inputs(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
+                       const ConstHeadsView<S>& v, const AnyHeadTransition<S>& transition,
+                       const Matrix<S>* bonus_u, const HeadShape& shape, const Options& options,
+                       const char* where, const char* q_name, const char* k_name) {
+  validate_transition(transition, shape, options, where);
+  if (bonus_u != nullptr) validate_head_bonus(*bonus_u, shape, options, where);
+  scan_transition(transition, resolve_threads(options), where);
+  scan_heads(q, k, v, options, where, q_name, k_name);
+}
+
+/// Linear attention (causal or not) over every sequence and head, checked: the driver of the
+/// view forward, compiled once per (T, S) in the compiled mode.
+template <class T, class S>
+void heads_attention_rows(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
+                          const ConstHeadsView<S>& v, const HeadSources<T, S>& sources,
+                          const HeadsView<S>& out, const SequenceRows& sequences,
+                          Eigen::Index feature_dim, const Options& options, bool causal,
+                          const AnyHeadTransition<S>& transition, const char* where) {
+  if (causal && causal_token_major<T>(q, k, v, out, sources, transition, sequences, feature_dim,
+                                      options, where)) {
+    return;
+  }
+  for_each_head_source<T, S>(
+      q, k, v, out, sequences, sources, transition, options, where,
+      [&](Eigen::Index, Eigen::Index, ChunkSource<T>& source, const ChunkSource<T>* queries,
+          OutRows<S> os, int threads, const Options& run_options) {
+        CarriedState<T> state(feature_dim, v.dim());
+        if (queries != nullptr) {
+          run_cross(source, *queries, state, os, run_options, threads);
+        } else if (causal) {
+          run_causal(source, state, os, run_options, threads);
+        } else {
+          run_non_causal(source, state, os, run_options, threads);
+        }
+      });
+}
+
+/// Linear attention (causal or not) over every sequence and head: the checks, then the
+/// bonus form here (per map and gate type) or every other transition in heads_attention_rows.
 template <class Acc, class Q, class K, class V, class O, class Map, class Transition>
-void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                            const Map* map, const HeadsView<O>& out,
+void heads_linear_attention(const HeadsView<Q>& q_view, const HeadsView<K>& k_view,
+                            const HeadsView<V>& v_view, const Map& map, const HeadsView<O>& out,
                             const std::vector<std::int64_t>* offsets, const Options& options,
                             bool causal, const Transition& transition, const char* where) {
   using Scalar = accumulator_t<Acc, O>;
@@ -632,100 +892,61 @@ void heads_linear_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const 
                 "linattn kernels take float, double, Eigen::half or Eigen::bfloat16 inputs");
   static_assert(is_supported_scalar<Scalar>,
                 "linattn kernels accumulate in float or double (Acc = float or double)");
-  const bool featurized = map == nullptr;
+  const ConstHeadsView<O> q = q_view, k = k_view, v = v_view;
+  constexpr bool featurized = is_identity_map<Map>;
   const char* q_name = featurized ? "phi_q" : "q";
   const char* k_name = featurized ? "phi_k" : "k";
-  const bool cross_ok = !causal && offsets == nullptr;
-  validate_heads(q, k, v, out, v.dim(), options, where, q_name, k_name, cross_ok);
-  SequenceRows sequences = sequence_rows(q, offsets, where, q_name);
-  if (cross_ok && k.tokens() != q.tokens()) sequences.key_tokens = k.tokens();
+  const SequenceRows sequences =
+      check_view_call(q, k, v, out, offsets, options, causal, where, q_name, k_name);
   Eigen::Index feature_dim = q.dim();
-  if constexpr (!std::is_same_v<Map, void>) {
-    feature_dim = map->feature_dim(q.dim());
+  if constexpr (!featurized) {
+    feature_dim = map.feature_dim(q.dim());
     if (feature_dim < 1) {
       throw Error(std::string(where) + ": the feature map gives feature_dim " +
                   std::to_string(feature_dim) + " for input_dim " + std::to_string(q.dim()));
     }
   }
-  if constexpr (is_head_bonus<Transition> && !std::is_same_v<Map, void>) {
-    require_plain_features<Map>();
+  const HeadShape shape{out.batch(), out.heads(), out.tokens(), feature_dim};
+  if constexpr (is_head_bonus<Transition>) {
+    if constexpr (!featurized) require_plain_features<Map>();
+    check_view_inputs(q, k, v, any_transition<O>(transition), &transition.u, shape, options, where,
+                      q_name, k_name);
+    // The bonus form reads each head one row ahead: it runs head by head.
+    for_each_sequence_head(q, k, v, out, sequences, options,
+                           [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks,
+                               const auto& vs, auto os, int threads) {
+                             const auto gates = transition.gates.view.head(sequences.batch_of(s), h)
+                                                    .middleRows(sequences.begin(s), qs.rows());
+                             auto attend = [&](const auto& gate_rows) {
+                               bonus_rows<Scalar>(qs, ks, vs, gate_rows, transition.u.row(h), map,
+                                                  os, options, threads, where);
+                             };
+                             if constexpr (Transition::log_space) {
+                               attend(LogGates<std::decay_t<decltype(gates)>>(gates));
+                             } else {
+                               attend(gates);
+                             }
+                           });
+  } else {
+    const AnyHeadTransition<O> any = any_transition<O>(transition);
+    check_view_inputs(q, k, v, any, static_cast<const Matrix<O>*>(nullptr), shape, options, where,
+                      q_name, k_name);
+    const HeadSourcesOf<Scalar, O, Map> sources(map);
+    heads_attention_rows<Scalar, O>(q, k, v, sources, out, sequences, feature_dim, options, causal,
+                                    any, where);
   }
-  validate_transition(transition, HeadShape{out.batch(), out.heads(), out.tokens(), feature_dim},
-                      options, where);
-  scan_transition(transition, resolve_threads(options), where);
-  scan_heads(q, k, v, options, where, q_name, k_name);
-  // The bonus form reads each head one row ahead: it runs head by head.
-  if constexpr (!is_head_bonus<Transition>) {
-    if (causal && causal_token_major<Scalar>(q, k, v, out, map, transition, sequences, feature_dim,
-                                             options, where)) {
-      return;
-    }
-  }
-  for_each_sequence_head(
-      q, k, v, out, sequences, options,
-      [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
-          int threads) {
-        with_map(map, [&](const auto& head_map) {
-          if constexpr (is_head_bonus<Transition>) {
-            const auto gates = transition.gates.view.head(sequences.batch_of(s), h)
-                                   .middleRows(sequences.begin(s), qs.rows());
-            auto attend = [&](const auto& gate_rows) {
-              bonus_rows<Scalar>(qs, ks, vs, gate_rows, transition.u.row(h), head_map, os, options,
-                                 threads, where);
-            };
-            if constexpr (Transition::log_space) {
-              attend(LogGates<std::decay_t<decltype(gates)>>(gates));
-            } else {
-              attend(gates);
-            }
-          } else {
-            CarriedState<Scalar> state(feature_dim, v.dim());
-            Options head_options = options;
-            head_options.threads = threads;
-            with_transition(
-                transition, sequences.batch_of(s), h, sequences.begin(s), head_options,
-                [&](const GateRows* gates, const Options& run_options) {
-                  if (qs.rows() != ks.rows()) {
-                    // Cross-attention: the sums over N_k keys, read by N_q queries.
-                    with_source<Scalar>(ks, ks, vs, head_map, nullptr, options.check_finite, where,
-                                        [&](ChunkSource<Scalar>& keys) {
-                                          with_source<Scalar>(qs, qs, vs, head_map, nullptr,
-                                                              options.check_finite, where,
-                                                              [&](ChunkSource<Scalar>& queries) {
-                                                                run_cross(keys, queries, state, os,
-                                                                          run_options, threads);
-                                                              });
-                                        });
-                    return;
-                  }
-                  with_source<Scalar>(qs, ks, vs, head_map, gates, options.check_finite, where,
-                                      [&](ChunkSource<Scalar>& source) {
-                                        if (causal) {
-                                          run_causal(source, state, os, run_options, threads);
-                                        } else {
-                                          run_non_causal(source, state, os, run_options, threads);
-                                        }
-                                      });
-                });
-          }
-        });
-      });
 }
 
-/// The one dispatch of the view entry points: checks the map concept, then reads Identity
-/// inputs in place as features and featurizes any other map chunk by chunk.
+/// The one dispatch of the view entry points: checks the map concept, then runs the views
+/// with it (Identity reads the inputs in place as features; any other map featurizes chunk by
+/// chunk).
 template <class Acc, class Q, class K, class V, class O, class Map, class Transition = UniformDecay>
 void heads_attention(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                      const Map& map, const HeadsView<O>& out,
                      const std::vector<std::int64_t>* offsets, const Options& options, bool causal,
                      const char* where, const Transition& transition = {}) {
   if constexpr (check_feature_map<Map, accumulator_t<Acc, std::remove_const_t<O>>>()) {
-    if constexpr (is_identity_map<Map>) {
-      heads_linear_attention<Acc>(q, k, v, static_cast<const void*>(nullptr), out, offsets, options,
-                                  causal, transition, where);
-    } else {
-      heads_linear_attention<Acc>(q, k, v, &map, out, offsets, options, causal, transition, where);
-    }
+    heads_linear_attention<Acc>(q, k, v, map, out, offsets, options, causal, transition, where);
   }
 }
 
@@ -889,3 +1110,42 @@ void softmax_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const 
 }
 
 }  // namespace linattn
+
+/// The compiled mode's instances of the view forward's drivers: LINATTN_HEADS_INSTANCES for
+/// each (accumulation T, input S) pair of LINATTN_KERNEL_TYPES, LINATTN_HEADS_CHECK_INSTANCES
+/// for each input type S; `prefix` is `extern template` (every TU that defines
+/// LINATTN_COMPILED) or `template` (the library).
+#define LINATTN_HEADS_INSTANCES(prefix, T, S)                                                    \
+  prefix void linattn::detail::heads_attention_rows<T, S>(                                       \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,                      \
+      const linattn::ConstHeadsView<S>&, const linattn::detail::HeadSources<T, S>&,              \
+      const linattn::HeadsView<S>&, const linattn::detail::SequenceRows&, Eigen::Index,          \
+      const linattn::Options&, bool, const linattn::detail::AnyHeadTransition<S>&, const char*); \
+  prefix void linattn::detail::for_each_head_source<T, S>(                                       \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,                      \
+      const linattn::ConstHeadsView<S>&, const linattn::HeadsView<S>&,                           \
+      const linattn::detail::SequenceRows&, const linattn::detail::HeadSources<T, S>&,           \
+      const linattn::detail::AnyHeadTransition<S>&, const linattn::Options&, const char*,        \
+      linattn::detail::HeadRun<T, S>);                                                           \
+  prefix class linattn::detail::HeadSourcesOf<T, S, linattn::Identity>;
+#define LINATTN_HEADS_CHECK_INSTANCES(prefix, S)                                                  \
+  prefix linattn::detail::SequenceRows linattn::detail::check_view_call<S>(                       \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,                       \
+      const linattn::ConstHeadsView<S>&, const linattn::HeadsView<S>&,                            \
+      const std::vector<std::int64_t>*, const linattn::Options&, bool, const char*, const char*,  \
+      const char*);                                                                               \
+  prefix void linattn::detail::check_view_inputs<S>(                                              \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,                       \
+      const linattn::ConstHeadsView<S>&, const linattn::detail::AnyHeadTransition<S>&,            \
+      const linattn::Matrix<S>*, const linattn::HeadShape&, const linattn::Options&, const char*, \
+      const char*, const char*);
+
+#ifdef LINATTN_COMPILED
+#define LINATTN_DECLARE_HEADS_KERNELS(T, S) LINATTN_HEADS_INSTANCES(extern template, T, S)
+LINATTN_KERNEL_TYPES(LINATTN_DECLARE_HEADS_KERNELS)
+#undef LINATTN_DECLARE_HEADS_KERNELS
+LINATTN_HEADS_CHECK_INSTANCES(extern template, float)
+LINATTN_HEADS_CHECK_INSTANCES(extern template, double)
+LINATTN_HEADS_CHECK_INSTANCES(extern template, Eigen::half)
+LINATTN_HEADS_CHECK_INSTANCES(extern template, Eigen::bfloat16)
+#endif

@@ -388,6 +388,7 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
   void prefill_dispatch(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                         const Map& map, const HeadsView<O>& out, const Transition& transition,
                         const std::vector<std::int64_t>* offsets) {
+    static_assert(std::is_same_v<O, T>, "RecurrentStateBatch<T>: views must hold T");
     if constexpr (detail::check_feature_map<Map, Acc>()) {
       if constexpr (detail::is_identity_map<Map>) {
         prefill_heads(q, k, v, static_cast<const void*>(nullptr), out, transition, offsets, "phi_q",
@@ -398,14 +399,13 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
     }
   }
 
-  template <class Q, class K, class V, class Map, class O, class Transition>
-  void prefill_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
-                     const Map* map, const HeadsView<O>& out, const Transition& transition,
-                     const std::vector<std::int64_t>* offsets, const char* q_name,
-                     const char* k_name) {
+  template <class Map, class Transition>
+  void prefill_heads(const ConstHeadsView<T>& q, const ConstHeadsView<T>& k,
+                     const ConstHeadsView<T>& v, const Map* map, const HeadsView<T>& out,
+                     const Transition& transition, const std::vector<std::int64_t>* offsets,
+                     const char* q_name, const char* k_name) {
     const char* where =
         offsets ? "RecurrentStateBatch::prefill_varlen" : "RecurrentStateBatch::prefill";
-    static_assert(std::is_same_v<O, T>, "RecurrentStateBatch<T>: views must hold T");
     detail::validate_heads(q, k, v, out, value_dim(), options(), where, q_name, k_name);
     this->require_view_heads(q.heads(), k.heads(), v.heads(), out.heads(), where);
     if (v.dim() != value_dim()) {
@@ -445,14 +445,14 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
     // Each state works on a copy and is replaced only when every head succeeded; an empty
     // sequence's heads are not run, so their states stay as they were.
     std::vector<State> next = states_;
-    detail::for_each_sequence_head(
-        q, k, v, out, sequences, options(),
-        [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
-            int threads) {
-          State& state = next[static_cast<std::size_t>(s * out.heads() + h)];
-          const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
-          detail::with_map(map, [&](const auto& head_map) {
-            if constexpr (detail::is_head_bonus<Transition>) {
+    if constexpr (detail::is_head_bonus<Transition>) {
+      detail::for_each_sequence_head(
+          q, k, v, out, sequences, options(),
+          [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs,
+              auto os, int threads) {
+            State& state = next[static_cast<std::size_t>(s * out.heads() + h)];
+            const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
+            detail::with_map(map, [&](const auto& head_map) {
               const auto gates = transition.gates.view.head(b, h).middleRows(begin, qs.rows());
               if constexpr (Transition::log_space) {
                 state.prefill_bonus(qs, ks, vs, LogGates<std::decay_t<decltype(gates)>>(gates),
@@ -461,19 +461,24 @@ class RecurrentStateBatch : public detail::StateBatch<RecurrentState<T, Acc>> {
                 state.prefill_bonus(qs, ks, vs, gates, transition.u.row(h), head_map, os, threads,
                                     where);
               }
-            } else {
-              Options head_options = options();
-              detail::with_transition(transition, b, h, begin, head_options,
-                                      [&](const detail::GateRows* gates, const Options&) {
-                                        detail::with_source<Acc>(
-                                            qs, ks, vs, head_map, gates, options().check_finite,
-                                            where, [&](detail::ChunkSource<Acc>& source) {
-                                              state.run_chunked(source, os, threads);
-                                            });
-                                      });
-            }
+            });
           });
-        });
+    } else {
+      // Every other transition through the view driver compiled once: only the map's token
+      // source is built here.
+      detail::with_map(map, [&](const auto& head_map) {
+        using HeadMapType = std::decay_t<decltype(head_map)>;
+        const detail::HeadSourcesOf<Acc, T, HeadMapType> sources(head_map);
+        detail::for_each_head_source<Acc, T>(
+            q, k, v, out, sequences, sources, detail::any_transition<T>(transition), options(),
+            where,
+            [&](Eigen::Index s, Eigen::Index h, detail::ChunkSource<Acc>& source,
+                const detail::ChunkSource<Acc>*, detail::OutRows<T> os, int threads,
+                const Options&) {
+              next[static_cast<std::size_t>(s * out.heads() + h)].run_chunked(source, os, threads);
+            });
+      });
+    }
     states_ = std::move(next);
   }
 };
