@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // linattn::compiled: the kernels (chunked, streamed, stepped, backward; both families) that
 // accumulate in double.
+#include <linattn/delta_rule.hpp>
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
@@ -35,3 +36,10 @@ LINATTN_DEFINE_DOUBLE_HEADS(double, float)
 LINATTN_DEFINE_DOUBLE_HEADS(double, Eigen::half)
 LINATTN_DEFINE_DOUBLE_HEADS(double, Eigen::bfloat16)
 LINATTN_HEADS_CHECK_INSTANCES(template, double)
+// The delta rule's view drivers, and its checks of the double views.
+#define LINATTN_DEFINE_DOUBLE_DELTA_HEADS(T, S) LINATTN_DELTA_HEADS_INSTANCES(template, T, S)
+LINATTN_DEFINE_DOUBLE_DELTA_HEADS(double, double)
+LINATTN_DEFINE_DOUBLE_DELTA_HEADS(double, float)
+LINATTN_DEFINE_DOUBLE_DELTA_HEADS(double, Eigen::half)
+LINATTN_DEFINE_DOUBLE_DELTA_HEADS(double, Eigen::bfloat16)
+LINATTN_DELTA_HEADS_CHECK_INSTANCES(template, double)

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // linattn::compiled: the kernels (chunked, streamed, stepped, backward; both families) that
 // accumulate in float.
+#include <linattn/delta_rule.hpp>
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
@@ -34,3 +35,11 @@ LINATTN_DEFINE_FLOAT_HEADS(float, Eigen::bfloat16)
 LINATTN_HEADS_CHECK_INSTANCES(template, float)
 LINATTN_HEADS_CHECK_INSTANCES(template, Eigen::half)
 LINATTN_HEADS_CHECK_INSTANCES(template, Eigen::bfloat16)
+// The delta rule's view drivers, and its checks of the float and 16-bit views.
+#define LINATTN_DEFINE_FLOAT_DELTA_HEADS(T, S) LINATTN_DELTA_HEADS_INSTANCES(template, T, S)
+LINATTN_DEFINE_FLOAT_DELTA_HEADS(float, float)
+LINATTN_DEFINE_FLOAT_DELTA_HEADS(float, Eigen::half)
+LINATTN_DEFINE_FLOAT_DELTA_HEADS(float, Eigen::bfloat16)
+LINATTN_DELTA_HEADS_CHECK_INSTANCES(template, float)
+LINATTN_DELTA_HEADS_CHECK_INSTANCES(template, Eigen::half)
+LINATTN_DELTA_HEADS_CHECK_INSTANCES(template, Eigen::bfloat16)

@@ -238,9 +238,65 @@ void require_head_view(const HeadsView<T>& view, const HeadsView<O>& out, Eigen:
   }
 }
 
-/// Checks a view call of the delta rule (`gates` null for DeltaNet; one sequence per batch
-/// entry, or the packed sequences of `offsets`) before anything is written, and returns its
+/// Checks a view call of the delta rule (no gates for DeltaNet; one sequence per batch entry,
+/// or the packed sequences of `offsets`) before anything is written, and returns its
 /// sequences. `out_name` is how messages name out (the backward's grad_out plays its part).
+/// Compiled once per input type in the compiled mode.
+template <class S>
+SequenceRows check_delta_heads(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
+                               const ConstHeadsView<S>& v, const AnyHeadTransition<S>& gates,
+                               const ConstHeadsView<S>& beta, const ConstHeadsView<S>& out,
+                               const std::vector<std::int64_t>* offsets,
+                               const DeltaOptions& options, const char* where,
+                               const char* out_name) {
+  validate_delta_options(options, where);
+  const Options engine = engine_options(options);
+  validate_heads(q, k, v, out, v.dim(), engine, where, "q", "k", false, out_name);
+  require_head_view(beta, out, 1, "1", where, "beta", out_name);
+  if (gates.gates != nullptr) {
+    const ConstHeadsView<S>& view = *gates.gates;
+    if (view.dim() != 1) {
+      require_head_view(view, out, q.dim(), "Dk (one gate per key feature) or 1", where, "gates",
+                        out_name);
+    } else {
+      require_head_view(view, out, 1, "1 (one gate per token) or Dk", where, "gates", out_name);
+    }
+  }
+  const SequenceRows sequences = sequence_rows(q, offsets, where, "q");
+  const int threads = resolve_threads(engine);
+  scan_view(
+      beta, threads,
+      [&](const auto& rows) {
+        return ((rows.array() > S(0)) && (rows.array() <= S(max_beta(options)))).all();
+      },
+      [&](const auto& head, Eigen::Index b, Eigen::Index h) {
+        require_beta_in_range(head, options, where, head_name("beta", b, h));
+      });
+  scan_transition(gates, threads, where);
+  scan_heads(q, k, v, engine, where, "q", "k");
+  if (!options.l2_normalize) {  // every head's steps, through the heads it reads
+    for (Eigen::Index b = 0; b < out.batch(); ++b) {
+      for (Eigen::Index h = 0; h < out.heads(); ++h) {
+        const Eigen::Index hk = input_head(k, out.heads(), h, options.head_grouping);
+        require_stable_steps(k.head(b, hk), beta.head(b, h), options, where, head_name("k", b, hk));
+      }
+    }
+  }
+  return sequences;
+}
+
+/// The gates of a delta-rule view call (null: DeltaNet), erased.
+template <class S, class Gates>
+AnyHeadTransition<S> delta_gates(const Gates* gates) {
+  if constexpr (std::is_void_v<Gates>) {
+    return {};
+  } else {
+    return any_transition<S>(*gates);
+  }
+}
+
+/// check_delta_heads for views of any constness and gates of any kind (`gates` null for
+/// DeltaNet).
 template <class Acc, class Q, class K, class V, class B, class O, class Gates>
 SequenceRows check_heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k,
                                     const HeadsView<V>& v, const Gates* gates,
@@ -255,69 +311,58 @@ SequenceRows check_heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k
                 "the delta rule accumulates in float or double (Acc = float or double)");
   static_assert(std::is_same_v<std::remove_const_t<B>, Scalar>,
                 "beta must have the inputs' scalar type: cast it first");
-  validate_delta_options(options, where);
-  const Options engine = engine_options(options);
-  validate_heads(q, k, v, out, v.dim(), engine, where, "q", "k", false, out_name);
-  require_head_view(beta, out, 1, "1", where, "beta", out_name);
-  if constexpr (!std::is_void_v<Gates>) {
-    const auto& view = gates->view;
-    if (view.dim() != 1) {
-      require_head_view(view, out, q.dim(), "Dk (one gate per key feature) or 1", where, "gates",
-                        out_name);
-    } else {
-      require_head_view(view, out, 1, "1 (one gate per token) or Dk", where, "gates", out_name);
-    }
-  }
-  const SequenceRows sequences = sequence_rows(q, offsets, where, "q");
-  const int threads = resolve_threads(engine);
-  scan_view(
-      beta, threads,
-      [&](const auto& rows) {
-        return ((rows.array() > Scalar(0)) && (rows.array() <= Scalar(max_beta(options)))).all();
-      },
-      [&](const auto& head, Eigen::Index b, Eigen::Index h) {
-        require_beta_in_range(head, options, where, head_name("beta", b, h));
-      });
-  if constexpr (!std::is_void_v<Gates>) scan_transition(*gates, threads, where);
-  scan_heads(q, k, v, engine, where, "q", "k");
-  if (!options.l2_normalize) {  // every head's steps, through the heads it reads
-    for (Eigen::Index b = 0; b < out.batch(); ++b) {
-      for (Eigen::Index h = 0; h < out.heads(); ++h) {
-        const Eigen::Index hk = input_head(k, out.heads(), h, options.head_grouping);
-        require_stable_steps(k.head(b, hk), beta.head(b, h), options, where, head_name("k", b, hk));
-      }
-    }
-  }
-  return sequences;
+  return check_delta_heads<Scalar>(q, k, v, delta_gates<Scalar>(gates), beta, out, offsets, options,
+                                   where, out_name);
 }
 
+/// What a delta-rule view driver asks its caller for each head: with_state(s, h, run) calls
+/// run(S) with the state of head h of sequence s (Dk x Dv, in the accumulation type T).
+template <class T>
+using DeltaStateRun = FunctionRef<void(Matrix<T>&)>;
+template <class T>
+using DeltaWithState = FunctionRef<void(Eigen::Index, Eigen::Index, DeltaStateRun<T>)>;
+
 /// Runs the delta rule over every sequence and head of checked views, threads over sequences
-/// x heads: with_state(s, h, run) calls run(S) with the state of head h of sequence s (Dk x Dv,
-/// in the accumulation type), which the head starts from and leaves after its last token.
+/// x heads, each head from the state with_state gives it, which the head leaves after its
+/// last token. Compiled once per (T, S) in the compiled mode.
+template <class T, class S>
+void run_delta_heads(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
+                     const ConstHeadsView<S>& v, const AnyHeadTransition<S>& gates,
+                     const ConstHeadsView<S>& beta, const HeadsView<S>& out,
+                     const SequenceRows& sequences, const DeltaOptions& options, const char* where,
+                     DeltaWithState<T> with_state) {
+  for_each_sequence_head(
+      q, k, v, out, sequences, engine_options(options),
+      [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
+          int inner_threads) {
+        const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
+        const auto beta_rows = beta.head(b, h).col(0).segment(begin, qs.rows());
+        with_state(s, h, [&](Matrix<T>& state) {
+          OutRows<S> rows(os);
+          if (gates.gates == nullptr) {
+            run_delta_rule<T, S>(qs, ks, vs, beta_rows, nullptr, options, state, &rows, where,
+                                 inner_threads);
+          } else {
+            with_gate_rows(gates, gates.gates->head(b, h), begin, [&](const GateRows* gate_rows) {
+              run_delta_rule<T, S>(qs, ks, vs, beta_rows, gate_rows, options, state, &rows, where,
+                                   inner_threads);
+            });
+          }
+        });
+      });
+}
+
+/// run_delta_heads for views of any constness, gates of any kind (null for DeltaNet) and any
+/// with_state(s, h, run).
 template <class Acc, class Q, class K, class V, class B, class O, class Gates, class WithState>
 void run_heads_delta_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                           const Gates* gates, const HeadsView<B>& beta, const HeadsView<O>& out,
                           const SequenceRows& sequences, const DeltaOptions& options,
                           const char* where, const WithState& with_state) {
   using T = accumulator_t<Acc, O>;
-  for_each_sequence_head(q, k, v, out, sequences, engine_options(options),
-                         [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks,
-                             const auto& vs, auto os, int inner_threads) {
-                           const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
-                           const auto beta_rows = beta.head(b, h).col(0).segment(begin, qs.rows());
-                           with_state(s, h, [&](Matrix<T>& state) {
-                             OutRows<O> rows(os);
-                             if constexpr (std::is_void_v<Gates>) {
-                               run_delta_rule<T, O>(qs, ks, vs, beta_rows, nullptr, options, state,
-                                                    &rows, where, inner_threads);
-                             } else {
-                               const HeadGateRows<O, Gates::log_space> gate_rows(
-                                   gates->view.head(b, h), begin);
-                               run_delta_rule<T, O>(qs, ks, vs, beta_rows, &gate_rows, options,
-                                                    state, &rows, where, inner_threads);
-                             }
-                           });
-                         });
+  run_delta_heads<T, O>(
+      q, k, v, delta_gates<O>(gates), beta, out, sequences, options, where,
+      [&](Eigen::Index s, Eigen::Index h, DeltaStateRun<T> run) { with_state(s, h, run); });
 }
 
 /// The delta rule over every sequence and head of the views, each from a zero state. Every
@@ -858,3 +903,31 @@ class DeltaRuleState {
 };
 
 }  // namespace linattn
+
+/// The compiled mode's instances of the delta rule's view drivers:
+/// LINATTN_DELTA_HEADS_INSTANCES for each (accumulation T, input S) pair of
+/// LINATTN_KERNEL_TYPES, LINATTN_DELTA_HEADS_CHECK_INSTANCES for each input type S; `prefix` is
+/// `extern template` (every TU that defines LINATTN_COMPILED) or `template` (the library).
+#define LINATTN_DELTA_HEADS_INSTANCES(prefix, T, S)                                    \
+  prefix void linattn::detail::run_delta_heads<T, S>(                                  \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,            \
+      const linattn::ConstHeadsView<S>&, const linattn::detail::AnyHeadTransition<S>&, \
+      const linattn::ConstHeadsView<S>&, const linattn::HeadsView<S>&,                 \
+      const linattn::detail::SequenceRows&, const linattn::DeltaOptions&, const char*, \
+      linattn::detail::DeltaWithState<T>);
+#define LINATTN_DELTA_HEADS_CHECK_INSTANCES(prefix, S)                                 \
+  prefix linattn::detail::SequenceRows linattn::detail::check_delta_heads<S>(          \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,            \
+      const linattn::ConstHeadsView<S>&, const linattn::detail::AnyHeadTransition<S>&, \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,            \
+      const std::vector<std::int64_t>*, const linattn::DeltaOptions&, const char*, const char*);
+
+#ifdef LINATTN_COMPILED
+#define LINATTN_DECLARE_DELTA_HEADS(T, S) LINATTN_DELTA_HEADS_INSTANCES(extern template, T, S)
+LINATTN_KERNEL_TYPES(LINATTN_DECLARE_DELTA_HEADS)
+#undef LINATTN_DECLARE_DELTA_HEADS
+LINATTN_DELTA_HEADS_CHECK_INSTANCES(extern template, float)
+LINATTN_DELTA_HEADS_CHECK_INSTANCES(extern template, double)
+LINATTN_DELTA_HEADS_CHECK_INSTANCES(extern template, Eigen::half)
+LINATTN_DELTA_HEADS_CHECK_INSTANCES(extern template, Eigen::bfloat16)
+#endif
