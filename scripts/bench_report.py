@@ -377,6 +377,163 @@ def gated_heads_section(gated):
     return text
 
 
+def backward_ratio_section(backward):
+    """The backward's cost against the forward (bench_backward, float): the linear kernel
+    through the map (allocating, and with a workspace) and GLA's gated form, each as
+    (forward + backward) / forward, with the targets."""
+    scalar = "float"
+    fams = ("BM_LinearForward", "BM_LinearForwardBackward", "BM_LinearForwardBackwardWorkspace",
+            "BM_GatedForward", "BM_GatedForwardBackward")
+    sizes = sorted({k[2] for k in backward if k[1] == scalar and k[0] in fams})
+    if not sizes:
+        return ""
+    rows = []
+    for n in sizes:
+        fwd, both, work, gated_fwd, gated = (backward.get((fam, scalar, n)) for fam in fams)
+        ms = lambda e: f"{e['seconds'] * 1e3:.3g}" if e else "-"
+        ratio = lambda a, b: f"{a['seconds'] / b['seconds']:.2f}" if a and b else "-"
+        rows.append([n, ms(fwd), ms(both), ratio(both, fwd), ms(work), ratio(work, fwd),
+                     ms(gated_fwd), ms(gated), ratio(gated, gated_fwd)])
+    header = ["N", "linear fwd ms", "fwd+bwd ms", "ratio", "workspace fwd+bwd ms", "ratio",
+              "gated fwd ms", "fwd+bwd ms", "ratio"]
+    return ("### Backward against the forward (bench_backward, float, C = Dv = 64, one thread)\n\n" +
+            table(header, rows) + "\n\n" +
+            "Linear: elu+1 features computed inside the timed region, the backward through the "
+            "map (the allocating call; workspace: a BackwardWorkspace kept across iterations). "
+            "Gated: GLA's form, featurized q and k, per-feature log gates (about -0.05), "
+            "normalize off, with a workspace (it also gives d loss / d g). Ratio = (forward + "
+            "backward) / forward; the backward alone is the ratio minus 1. Targets: backward "
+            "alone at most 3.5x the forward, forward + backward at most 4.5x.\n\n")
+
+
+DELTA_NAME = re.compile(r"^BM_Delta(Chunked|Streamed|Step|EigenLoop)_(?:(\w+?)_)?D(\d+)(?:_L(\d+))?$")
+
+
+def delta_section(delta):
+    """The delta rule (bench_delta, float, one head, one thread): every form's rate, as a share
+    of Eigen's sgemm in the same run and as a speed-up over the per-token Eigen loop."""
+    gemm = delta.get(("BM_EigenGemm", "float", 512))
+    peak = gemm["FLOPS"] if gemm else None
+    cells = {}
+    for (fam, scalar, n), e in delta.items():
+        m = DELTA_NAME.match(fam)
+        if m and scalar == "float":
+            form, variant, dim, chunk = m.groups()
+            cells[(int(dim), n, form, variant or "", int(chunk or 0))] = e
+    if not cells:
+        return ""
+    rows = []
+    for dim in sorted({k[0] for k in cells}, reverse=True):
+        for n in sorted({k[1] for k in cells if k[0] == dim}):
+            loop = cells.get((dim, n, "EigenLoop", "", 0))
+            # The chunked form at its fastest chunk length only (bench_delta runs 16, 32, 64).
+            best = {}
+            for k in cells:
+                if k[0] == dim and k[1] == n and k[2] == "Chunked":
+                    if k[3] not in best or cells[k]["seconds"] < cells[best[k[3]]]["seconds"]:
+                        best[k[3]] = k
+            keys = sorted((k for k in cells if k[0] == dim and k[1] == n and
+                           (k[2] != "Chunked" or best.get(k[3]) == k)),
+                          key=lambda k: (["Streamed", "Chunked", "Step", "EigenLoop"].index(k[2]),
+                                         k[3], k[4]))
+            for key in keys:
+                _, _, form, variant, chunk = key
+                e = cells[key]
+                path = {"Streamed": f"{variant}, streamed",
+                        "Chunked": f"{variant}, chunked (fastest L: {chunk})",
+                        "Step": "DeltaRuleState::step loop",
+                        "EigenLoop": "per-token Eigen loop (baseline)"}[form]
+                if form == "Streamed" and variant == "GatedDeltaNet":
+                    path += " (the default)"
+                per_token = (f" ({e['seconds'] / n * 1e6:.3g} us a token)"
+                             if form in ("Step", "EigenLoop") else "")
+                rows.append([dim, n, path, fmt_time(e["seconds"]) + per_token,
+                             f"{e['FLOPS'] / 1e9:.1f}",
+                             f"{100 * e['FLOPS'] / peak:.0f}%" if peak else "-",
+                             f"{loop['seconds'] / e['seconds']:.2f}" if loop else "-"])
+    text = "### The delta rule, Dk = Dv = D, float, one head, one thread (bench_delta)\n\n"
+    if gemm:
+        text += f"Eigen float GEMM 512^3: {gemm['FLOPS'] / 1e9:.1f} GFLOP/s (the 100% below).\n\n"
+    text += table(["D", "N", "path", "time", "GFLOP/s", "% sgemm", "x Eigen loop"], rows)
+    text += ("\n\nUseful FLOPs are the recurrence's, 6 Dk Dv per token. DeltaNet: no gates; Gated "
+             "DeltaNet: a scalar log gate per token; KDA: one per key feature. The streamed form "
+             "does the recurrence's FLOPs and no more, the chunked form's GEMMs 1.6-2x as many; "
+             "DeltaForm::automatic runs the streamed one.\n\n")
+    return text
+
+
+POOL_NAME = re.compile(r"^BM_(PoolStep|StreamCopy|StateStep)_?(\w*)<(\w+)>(?:/(\d+))?(?:/(\d+))?/real_time$")
+
+
+def pool_section(path):
+    """Decoding many sessions (bench_pool): one SessionPool::step_into for every session of a
+    16-head layer, its state bytes per second against a copy of as many bytes (BM_StreamCopy)
+    on as many threads."""
+    data = read_json(path)
+    if data is None:
+        return ""
+    pool, copy, single = {}, {}, {}
+    for b in data.get("benchmarks", []):
+        if b.get("run_type", "iteration") != "iteration":
+            continue
+        m = POOL_NAME.match(b["name"])
+        if not m:
+            continue
+        kind, shape, _, first, threads = m.groups()
+        if kind == "PoolStep":
+            pool[(shape, int(threads), int(first))] = b
+        elif kind == "StreamCopy":
+            copy[(round(b["state_MiB"] * 2**20), int(threads))] = b
+        else:
+            single[shape] = b
+    if not pool:
+        return ""
+    text = ("### Decoding many sessions: SessionPool::step_into against a copy "
+            "(bench_pool, float)\n\n")
+    for shape in sorted({k[0] for k in pool}):
+        for threads in sorted({k[1] for k in pool if k[0] == shape}):
+            rows = []
+            for sessions in sorted(k[2] for k in pool if k[0] == shape and k[1] == threads):
+                b = pool[(shape, threads, sessions)]
+                c = copy.get((round(b["state_MiB"] * 2**20), threads))
+                state = b["state_GBps"] / 1e9
+                rows.append([sessions, f"{b['state_MiB']:.3g}", f"{b['tokens_per_s'] / 1e3:.1f}k",
+                             f"{state:.1f}", f"{c['copy_GBps'] / 1e9:.1f}" if c else "-",
+                             f"{b['state_GBps'] / c['copy_GBps']:.2f}" if c else "-",
+                             f"{b['per_head'] * 1e9:.0f}"])
+            text += f"{shape}, {threads} thread{'s' if threads > 1 else ''}:\n\n"
+            text += table([f"sessions", "state MiB", "tokens/s", "state GB/s", "copy GB/s",
+                           "ratio", "ns per head"], rows) + "\n\n"
+    if single:
+        text += ("One state stepped again and again in cache (BM_StateStep): " +
+                 ", ".join(f"{shape} {b['per_head'] * 1e9:.0f} ns"
+                           for shape, b in sorted(single.items())) + ".\n\n")
+    text += ("C64: C = Dv = 64, featurized inputs, default Options (S and z, 16.25 KiB a head); "
+             "Delta128: Gated DeltaNet, Dk = Dv = 128 (S, 64 KiB a head). State GB/s counts "
+             "the minimum a step moves, every state read and written once; copy GB/s is a "
+             "std::copy of as many bytes on as many threads; ratio = state / copy. Target: at "
+             "least 0.7 once the states pass the L3 (32 MiB).\n\n")
+    return text
+
+
+def run_note(path):
+    """When and where the run was: Google Benchmark's context of bench_causal's JSON (the date,
+    the CPUs, the load average as the binary started), so a table is never read without it."""
+    data = read_json(path)
+    if data is None:
+        return ""
+    ctx = data.get("context", {})
+    load = ctx.get("load_avg") or []
+    text = f"Run of {ctx.get('date', '?')} on {ctx.get('num_cpus', '?')} CPUs"
+    if ctx.get("mhz_per_cpu"):
+        text += f" at {ctx['mhz_per_cpu']} MHz"
+    if load:
+        text += ", load average " + ", ".join(f"{x:.2f}" for x in load) + " as bench_causal started"
+    text += (". Rates move 10-20% from run to run on a shared machine: read each against the "
+             "same run's Eigen GEMM.\n\n")
+    return text
+
+
 def main():
     bench_dir = sys.argv[1] if len(sys.argv) > 1 else "build/release/bench"
     causal = load(os.path.join(bench_dir, "causal.json"))
@@ -386,17 +543,21 @@ def main():
     gated = load(os.path.join(bench_dir, "gated.json"))
     causal_rows, decode_rows = [], []
     text = "## linattn benchmark results\n\n"
+    text += run_note(os.path.join(bench_dir, "causal.json"))
     for scalar in ("float", "double"):
         text += causal_section(causal, scalar, causal_rows)
     text += half_section(causal)
     for scalar in ("float", "double"):
         text += backward_section(backward, scalar)
+    text += backward_ratio_section(backward)
     for scalar in ("float", "double"):
         text += decode_section(decode, scalar, decode_rows)
     text += gated_section(gated)
     text += gated_heads_section(gated)
+    text += delta_section(load(os.path.join(bench_dir, "delta.json")))
     text += feature_section(features)
     text += threads_section(os.path.join(bench_dir, "threads.json"))
+    text += pool_section(os.path.join(bench_dir, "pool.json"))
     text += compile_section(os.path.join(bench_dir, "compile_cost.json"))
     with open(os.path.join(bench_dir, "report.md"), "w") as f:
         f.write(text)
