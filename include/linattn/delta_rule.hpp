@@ -238,13 +238,13 @@ void require_head_view(const HeadsView<T>& view, const HeadsView<O>& out, Eigen:
   }
 }
 
-/// Checks a view call of the delta rule (no gates for DeltaNet; one sequence per batch entry,
-/// or the packed sequences of `offsets`) before anything is written, and returns its
-/// sequences. `out_name` is how messages name out (the backward's grad_out plays its part).
-/// Compiled once per input type in the compiled mode.
+/// Checks a view call of the delta rule (`transition` empty for DeltaNet, else its gates; one
+/// sequence per batch entry, or the packed sequences of `offsets`) before anything is written, and
+/// returns its sequences. `out_name` is how messages name out (the backward's grad_out plays its
+/// part). Compiled once per input type in the compiled mode.
 template <class S>
 SequenceRows check_delta_heads(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
-                               const ConstHeadsView<S>& v, const AnyHeadTransition<S>& gates,
+                               const ConstHeadsView<S>& v, const AnyHeadTransition<S>& transition,
                                const ConstHeadsView<S>& beta, const ConstHeadsView<S>& out,
                                const std::vector<std::int64_t>* offsets,
                                const DeltaOptions& options, const char* where,
@@ -253,8 +253,8 @@ SequenceRows check_delta_heads(const ConstHeadsView<S>& q, const ConstHeadsView<
   const Options engine = engine_options(options);
   validate_heads(q, k, v, out, v.dim(), engine, where, "q", "k", false, out_name);
   require_head_view(beta, out, 1, "1", where, "beta", out_name);
-  if (gates.gates != nullptr) {
-    const ConstHeadsView<S>& view = *gates.gates;
+  if (transition.gates() != nullptr) {
+    const ConstHeadsView<S>& view = *transition.gates();
     if (view.dim() != 1) {
       require_head_view(view, out, q.dim(), "Dk (one gate per key feature) or 1", where, "gates",
                         out_name);
@@ -272,7 +272,7 @@ SequenceRows check_delta_heads(const ConstHeadsView<S>& q, const ConstHeadsView<
       [&](const auto& head, Eigen::Index b, Eigen::Index h) {
         require_beta_in_range(head, options, where, head_name("beta", b, h));
       });
-  scan_transition(gates, threads, where);
+  scan_transition(transition, threads, where);
   scan_heads(q, k, v, engine, where, "q", "k");
   if (!options.l2_normalize) {  // every head's steps, through the heads it reads
     for (Eigen::Index b = 0; b < out.batch(); ++b) {
@@ -289,7 +289,7 @@ SequenceRows check_delta_heads(const ConstHeadsView<S>& q, const ConstHeadsView<
 template <class S, class Gates>
 AnyHeadTransition<S> delta_gates(const Gates* gates) {
   if constexpr (std::is_void_v<Gates>) {
-    return {};
+    return AnyHeadTransition<S>();
   } else {
     return any_transition<S>(*gates);
   }
@@ -327,29 +327,30 @@ using DeltaWithState = FunctionRef<void(Eigen::Index, Eigen::Index, DeltaStateRu
 /// last token. Compiled once per (T, S) in the compiled mode.
 template <class T, class S>
 void run_delta_heads(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
-                     const ConstHeadsView<S>& v, const AnyHeadTransition<S>& gates,
+                     const ConstHeadsView<S>& v, const AnyHeadTransition<S>& transition,
                      const ConstHeadsView<S>& beta, const HeadsView<S>& out,
                      const SequenceRows& sequences, const DeltaOptions& options, const char* where,
                      DeltaWithState<T> with_state) {
-  for_each_sequence_head(
-      q, k, v, out, sequences, engine_options(options),
-      [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
-          int inner_threads) {
-        const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
-        const auto beta_rows = beta.head(b, h).col(0).segment(begin, qs.rows());
-        with_state(s, h, [&](Matrix<T>& state) {
-          OutRows<S> rows(os);
-          if (gates.gates == nullptr) {
-            run_delta_rule<T, S>(qs, ks, vs, beta_rows, nullptr, options, state, &rows, where,
-                                 inner_threads);
-          } else {
-            with_gate_rows(gates, gates.gates->head(b, h), begin, [&](const GateRows* gate_rows) {
-              run_delta_rule<T, S>(qs, ks, vs, beta_rows, gate_rows, options, state, &rows, where,
-                                   inner_threads);
-            });
-          }
-        });
-      });
+  for_each_sequence_head(q, k, v, out, sequences, engine_options(options),
+                         [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks,
+                             const auto& vs, auto os, int inner_threads) {
+                           const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
+                           const auto beta_rows = beta.head(b, h).col(0).segment(begin, qs.rows());
+                           with_state(s, h, [&](Matrix<T>& state) {
+                             OutRows<S> rows(os);
+                             if (transition.gates() == nullptr) {
+                               run_delta_rule<T, S>(qs, ks, vs, beta_rows, nullptr, options, state,
+                                                    &rows, where, inner_threads);
+                             } else {
+                               with_gate_rows(transition, transition.gates()->head(b, h), begin,
+                                              [&](const GateRows* gate_rows) {
+                                                run_delta_rule<T, S>(qs, ks, vs, beta_rows,
+                                                                     gate_rows, options, state,
+                                                                     &rows, where, inner_threads);
+                                              });
+                             }
+                           });
+                         });
 }
 
 /// run_delta_heads for views of any constness, gates of any kind (null for DeltaNet) and any
@@ -926,8 +927,8 @@ class DeltaRuleState {
 #define LINATTN_DECLARE_DELTA_HEADS(T, S) LINATTN_DELTA_HEADS_INSTANCES(extern template, T, S)
 LINATTN_KERNEL_TYPES(LINATTN_DECLARE_DELTA_HEADS)
 #undef LINATTN_DECLARE_DELTA_HEADS
-LINATTN_DELTA_HEADS_CHECK_INSTANCES(extern template, float)
-LINATTN_DELTA_HEADS_CHECK_INSTANCES(extern template, double)
-LINATTN_DELTA_HEADS_CHECK_INSTANCES(extern template, Eigen::half)
-LINATTN_DELTA_HEADS_CHECK_INSTANCES(extern template, Eigen::bfloat16)
+#define LINATTN_DECLARE_DELTA_HEADS_CHECKS(S) \
+  LINATTN_DELTA_HEADS_CHECK_INSTANCES(extern template, S)
+LINATTN_INPUT_TYPES(LINATTN_DECLARE_DELTA_HEADS_CHECKS)
+#undef LINATTN_DECLARE_DELTA_HEADS_CHECKS
 #endif

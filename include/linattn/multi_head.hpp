@@ -350,27 +350,46 @@ inline constexpr bool is_head_bonus = false;
 template <class S, bool LogSpace>
 inline constexpr bool is_head_bonus<HeadBonus<S, LogSpace>> = true;
 
-/// A view call's transition with its type erased, for the drivers compiled once: a gate view
-/// (`gates`; `log_space` for log gates), one constant decay per head (`decays`), or neither
-/// (Options::decay for every head).
+/// A view call's transition with its type erased, for the drivers compiled once: none
+/// (Options::decay for every head), one constant decay per head, or a gate view (a_t, or log
+/// gates). At most one of decays() and gates() is set: the constructors are the only way in.
 template <class S>
-struct AnyHeadTransition {
-  const HeadDecays* decays = nullptr;
-  const ConstHeadsView<S>* gates = nullptr;
-  bool log_space = false;
+class AnyHeadTransition {
+ public:
+  /// No transition of its own: every head decays by Options::decay.
+  AnyHeadTransition() = default;
+  /// One constant decay per head (kept by reference).
+  explicit AnyHeadTransition(const HeadDecays& decays) : decays_(&decays) {}
+  /// A gate view (kept by reference); `log_space` when it holds g = log a.
+  AnyHeadTransition(const ConstHeadsView<S>& gates, bool log_space)
+      : gates_(&gates), log_space_(log_space) {}
+
+  /// The per-head decays, or null.
+  const HeadDecays* decays() const { return decays_; }
+  /// The gate view, or null.
+  const ConstHeadsView<S>* gates() const { return gates_; }
+  /// True when gates() holds log gates.
+  bool log_space() const { return log_space_; }
+
+ private:
+  const HeadDecays* decays_ = nullptr;
+  const ConstHeadsView<S>* gates_ = nullptr;
+  bool log_space_ = false;
 };
 
+/// The erased form of each transition a view call takes (kept by reference: the transition
+/// must outlive it). RWKV-6's bonus erases to its gates (the bonus path reads u itself).
 template <class S>
 AnyHeadTransition<S> any_transition(const UniformDecay&) {
-  return {};
+  return AnyHeadTransition<S>();
 }
 template <class S>
 AnyHeadTransition<S> any_transition(const HeadDecays& decays) {
-  return {&decays, nullptr, false};
+  return AnyHeadTransition<S>(decays);
 }
 template <class S, bool LogSpace>
 AnyHeadTransition<S> any_transition(const HeadGates<S, LogSpace>& gates) {
-  return {nullptr, &gates.view, LogSpace};
+  return AnyHeadTransition<S>(gates.view, LogSpace);
 }
 template <class S, bool LogSpace>
 AnyHeadTransition<S> any_transition(const HeadBonus<S, LogSpace>& bonus) {
@@ -507,10 +526,11 @@ void validate_transition(const HeadBonus<S, LogSpace>& bonus, const HeadShape& s
 template <class S>
 void validate_transition(const AnyHeadTransition<S>& transition, const HeadShape& shape,
                          const Options& options, const char* where) {
-  if (transition.decays != nullptr) validate_transition(*transition.decays, shape, options, where);
+  if (transition.decays() != nullptr)
+    validate_transition(*transition.decays(), shape, options, where);
   // The shape checks do not depend on how the gates are given.
-  if (transition.gates != nullptr) {
-    validate_transition(HeadGates<S, false>{*transition.gates}, shape, options, where);
+  if (transition.gates() != nullptr) {
+    validate_transition(HeadGates<S, false>{*transition.gates()}, shape, options, where);
   }
 }
 
@@ -533,11 +553,11 @@ void scan_transition(const HeadGates<S, LogSpace>& gates, int threads, const cha
 }
 template <class S>
 void scan_transition(const AnyHeadTransition<S>& transition, int threads, const char* where) {
-  if (transition.gates == nullptr) return;
-  if (transition.log_space) {
-    scan_transition(HeadGates<S, true>{*transition.gates}, threads, where);
+  if (transition.gates() == nullptr) return;
+  if (transition.log_space()) {
+    scan_transition(HeadGates<S, true>{*transition.gates()}, threads, where);
   } else {
-    scan_transition(HeadGates<S, false>{*transition.gates}, threads, where);
+    scan_transition(HeadGates<S, false>{*transition.gates()}, threads, where);
   }
 }
 
@@ -546,7 +566,7 @@ template <class S, class Body>
 void with_gate_rows(const AnyHeadTransition<S>& transition,
                     const typename ConstHeadsView<S>::HeadMap& head, Eigen::Index begin,
                     const Body& body) {
-  if (transition.log_space) {
+  if (transition.log_space()) {
     const HeadGateRows<S, true> rows(head, begin);
     body(static_cast<const GateRows*>(&rows));
   } else {
@@ -577,10 +597,10 @@ void with_transition(const HeadGates<S, LogSpace>& gates, Eigen::Index b, Eigen:
 template <class S, class Body>
 void with_transition(const AnyHeadTransition<S>& transition, Eigen::Index b, Eigen::Index h,
                      Eigen::Index begin, Options& options, const Body& body) {
-  if (transition.decays != nullptr) {
-    with_transition(*transition.decays, b, h, begin, options, body);
-  } else if (transition.gates != nullptr) {
-    with_gate_rows(transition, transition.gates->head(b, h), begin,
+  if (transition.decays() != nullptr) {
+    with_transition(*transition.decays(), b, h, begin, options, body);
+  } else if (transition.gates() != nullptr) {
+    with_gate_rows(transition, transition.gates()->head(b, h), begin,
                    [&](const GateRows* gates) { body(gates, options); });
   } else {
     body(static_cast<const GateRows*>(nullptr), options);
@@ -606,8 +626,6 @@ class HeadSources {
   HeadSources(const HeadSources&) = delete;
   HeadSources& operator=(const HeadSources&) = delete;
 
-  /// C, the width of phi(q) for inputs of width input_dim.
-  virtual Eigen::Index feature_dim(Eigen::Index input_dim) const = 0;
   /// body(source) with the source over (q, k, v), `gates` attached when not null.
   virtual void with_source(const HeadRows<S>& q, const HeadRows<S>& k, const HeadRows<S>& v,
                            const GateRows* gates, bool check_finite, const char* where,
@@ -621,33 +639,41 @@ class HeadSources {
   ~HeadSources() = default;
 };
 
-/// HeadSources of one feature map (Identity: the rows are the features).
+/// HeadSources of one feature map (Identity: the rows are the features), which it keeps by
+/// reference. Its members are defined outside the class, so that the compiled mode's instance
+/// for Identity keeps them out of other translation units.
 template <class T, class S, class Map>
 class HeadSourcesOf final : public HeadSources<T, S> {
  public:
   explicit HeadSourcesOf(const Map& map) : map_(map) {}
+  explicit HeadSourcesOf(const Map&& map) = delete;  // would keep a temporary
 
-  Eigen::Index feature_dim(Eigen::Index input_dim) const override {
-    if constexpr (is_identity_map<Map>) {
-      return input_dim;
-    } else {
-      return map_.feature_dim(input_dim);
-    }
-  }
   void with_source(const HeadRows<S>& q, const HeadRows<S>& k, const HeadRows<S>& v,
                    const GateRows* gates, bool check_finite, const char* where,
-                   SourceBody<T> body) const override {
-    detail::with_source<T>(q, k, v, map_, gates, check_finite, where, body);
-  }
+                   SourceBody<T> body) const override;
   void with_source(const StridedHeadRows<S>& q, const StridedHeadRows<S>& k,
                    const StridedHeadRows<S>& v, const GateRows* gates, bool check_finite,
-                   const char* where, SourceBody<T> body) const override {
-    detail::with_source<T>(q, k, v, map_, gates, check_finite, where, body);
-  }
+                   const char* where, SourceBody<T> body) const override;
 
  private:
   const Map& map_;
 };
+
+template <class T, class S, class Map>
+void HeadSourcesOf<T, S, Map>::with_source(const HeadRows<S>& q, const HeadRows<S>& k,
+                                           const HeadRows<S>& v, const GateRows* gates,
+                                           bool check_finite, const char* where,
+                                           SourceBody<T> body) const {
+  detail::with_source<T>(q, k, v, map_, gates, check_finite, where, body);
+}
+
+template <class T, class S, class Map>
+void HeadSourcesOf<T, S, Map>::with_source(const StridedHeadRows<S>& q, const StridedHeadRows<S>& k,
+                                           const StridedHeadRows<S>& v, const GateRows* gates,
+                                           bool check_finite, const char* where,
+                                           SourceBody<T> body) const {
+  detail::with_source<T>(q, k, v, map_, gates, check_finite, where, body);
+}
 
 /// What a driver does with one (sequence, head): run(s, h, source, queries, out, threads,
 /// options) attends `source` (cross-attention: keys and values only, the queries from
@@ -720,7 +746,7 @@ void causal_head_group(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
   // Whole chunks, at least 64 tokens: a kernel call per head and block.
   const Eigen::Index block = options.chunk * ((64 + options.chunk - 1) / options.chunk);
   const Eigen::Index dk = q.dim(), dv = v.dim();
-  const ConstHeadsView<S>* gate_view = transition.gates;
+  const ConstHeadsView<S>* gate_view = transition.gates();
   const Eigen::Index gate_cols = gate_view != nullptr ? gate_view->dim() : 0;
   struct Head {
     CarriedState<T> state;
@@ -801,8 +827,8 @@ bool causal_token_major(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
       out.strides().dim != 1 || heads < 2 || sequences.count * heads < threads) {
     return false;
   }
-  if (transition.gates != nullptr && transition.gates->strides().dim != 1 &&
-      transition.gates->dim() > 1) {
+  if (transition.gates() != nullptr && transition.gates()->strides().dim != 1 &&
+      transition.gates()->dim() > 1) {
     return false;
   }
   const Eigen::Index groups =
@@ -853,14 +879,16 @@ void check_view_inputs(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
   scan_heads(q, k, v, options, where, q_name, k_name);
 }
 
-/// Linear attention (causal or not) over every sequence and head, checked: the driver of the
-/// view forward, compiled once per (T, S) in the compiled mode.
+/// Linear attention (causal or not) over every sequence and head of views already checked
+/// (check_view_call, check_view_inputs): the driver of the view forward, compiled once per
+/// (T, S) in the compiled mode. Cross-attention (sequences.key_tokens set) is non-causal only.
 template <class T, class S>
 void heads_attention_rows(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
                           const ConstHeadsView<S>& v, const HeadSources<T, S>& sources,
                           const HeadsView<S>& out, const SequenceRows& sequences,
                           Eigen::Index feature_dim, const Options& options, bool causal,
                           const AnyHeadTransition<S>& transition, const char* where) {
+  LINATTN_ASSERT(!causal || sequences.key_tokens < 0);
   if (causal && causal_token_major<T>(q, k, v, out, sources, transition, sequences, feature_dim,
                                       options, where)) {
     return;
@@ -928,12 +956,12 @@ void heads_linear_attention(const HeadsView<Q>& q_view, const HeadsView<K>& k_vi
                              }
                            });
   } else {
-    const AnyHeadTransition<O> any = any_transition<O>(transition);
-    check_view_inputs(q, k, v, any, static_cast<const Matrix<O>*>(nullptr), shape, options, where,
-                      q_name, k_name);
+    const AnyHeadTransition<O> erased = any_transition<O>(transition);
+    check_view_inputs(q, k, v, erased, static_cast<const Matrix<O>*>(nullptr), shape, options,
+                      where, q_name, k_name);
     const HeadSourcesOf<Scalar, O, Map> sources(map);
     heads_attention_rows<Scalar, O>(q, k, v, sources, out, sequences, feature_dim, options, causal,
-                                    any, where);
+                                    erased, where);
   }
 }
 
@@ -1144,8 +1172,7 @@ void softmax_attention_into(const HeadsView<Q>& q, const HeadsView<K>& k, const 
 #define LINATTN_DECLARE_HEADS_KERNELS(T, S) LINATTN_HEADS_INSTANCES(extern template, T, S)
 LINATTN_KERNEL_TYPES(LINATTN_DECLARE_HEADS_KERNELS)
 #undef LINATTN_DECLARE_HEADS_KERNELS
-LINATTN_HEADS_CHECK_INSTANCES(extern template, float)
-LINATTN_HEADS_CHECK_INSTANCES(extern template, double)
-LINATTN_HEADS_CHECK_INSTANCES(extern template, Eigen::half)
-LINATTN_HEADS_CHECK_INSTANCES(extern template, Eigen::bfloat16)
+#define LINATTN_DECLARE_HEADS_CHECKS(S) LINATTN_HEADS_CHECK_INSTANCES(extern template, S)
+LINATTN_INPUT_TYPES(LINATTN_DECLARE_HEADS_CHECKS)
+#undef LINATTN_DECLARE_HEADS_CHECKS
 #endif

@@ -17,6 +17,13 @@
   X(double, Eigen::half)        \
   X(double, Eigen::bfloat16)
 
+/// Every input scalar type the library builds: X(S) for each.
+#define LINATTN_INPUT_TYPES(X) \
+  X(float)                     \
+  X(double)                    \
+  X(Eigen::half)               \
+  X(Eigen::bfloat16)
+
 /// The explicit instantiations of one pair; `prefix` is `extern template` or `template`.
 #define LINATTN_KERNEL_INSTANCES(prefix, T, O)                                                 \
   prefix void linattn::detail::causal_rows<T, O>(                                              \

@@ -8,6 +8,7 @@
 
 namespace linattn::detail {
 
+/// A reference to a callable of the given signature (declared here, defined for R(Args...)).
 template <class Signature>
 class FunctionRef;
 
@@ -25,13 +26,14 @@ class FunctionRef<R(Args...)> {
   R operator()(Args... args) const { return call_(object_, std::forward<Args>(args)...); }
 
  private:
+  /// Calls the callable `object` points to, as an F.
   template <class F>
   static R call(const void* object, Args... args) {
     return (*static_cast<const F*>(object))(std::forward<Args>(args)...);
   }
 
-  const void* object_;
-  R (*call_)(const void*, Args...);
+  const void* object_;               ///< the callable referred to
+  R (*call_)(const void*, Args...);  ///< call<F> for its type F
 };
 
 }  // namespace linattn::detail
