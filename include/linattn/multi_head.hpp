@@ -577,28 +577,12 @@ void with_gate_rows(const AnyHeadTransition<S>& transition,
 
 /// body(gates, options) for tokens [begin, begin + rows) of head h of batch entry b: the
 /// gates to attach (null for a constant decay) and the options with head h's decay.
-template <class Body>
-void with_transition(const UniformDecay&, Eigen::Index, Eigen::Index, Eigen::Index,
-                     Options& options, const Body& body) {
-  body(static_cast<const GateRows*>(nullptr), options);
-}
-template <class Body>
-void with_transition(const HeadDecays& decays, Eigen::Index, Eigen::Index h, Eigen::Index,
-                     Options& options, const Body& body) {
-  options.decay = decays.values[static_cast<std::size_t>(h)];
-  body(static_cast<const GateRows*>(nullptr), options);
-}
-template <class S, bool LogSpace, class Body>
-void with_transition(const HeadGates<S, LogSpace>& gates, Eigen::Index b, Eigen::Index h,
-                     Eigen::Index begin, Options& options, const Body& body) {
-  const HeadGateRows<S, LogSpace> rows(gates.view.head(b, h), begin);
-  body(static_cast<const GateRows*>(&rows), options);
-}
 template <class S, class Body>
 void with_transition(const AnyHeadTransition<S>& transition, Eigen::Index b, Eigen::Index h,
                      Eigen::Index begin, Options& options, const Body& body) {
   if (transition.decays() != nullptr) {
-    with_transition(*transition.decays(), b, h, begin, options, body);
+    options.decay = transition.decays()->values[static_cast<std::size_t>(h)];
+    body(static_cast<const GateRows*>(nullptr), options);
   } else if (transition.gates() != nullptr) {
     with_gate_rows(transition, transition.gates()->head(b, h), begin,
                    [&](const GateRows* gates) { body(gates, options); });
