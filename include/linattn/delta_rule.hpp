@@ -13,7 +13,7 @@
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
 #include <linattn/detail/state_access.hpp>
-#include <linattn/detail/state_progress.hpp>
+#include <linattn/detail/state_core.hpp>
 #include <linattn/detail/state_record.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
@@ -558,7 +558,12 @@ class DeltaRuleStateBatch;
 /// per-feature gates): moving a Gated DeltaNet state without its gates throws. T is the input
 /// type (float, double, Eigen::half, Eigen::bfloat16), Acc the state's (float or double).
 template <class T, class Acc = detail::default_accumulator_t<T>>
-class DeltaRuleState {
+class DeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, DeltaOptions> {
+  using Core = detail::StateCore<detail::HeldMatrix<Acc>, DeltaOptions>;
+  using Core::carried_;
+  using Core::options_;
+  using Core::progress_;
+  using Core::require_token_room;
   static_assert(detail::is_input_scalar<T>,
                 "DeltaRuleState<T, Acc> takes float, double, Eigen::half or Eigen::bfloat16 "
                 "inputs (T)");
@@ -572,10 +577,10 @@ class DeltaRuleState {
   /// @param options    scale, l2_normalize, allow_negative_eigenvalues, check_finite (and
   ///                   chunk, for prefill)
   DeltaRuleState(Eigen::Index key_dim, Eigen::Index value_dim, const DeltaOptions& options = {})
-      : s_(Matrix<Acc>::Zero(
-            detail::require_positive_dim(key_dim, "DeltaRuleState", "key_dim"),
-            detail::require_positive_dim(value_dim, "DeltaRuleState", "value_dim"))),
-        options_(options),
+      : Core(detail::HeldMatrix<Acc>{Matrix<Acc>::Zero(
+                 detail::require_positive_dim(key_dim, "DeltaRuleState", "key_dim"),
+                 detail::require_positive_dim(value_dim, "DeltaRuleState", "value_dim"))},
+             options),
         token_(key_dim, value_dim) {
     detail::validate_delta_options(options, "DeltaRuleState");
   }
@@ -594,7 +599,7 @@ class DeltaRuleState {
     const Matrix<Acc> s = s0.template cast<Acc>();
     detail::require_finite(s, where, "s0");
     DeltaRuleState state(s.rows(), s.cols(), options);
-    state.s_ = s;
+    state.carried_.s = s;
     return state;
   }
 
@@ -718,37 +723,27 @@ class DeltaRuleState {
   }
 
   /// S, Dk x Dv: out_t = S_t^T (s q_t).
-  const Matrix<Acc>& s() const { return s_; }
-  /// Tokens added since construction or the last reset().
-  std::int64_t tokens() const { return progress_.tokens(); }
-  /// Dk.
-  Eigen::Index key_dim() const { return s_.rows(); }
-  /// Dv.
-  Eigen::Index value_dim() const { return s_.cols(); }
-  /// The transition the state is moved by (none until the first token).
-  TransitionKind transition() const { return progress_.transition(); }
-  /// The options given at construction.
-  const DeltaOptions& options() const { return options_; }
-  /// S = 0, no tokens, no transition yet.
-  void reset() {
-    s_.setZero();
-    progress_.reset();
-  }
+  const Matrix<Acc>& s() const { return carried_.s; }
+  /// Dk, rows of S.
+  Eigen::Index key_dim() const { return carried_.s.rows(); }
+  // What every family's state answers (detail::StateCore): the tokens seen, the transition,
+  // Dv, the options, reset().
+  using Core::options;
+  using Core::reset;
+  using Core::tokens;
+  using Core::transition;
+  using Core::value_dim;
 
   /// Writes the state in the format every state saves in (format 4, detail/state_record.hpp:
   /// dims, the family, the transition, the token count, the options that change results, S)
   /// little-endian with a CRC-32; load(is, options) reads it back bit for bit.
   /// @param os  binary output stream
   void save(std::ostream& os) const {
-    detail::StateRecord record;
-    record.family = StateFamily::delta_rule;
-    record.rows = static_cast<std::uint64_t>(key_dim());
-    record.cols = static_cast<std::uint64_t>(value_dim());
-    progress_.write(record);
+    detail::StateRecord record = this->record_of(StateFamily::delta_rule);
     record.delta.scale = options_.scale;
     record.delta.l2_normalize = options_.l2_normalize;
     record.delta.allow_negative_eigenvalues = options_.allow_negative_eigenvalues;
-    detail::write_state_record<Acc>(os, record, s_, nullptr, "DeltaRuleState::save");
+    detail::write_state_record<Acc>(os, record, carried_.s, nullptr, "DeltaRuleState::save");
   }
 
   /// Reads a state written by save and checks that it fits the caller: the options that change
@@ -802,8 +797,8 @@ class DeltaRuleState {
   static DeltaRuleState build(const detail::StateRecord& stored, const DeltaOptions& options) {
     DeltaRuleState state(static_cast<Eigen::Index>(stored.rows),
                          static_cast<Eigen::Index>(stored.cols), options);
-    state.s_ = detail::record_s<Acc>(stored);
-    state.progress_ = detail::StateProgress::of(stored);
+    state.carried_.s = detail::record_s<Acc>(stored);
+    state.take_progress(stored);
     return state;
   }
 
@@ -811,7 +806,7 @@ class DeltaRuleState {
   friend class DeltaRuleStateBatch;
   friend struct detail::StateAccess;
 
-  const Matrix<Acc>& held_s() const { return s_; }
+  using Core::held_s;
 
   /// Throws unless q, k, v, beta and out fit one step (shapes, beta's range, finite).
   template <class DQ, class DK, class DV>
@@ -854,7 +849,7 @@ class DeltaRuleState {
       detail::l2_normalize(token_.k);
     }
     token_.q *= static_cast<Acc>(detail::delta_scale(options_, key_dim()));
-    detail::delta_step(s_, token_, static_cast<Acc>(beta), gates);
+    detail::delta_step(carried_.s, token_, static_cast<Acc>(beta), gates);
     out = token_.out.template cast<T>();
     progress_.advance(1, detail::transition_of_gate_dim(gates));
   }
@@ -880,7 +875,7 @@ class DeltaRuleState {
            const detail::GateRows* gates, Eigen::Ref<Matrix<T>> out, const char* where) {
     detail::OutRows<T> rows(out);
     detail::run_delta_rule<Acc, T>(q.derived(), k.derived(), v.derived(), beta.derived(), gates,
-                                   options_, s_, &rows, where,
+                                   options_, carried_.s, &rows, where,
                                    detail::resolve_threads(detail::engine_options(options_)));
     progress_.advance(q.rows(),
                       detail::transition_of_gate_dim(gates == nullptr ? 0 : gates->cols()));
@@ -888,18 +883,9 @@ class DeltaRuleState {
 
   /// Throws unless a call of `count` tokens moved by `kind` may continue the state.
   void require_advance(TransitionKind kind, Eigen::Index count, const char* where) const {
-    progress_.require_continues(kind, where, detail::delta_transition_name);
-    require_token_room(count, where);
+    Core::require_advance(kind, count, where, detail::delta_transition_name);
   }
 
-  /// Throws unless `count` more tokens keep the count within 2^62 (a batch asks each state).
-  void require_token_room(Eigen::Index count, const char* where) const {
-    progress_.require_room(count, where);
-  }
-
-  Matrix<Acc> s_;
-  DeltaOptions options_;
-  detail::StateProgress progress_;  ///< the tokens seen, what has moved the state
   detail::DeltaStepBuffers<Acc> token_;
 };
 

@@ -16,7 +16,7 @@
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/serialize.hpp>
 #include <linattn/detail/state_access.hpp>
-#include <linattn/detail/state_progress.hpp>
+#include <linattn/detail/state_core.hpp>
 #include <linattn/detail/state_record.hpp>
 #include <linattn/detail/stream.hpp>
 #include <linattn/detail/validate.hpp>
@@ -69,7 +69,12 @@ struct ScaledSums {
 /// loads as any RecurrentState<T, float> (the sums are the same float sums whatever type the
 /// tokens came in), while a state accumulating in double refuses it.
 template <class T, class Acc = detail::default_accumulator_t<T>>
-class RecurrentState {
+class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Options> {
+  using Core = detail::StateCore<detail::CarriedState<Acc>, Options>;
+  using Core::carried_;
+  using Core::options_;
+  using Core::progress_;
+  using Core::require_token_room;
   static_assert(detail::is_input_scalar<T>,
                 "RecurrentState<T, Acc> takes float, double, Eigen::half or Eigen::bfloat16 "
                 "inputs (T)");
@@ -82,9 +87,10 @@ class RecurrentState {
   /// @param value_dim    Dv, the width of v
   /// @param options      eps, decay, normalize, check_finite (and chunk, for prefill)
   RecurrentState(Eigen::Index feature_dim, Eigen::Index value_dim, const Options& options = {})
-      : state_(detail::require_positive_dim(feature_dim, "RecurrentState", "feature_dim"),
-               detail::require_positive_dim(value_dim, "RecurrentState", "value_dim")),
-        options_(options),
+      : Core(detail::CarriedState<Acc>(
+                 detail::require_positive_dim(feature_dim, "RecurrentState", "feature_dim"),
+                 detail::require_positive_dim(value_dim, "RecurrentState", "value_dim")),
+             options),
         query_(feature_dim),
         key_(feature_dim),
         value_(value_dim),
@@ -184,7 +190,7 @@ class RecurrentState {
       require_transition(TransitionKind::decay, where);
       if constexpr (detail::is_identity_map<Map>) {
         load_token(q, k, v, out, where, "phi_q", "phi_k");
-        advance(0.0, 0.0, !state_.unscaled(), out);
+        advance(0.0, 0.0, !carried_.unscaled(), out);
       } else {
         step_mapped(q, k, v, map, out, where);
       }
@@ -403,49 +409,36 @@ class RecurrentState {
   /// double, an exponential map's scale): FLA's final state for the features. Throws Error when
   /// they overflow Acc (an exponential map with large inputs): read sums() then.
   Matrix<Acc> s() const {
-    Matrix<Acc> out(state_.s.rows(), state_.s.cols());
+    Matrix<Acc> out(carried_.s.rows(), carried_.s.cols());
     for (Eigen::Index c = 0; c < out.rows(); ++c) {
-      out.row(c) = state_.s.row(c) * true_factor(c, "s");
+      out.row(c) = carried_.s.row(c) * true_factor(c, "s");
     }
     require_representable(out, "s");
     return out;
   }
   /// z, C: the true normaliser sums (see s()).
   Vector<Acc> z() const {
-    Vector<Acc> out(state_.z.size());
-    for (Eigen::Index c = 0; c < out.size(); ++c) out(c) = state_.z(c) * true_factor(c, "z");
+    Vector<Acc> out(carried_.z.size());
+    for (Eigen::Index c = 0; c < out.size(); ++c) out(c) = carried_.z(c) * true_factor(c, "z");
     require_representable(out, "z");
     return out;
   }
   /// The sums in a form that never overflows: S = exp(log_scale) s, z = exp(log_scale) z, as
   /// save() writes them and from_sums(sums, options) takes them back.
   ScaledSums<Acc> sums() const {
-    detail::CarriedState<Acc> folded = state_;
+    detail::CarriedState<Acc> folded = carried_;
     folded.fold_rows();
     return ScaledSums<Acc>{std::move(folded.s), std::move(folded.z), folded.log_scale};
   }
-  /// Tokens added since construction or reset.
-  std::int64_t tokens() const { return progress_.tokens(); }
-  /// What has moved the state since construction or reset: none before its first token (or
-  /// when a format-2 file did not say); save and load keep it. A step or prefill with another
-  /// kind throws.
-  TransitionKind transition() const { return progress_.transition(); }
   /// C, rows of S.
-  Eigen::Index feature_dim() const { return state_.s.rows(); }
-  /// Dv, columns of S.
-  Eigen::Index value_dim() const { return state_.s.cols(); }
-  /// The options given at construction (or read by load).
-  const Options& options() const { return options_; }
-
-  /// Forgets every token; keeps the dimensions and options.
-  void reset() {
-    state_.s.setZero();
-    state_.z.setZero();
-    state_.log_scale = -std::numeric_limits<double>::infinity();
-    state_.row_log.setZero();
-    state_.rows_pending = false;
-    progress_.reset();
-  }
+  Eigen::Index feature_dim() const { return carried_.s.rows(); }
+  // What every family's state answers (detail::StateCore): the tokens seen, the transition,
+  // Dv, the options, reset().
+  using Core::options;
+  using Core::reset;
+  using Core::tokens;
+  using Core::transition;
+  using Core::value_dim;
 
   /// A state holding the caller's sums, as if the tokens that made them had been added (FLA's
   /// initial_state): the true sums are exp(log_scale) * s0 and exp(log_scale) * z0, and every
@@ -488,9 +481,9 @@ class RecurrentState {
                   ": log_scale is -infinity (no token yet) but s0 or z0 holds a non-zero entry");
     }
     RecurrentState state(s.rows(), s.cols(), options);
-    state.state_.s = s;
-    state.state_.z = z;
-    state.state_.log_scale = log_scale;
+    state.carried_.s = s;
+    state.carried_.z = z;
+    state.carried_.log_scale = log_scale;
     return state;
   }
 
@@ -627,17 +620,13 @@ class RecurrentState {
  private:
   /// Writes format 4 (detail/state_record.hpp has the layout) with the map record `print`.
   void write(std::ostream& os, const detail::MapFingerprint& print) const {
-    detail::StateRecord record;
-    record.family = StateFamily::linear;
-    record.rows = static_cast<std::uint64_t>(feature_dim());
-    record.cols = static_cast<std::uint64_t>(value_dim());
-    progress_.write(record);
+    detail::StateRecord record = this->record_of(StateFamily::linear);
     record.linear.eps = options_.eps;
     record.linear.decay = options_.decay;
     record.linear.normalize = options_.normalize;
     record.linear.scale = options_.scale;
     record.linear.map = print;
-    record.linear.log_scale = state_.log_scale;
+    record.linear.log_scale = carried_.log_scale;
     // Pending per-feature gate factors are applied to the written sums (the format has no field).
     const ScaledSums<Acc> sums = this->sums();
     detail::write_state_record<Acc>(os, record, sums.s, &sums.z, "RecurrentState::save");
@@ -669,16 +658,12 @@ class RecurrentState {
   static RecurrentState build(const detail::StateRecord& stored, const Options& options) {
     RecurrentState state(static_cast<Eigen::Index>(stored.rows),
                          static_cast<Eigen::Index>(stored.cols), options);
-    state.state_.s = detail::record_s<Acc>(stored);
-    state.state_.z = detail::record_z<Acc>(stored);
-    state.progress_ = detail::StateProgress::of(stored);
-    state.state_.log_scale = stored.linear.log_scale;
+    state.carried_.s = detail::record_s<Acc>(stored);
+    state.carried_.z = detail::record_z<Acc>(stored);
+    state.take_progress(stored);
+    state.carried_.log_scale = stored.linear.log_scale;
     return state;
   }
-  void require_token_room(Eigen::Index more, const char* where) const {
-    progress_.require_room(more, where);
-  }
-
   template <class DQ, class DK, class DV>
   static void check_scalars() {
     static_assert(std::is_same_v<typename DQ::Scalar, T> &&
@@ -777,7 +762,7 @@ class RecurrentState {
   void advance_featurized(const Eigen::MatrixBase<DV>& v, bool log_scaled,
                           Eigen::Ref<Vector<T>> out) {
     detail::load_vector(v, value_);
-    advance(token_log_q_, token_log_k_, log_scaled || !state_.unscaled(), out);
+    advance(token_log_q_, token_log_k_, log_scaled || !carried_.unscaled(), out);
   }
 
   /// Validates one token and copies it into the step workspace (no allocation).
@@ -822,22 +807,22 @@ class RecurrentState {
       advance_feature_gated(out);
       return;
     }
-    state_.fold_rows();
+    carried_.fold_rows();
     const bool gated = token_gate_ == TokenGate::scalar;
     Acc carry = static_cast<Acc>(options_.decay);
     double new_log = 0.0;
     if (scaled || gated) {
       const double log_step = gated ? token_log_gate_ : std::log(options_.decay);
-      new_log = detail::next_log_scale(state_.log_scale, log_step, log_k,
+      new_log = detail::next_log_scale(carried_.log_scale, log_step, log_k,
                                        gated ? detail::kGateDrift : 0.0);
-      carry = detail::exp_as<Acc>(state_.log_scale + log_step - new_log);
+      carry = detail::exp_as<Acc>(carried_.log_scale + log_step - new_log);
       key_ *= detail::exp_as<Acc>(log_k - new_log);
     }
     if (carry != Acc(1)) {
-      state_.s *= carry;
-      state_.z *= carry;
+      carried_.s *= carry;
+      carried_.z *= carry;
     }
-    state_.log_scale = new_log;
+    carried_.log_scale = new_log;
     stream_token(log_q + new_log, out);
   }
 
@@ -853,7 +838,7 @@ class RecurrentState {
                                                c,
                                                value_.data(),
                                                dv,
-                                               state_.s.data(),
+                                               carried_.s.data(),
                                                dv,
                                                out.data(),
                                                dv,
@@ -862,7 +847,7 @@ class RecurrentState {
                                                dv};
     detail::stream_one_token(operands);
     Acc den(0);
-    detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, state_.z.data(), &den);
+    detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, carried_.z.data(), &den);
     progress_.advance(1, token_transition());
     // out holds the numerator; normalising it in place is coefficient-wise.
     detail::write_output_row(out, den, log_factor + detail::output_log_scale(options_), options_,
@@ -872,11 +857,11 @@ class RecurrentState {
   /// One token with per-feature gates (feature_log_gate_) and plain features: the pending
   /// row logs take the gates, and the stream runs on q exp(row_log), k exp(-row_log - L).
   void advance_feature_gated(Eigen::Ref<Vector<Acc>> out) {
-    if (state_.empty()) state_.log_scale = 0.0;  // s and z are zero
-    const double base = state_.log_scale;
-    state_.settle_rows(state_.row_log + feature_log_gate_, detail::kGateDrift);
+    if (carried_.empty()) carried_.log_scale = 0.0;  // s and z are zero
+    const double base = carried_.log_scale;
+    carried_.settle_rows(carried_.row_log + feature_log_gate_, detail::kGateDrift);
     for (Eigen::Index c = 0; c < feature_dim(); ++c) {
-      const double x = state_.row_log(c);
+      const double x = carried_.row_log(c);
       if (x != 0.0) query_(c) *= detail::exp_as<Acc>(x);
       if (x != 0.0 || base != 0.0) key_(c) *= detail::exp_as<Acc>(-x - base);
     }
@@ -929,10 +914,10 @@ class RecurrentState {
   void read_before() {
     if (prior_.size() != value_dim()) prior_.resize(value_dim());
     prior_.setZero();
-    if (state_.empty()) return;
+    if (carried_.empty()) return;
     for (Eigen::Index c = 0; c < feature_dim(); ++c) {
-      const Acc f = query_(c) * detail::exp_as<Acc>(state_.log_scale + state_.row_log(c));
-      if (f != Acc(0)) prior_.noalias() += f * state_.s.row(c).transpose();
+      const Acc f = query_(c) * detail::exp_as<Acc>(carried_.log_scale + carried_.row_log(c));
+      if (f != Acc(0)) prior_.noalias() += f * carried_.s.row(c).transpose();
     }
   }
 
@@ -989,13 +974,13 @@ class RecurrentState {
   /// Puts the transition back to Options::decay when a gated step ends, thrown or not.
   class GateScope {
    public:
-    explicit GateScope(RecurrentState& state) : state_(state) {}
+    explicit GateScope(RecurrentState& state) : carried_(state) {}
     GateScope(const GateScope&) = delete;
     GateScope& operator=(const GateScope&) = delete;
-    ~GateScope() { state_.token_gate_ = TokenGate::decay; }
+    ~GateScope() { carried_.token_gate_ = TokenGate::decay; }
 
    private:
-    RecurrentState& state_;
+    RecurrentState& carried_;
   };
 
   /// A per-feature gated step takes plain features: folds an exponential map's log scales
@@ -1016,13 +1001,14 @@ class RecurrentState {
   friend class RecurrentStateBatch;
   friend struct detail::StateAccess;
 
-  const Matrix<Acc>& held_s() const { return state_.s; }
-  const detail::CarriedState<Acc>& held() const { return state_; }
+  using Core::held_s;
+  const detail::CarriedState<Acc>& held() const { return carried_; }
 
   /// The factor row c of the held sums misses, in Acc (0 before any token).
   Acc true_factor(Eigen::Index c, const char* what) const {
-    if (state_.empty()) return Acc(0);
-    const double log_factor = state_.log_scale + (state_.rows_pending ? state_.row_log(c) : 0.0);
+    if (carried_.empty()) return Acc(0);
+    const double log_factor =
+        carried_.log_scale + (carried_.rows_pending ? carried_.row_log(c) : 0.0);
     if (log_factor == 0.0) return Acc(1);
     const auto factor = static_cast<Acc>(std::exp(log_factor));
     if (!std::isfinite(factor)) overflow(what, log_factor);
@@ -1031,7 +1017,7 @@ class RecurrentState {
 
   template <class Derived>
   void require_representable(const Eigen::MatrixBase<Derived>& sums, const char* what) const {
-    if (!sums.allFinite()) overflow(what, state_.log_scale);
+    if (!sums.allFinite()) overflow(what, carried_.log_scale);
   }
 
   [[noreturn]] static void overflow(const char* what, double log_factor) {
@@ -1084,17 +1070,14 @@ class RecurrentState {
     require_transition(kind, "RecurrentState::prefill");
     require_token_room(source.rows(), "RecurrentState::prefill");
     // Work on a copy so a throw from a feature map leaves the state as it was.
-    detail::CarriedState<Acc> next = state_;
+    detail::CarriedState<Acc> next = carried_;
     const int usable = threads > 0 ? threads : detail::resolve_threads(options_);
     const detail::SerialEigenScope serial_eigen;
     detail::run_causal(source, next, out, options_, usable);
-    state_ = std::move(next);
+    carried_ = std::move(next);
     progress_.advance(source.rows(), kind);
   }
 
-  detail::CarriedState<Acc> state_;
-  Options options_;
-  detail::StateProgress progress_;  ///< the tokens seen, what has moved the state
   Vector<Acc> query_, key_, value_;
   Vector<Acc> raw_q_, raw_k_;  ///< Dk: a mapped step's token in Acc, sized by the first one
   double token_log_q_ = 0.0, token_log_k_ = 0.0;  ///< its features' log scales

@@ -748,7 +748,7 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
                                       [&](Eigen::Index s, Eigen::Index h, const auto& run) {
                                         State& state =
                                             next[static_cast<std::size_t>(s * out.heads() + h)];
-                                        run(state.s_);
+                                        run(state.carried_.s);
                                         state.progress_.advance(sequences.rows(s), kind);
                                       });
     states_ = std::move(next);

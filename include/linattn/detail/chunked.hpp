@@ -35,6 +35,15 @@ struct CarriedState {
         z(Vector<T>::Zero(feature_dim)),
         row_log(Eigen::Array<double, Eigen::Dynamic, 1>::Zero(feature_dim)) {}
 
+  /// Forgets every token: zero sums, no scale, nothing pending.
+  void clear() {
+    s.setZero();
+    z.setZero();
+    log_scale = -std::numeric_limits<double>::infinity();
+    row_log.setZero();
+    rows_pending = false;
+  }
+
   bool empty() const { return log_scale == -std::numeric_limits<double>::infinity(); }
   /// True while the state holds plain (unscaled) sums, so the cheaper unscaled path applies.
   bool unscaled() const { return (empty() || log_scale == 0.0) && !rows_pending; }
