@@ -56,6 +56,9 @@ function(linattn_consumer_build_and_run mode)
       "-DLINATTN_CONSUME=${mode}" ${ARGN})
 
   set(build_args --build "${build_dir}")
+  if(CONSUMER_TARGETS)  # only these (the caller's variable); the others are configured only
+    list(APPEND build_args --target ${CONSUMER_TARGETS})
+  endif()
   if(CONFIG)
     list(APPEND build_args --config "${CONFIG}")
   endif()
