@@ -726,8 +726,10 @@ class DeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, DeltaOp
   const Matrix<Acc>& s() const { return carried_.s; }
   /// Dk, rows of S.
   Eigen::Index key_dim() const { return carried_.s.rows(); }
-  // What every family's state answers (detail::StateCore): the tokens seen, the transition,
-  // Dv, the options, reset().
+  /// What every family's state answers (detail::StateCore): tokens() seen since construction or
+  /// reset(), the transition() that moves the state (none before its first token), Dv
+  /// (value_dim()), the options() given at construction or read by load, and reset(), which
+  /// forgets every token (S = 0) and keeps the dimensions and options.
   using Core::options;
   using Core::reset;
   using Core::tokens;

@@ -432,8 +432,10 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
   }
   /// C, rows of S.
   Eigen::Index feature_dim() const { return carried_.s.rows(); }
-  // What every family's state answers (detail::StateCore): the tokens seen, the transition,
-  // Dv, the options, reset().
+  /// What every family's state answers (detail::StateCore): tokens() seen since construction or
+  /// reset(), the transition() that moves the state (none before its first token), Dv
+  /// (value_dim()), the options() given at construction or read by load, and reset(), which
+  /// forgets every token and keeps the dimensions and options.
   using Core::options;
   using Core::reset;
   using Core::tokens;
@@ -974,13 +976,13 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
   /// Puts the transition back to Options::decay when a gated step ends, thrown or not.
   class GateScope {
    public:
-    explicit GateScope(RecurrentState& state) : carried_(state) {}
+    explicit GateScope(RecurrentState& state) : state_(state) {}
     GateScope(const GateScope&) = delete;
     GateScope& operator=(const GateScope&) = delete;
-    ~GateScope() { carried_.token_gate_ = TokenGate::decay; }
+    ~GateScope() { state_.token_gate_ = TokenGate::decay; }
 
    private:
-    RecurrentState& carried_;
+    RecurrentState& state_;
   };
 
   /// A per-feature gated step takes plain features: folds an exponential map's log scales

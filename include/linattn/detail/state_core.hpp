@@ -17,17 +17,19 @@ namespace linattn::detail {
 /// (StateProgress), the frame of its saved record, and the reads every state answers.
 /// RecurrentState and DeltaRuleState derive from it and add their recurrence: the step and
 /// prefill calls, their checks, and the settings their record holds.
-/// @tparam Carried        what moves from token to token: a struct whose member `s` is S
-///                        (rows x Dv) with `clear()` to forget every token (CarriedState<Acc>
-///                        for the engine, HeldMatrix<Acc> for the delta rule)
+/// @tparam Carried        what moves from token to token, all of it (reset() clears only
+///                        this): a struct whose member `s` is S, rows x Dv (the record's
+///                        dims; keys or features by values), with `clear()` to forget every token
+///                        (CarriedState<Acc> for the engine, HeldMatrix<Acc> for the delta rule)
 /// @tparam FamilyOptions  the family's options (Options, DeltaOptions)
 template <class Carried, class FamilyOptions>
 class StateCore {
  public:
   /// Tokens seen since construction or the last reset().
   std::int64_t tokens() const { return progress_.tokens(); }
-  /// What moves the state: none until its first token (and after reset(), or when a format-2
-  /// file did not say); save and load keep it. A step or prefill with another kind throws.
+  /// What moves the state: none until its first token (and after reset(), or when an earlier
+  /// format's file did not say); save and load keep it. A step or prefill with another kind
+  /// throws.
   TransitionKind transition() const { return progress_.transition(); }
   /// Dv, the columns of S.
   Eigen::Index value_dim() const { return carried_.s.cols(); }
@@ -43,9 +45,9 @@ class StateCore {
   StateCore(Carried carried, const FamilyOptions& options)
       : carried_(std::move(carried)), options_(options) {}
   StateCore(const StateCore&) = default;
-  StateCore(StateCore&&) noexcept = default;
+  StateCore(StateCore&&) = default;
   StateCore& operator=(const StateCore&) = default;
-  StateCore& operator=(StateCore&&) noexcept = default;
+  StateCore& operator=(StateCore&&) = default;
   ~StateCore() = default;  // protected: a state is not deleted through its core
 
   /// A record to save: the family, the dims of S, the tokens and the transition filled in;
