@@ -9,23 +9,14 @@
 #include <linattn/multi_head.hpp>
 #include <linattn/softmax.hpp>
 
-// Per (accumulation, input/output) pair: the engine's chunked drivers, the delta rule's chunked
-// and streamed kernels, and both families' view drivers.
-#define LINATTN_DEFINE_DOUBLE_PAIR(T, O)   \
-  LINATTN_KERNEL_INSTANCES(template, T, O) \
-  LINATTN_DELTA_INSTANCES(template, T, O)  \
-  LINATTN_HEADS_INSTANCES(template, T, O)  \
-  LINATTN_DELTA_HEADS_INSTANCES(template, T, O)
-LINATTN_DEFINE_DOUBLE_PAIR(double, double)
-LINATTN_DEFINE_DOUBLE_PAIR(double, float)
-LINATTN_DEFINE_DOUBLE_PAIR(double, Eigen::half)
-LINATTN_DEFINE_DOUBLE_PAIR(double, Eigen::bfloat16)
+// Per (accumulation, input/output) pair: the chunked, streamed and view drivers of both families.
+LINATTN_PAIR_INSTANCES(template, double, double)
+LINATTN_PAIR_INSTANCES(template, double, float)
+LINATTN_PAIR_INSTANCES(template, double, Eigen::half)
+LINATTN_PAIR_INSTANCES(template, double, Eigen::bfloat16)
 
 // Per input type: the view calls' checks (double).
-#define LINATTN_DEFINE_DOUBLE_CHECKS(S)      \
-  LINATTN_HEADS_CHECK_INSTANCES(template, S) \
-  LINATTN_DELTA_HEADS_CHECK_INSTANCES(template, S)
-LINATTN_DEFINE_DOUBLE_CHECKS(double)
+LINATTN_INPUT_CHECK_INSTANCES(template, double)
 
 // Per accumulation type: the stream kernels behind every step, prefill and backward, the delta
 // rule's step and backward workspace, the engine's backward (its two streamed passes and their

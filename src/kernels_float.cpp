@@ -9,24 +9,15 @@
 #include <linattn/multi_head.hpp>
 #include <linattn/softmax.hpp>
 
-// Per (accumulation, input/output) pair: the engine's chunked drivers, the delta rule's chunked
-// and streamed kernels, and both families' view drivers.
-#define LINATTN_DEFINE_FLOAT_PAIR(T, O)    \
-  LINATTN_KERNEL_INSTANCES(template, T, O) \
-  LINATTN_DELTA_INSTANCES(template, T, O)  \
-  LINATTN_HEADS_INSTANCES(template, T, O)  \
-  LINATTN_DELTA_HEADS_INSTANCES(template, T, O)
-LINATTN_DEFINE_FLOAT_PAIR(float, float)
-LINATTN_DEFINE_FLOAT_PAIR(float, Eigen::half)
-LINATTN_DEFINE_FLOAT_PAIR(float, Eigen::bfloat16)
+// Per (accumulation, input/output) pair: the chunked, streamed and view drivers of both families.
+LINATTN_PAIR_INSTANCES(template, float, float)
+LINATTN_PAIR_INSTANCES(template, float, Eigen::half)
+LINATTN_PAIR_INSTANCES(template, float, Eigen::bfloat16)
 
 // Per input type: the view calls' checks (float and the 16-bit types).
-#define LINATTN_DEFINE_FLOAT_CHECKS(S)       \
-  LINATTN_HEADS_CHECK_INSTANCES(template, S) \
-  LINATTN_DELTA_HEADS_CHECK_INSTANCES(template, S)
-LINATTN_DEFINE_FLOAT_CHECKS(float)
-LINATTN_DEFINE_FLOAT_CHECKS(Eigen::half)
-LINATTN_DEFINE_FLOAT_CHECKS(Eigen::bfloat16)
+LINATTN_INPUT_CHECK_INSTANCES(template, float)
+LINATTN_INPUT_CHECK_INSTANCES(template, Eigen::half)
+LINATTN_INPUT_CHECK_INSTANCES(template, Eigen::bfloat16)
 
 // Per accumulation type: the stream kernels behind every step, prefill and backward, the delta
 // rule's step and backward workspace, the engine's backward (its two streamed passes and their

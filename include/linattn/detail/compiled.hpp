@@ -50,6 +50,21 @@
 /// depend on the inputs' types (declared in detail/delta_rule_backward.hpp).
 #define LINATTN_DELTA_BACKWARD_INSTANCES(prefix, T) prefix class linattn::detail::DeltaBackward<T>;
 
+/// What src/kernels_{float,double}.cpp define for one pair of LINATTN_KERNEL_TYPES: the engine's
+/// chunked drivers, the delta rule's chunked and streamed kernels, and both families' view
+/// drivers (the last two macros come from multi_head.hpp and delta_rule.hpp, which a file that
+/// expands this includes).
+#define LINATTN_PAIR_INSTANCES(prefix, T, O) \
+  LINATTN_KERNEL_INSTANCES(prefix, T, O)     \
+  LINATTN_DELTA_INSTANCES(prefix, T, O)      \
+  LINATTN_HEADS_INSTANCES(prefix, T, O)      \
+  LINATTN_DELTA_HEADS_INSTANCES(prefix, T, O)
+
+/// What they define for one input type of LINATTN_INPUT_TYPES: both families' view checks.
+#define LINATTN_INPUT_CHECK_INSTANCES(prefix, S) \
+  LINATTN_HEADS_CHECK_INSTANCES(prefix, S)       \
+  LINATTN_DELTA_HEADS_CHECK_INSTANCES(prefix, S)
+
 #ifdef LINATTN_COMPILED
 #define LINATTN_DECLARE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(extern template, T, O)
 LINATTN_KERNEL_TYPES(LINATTN_DECLARE_KERNELS)
