@@ -848,8 +848,7 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
                                                c,
                                                dv};
     detail::stream_one_token(operands);
-    Acc den(0);
-    detail::stream_denominator(query_.data(), c, key_.data(), c, 1, c, carried_.z.data(), &den);
+    const Acc den = detail::token_denominator(query_.data(), key_.data(), c, carried_.z.data());
     progress_.advance(1, token_transition());
     // out holds the numerator; normalising it in place is coefficient-wise.
     detail::write_output_row(out, den, log_factor + detail::output_log_scale(options_), options_,

@@ -429,29 +429,36 @@ void gradient_product(const GradientOperands<T>& o) {
   }
 }
 
+/// One token of the denominator: z += k; returns q . z (q, k, z: C). Inline, so that a step
+/// (one token, a few dozen cycles) pays no call into the compiled library for it.
+template <class T>
+EIGEN_ALWAYS_INLINE T token_denominator(const T* q, const T* k, Eigen::Index feature_dim, T* z) {
+  using namespace Eigen::internal;
+  using Packet = typename StreamShape<T>::Packet;
+  constexpr Eigen::Index P = StreamShape<T>::kPacket;
+  Packet acc = pset1<Packet>(T(0));
+  Eigen::Index c = 0;
+  for (; c + P <= feature_dim; c += P) {
+    const Packet zc = padd(ploadu<Packet>(z + c), ploadu<Packet>(k + c));
+    pstoreu<T>(z + c, zc);
+    acc = pmadd(ploadu<Packet>(q + c), zc, acc);
+  }
+  T sum = predux(acc);
+  // Fewer than P features are left: an int count, as in for_each_column_tile.
+  const int tail = static_cast<int>(feature_dim - c);
+  for (int i = 0; i < tail; ++i) {
+    z[c + i] += k[c + i];
+    sum += q[c + i] * z[c + i];
+  }
+  return sum;
+}
+
 /// For t = 0..tokens-1: z += k_t; den_t = q_t . z. q, k: tokens x C (leading dims ldq, ldk).
 template <class T>
 void stream_denominator(const T* q, Eigen::Index ldq, const T* k, Eigen::Index ldk,
                         Eigen::Index tokens, Eigen::Index feature_dim, T* z, T* den) {
-  using namespace Eigen::internal;
-  using Packet = typename StreamShape<T>::Packet;
-  constexpr Eigen::Index P = StreamShape<T>::kPacket;
   for (Eigen::Index t = 0; t < tokens; ++t, q += ldq, k += ldk) {
-    Packet acc = pset1<Packet>(T(0));
-    Eigen::Index c = 0;
-    for (; c + P <= feature_dim; c += P) {
-      const Packet zc = padd(ploadu<Packet>(z + c), ploadu<Packet>(k + c));
-      pstoreu<T>(z + c, zc);
-      acc = pmadd(ploadu<Packet>(q + c), zc, acc);
-    }
-    T sum = predux(acc);
-    // Fewer than P features are left: an int count, as in for_each_column_tile.
-    const int tail = static_cast<int>(feature_dim - c);
-    for (int i = 0; i < tail; ++i) {
-      z[c + i] += k[c + i];
-      sum += q[c + i] * z[c + i];
-    }
-    den[t] = sum;
+    den[t] = token_denominator(q, k, feature_dim, z);
   }
 }
 
