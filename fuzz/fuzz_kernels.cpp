@@ -21,6 +21,9 @@
 //     finite where the outputs must be, and the 1 x 1 x N view backward and the workspace form
 //     (one DeltaBackwardWorkspace per scalar type, shared by every input) give the allocating
 //     call's gradients bit for bit;
+//   * the short convolution (on v, C = Dv) with bounded input never throws and is finite;
+//     prefill then steps give forward() bit for bit, windows included; its backward is finite,
+//     from zeros the same as from zero windows;
 //   * softmax baselines on such inputs: finite, inside the range of v, and the tiled, the
 //     materialised, the sliding-window and both caches agree; truncate() rolls back exactly;
 //   * the causal backward (plain with Options::decay, or gated with scalar or per-feature
@@ -42,7 +45,7 @@
 //
 // The checks live in three units compiled side by side: this one decodes and dispatches,
 // fuzz_kernels_engine.cpp checks the linear engine and fuzz_kernels_delta.cpp the softmax
-// baselines and the delta rule.
+// baselines, the delta rule and the short convolution.
 
 #include "kernel_checks.hpp"
 
@@ -152,6 +155,7 @@ void run(const Input& in) {
   }
   run_softmax<T>(in, q, k, v, bounded);
   run_delta<T>(in, q, k, v, bounded);
+  run_conv<T>(in, q, k, v, bounded);
 }
 
 }  // namespace

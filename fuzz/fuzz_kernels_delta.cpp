@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: MIT
-// fuzz_kernels: the checks of the softmax baselines and of the delta rule.
+// fuzz_kernels: the checks of the softmax baselines, the delta rule and the short convolution.
+#include <linattn/short_conv.hpp>
+
 #include "kernel_checks.hpp"
 
 namespace linattn_fuzz {
@@ -343,6 +345,84 @@ void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
   if (!bit_equal(a, b)) fail("a loaded delta-rule state steps to other outputs");
 }
 
+/// The short convolution over v (C = Dv channels, N tokens): K = 1 + (Dk - 1) % 8 taps from
+/// k's rows, a bias from q's first row when the seed says, SiLU or none, dilation 1 to 3. With
+/// bounded input it never throws and its outputs are finite; prefill of the first `split`
+/// tokens then steps give forward() bit for bit, windows included; its backward (grad_y = v
+/// reversed) never throws and is finite, from zeros the same as from zero windows.
+template <class T>
+void run_conv(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+              bool bounded) {
+  const Index taps = 1 + (in.dk - 1) % linattn::detail::kMaxConvTaps, c = in.dv;
+  Matrix<T> weight(c, taps);
+  for (Index ch = 0; ch < c; ++ch) {
+    for (Index i = 0; i < taps; ++i) weight(ch, i) = k(i % in.n, ch % in.dk) / T(4);
+  }
+  Vector<T> bias;
+  if ((in.seed & 16u) != 0) {
+    bias.resize(c);
+    for (Index ch = 0; ch < c; ++ch) bias(ch) = q(0, ch % in.dk);
+  }
+  linattn::ShortConvOptions options;
+  options.dilation = 1 + static_cast<Index>((in.seed >> 5) % 3);
+  options.activation =
+      (in.seed & 2u) != 0 ? linattn::ConvActivation::silu : linattn::ConvActivation::none;
+  options.check_finite = in.options.check_finite;
+  std::optional<linattn::ShortConv<T>> conv;
+  if (!attempt("ShortConv", bounded, [&] { conv.emplace(weight, bias, options); })) return;
+  Matrix<T> y;
+  if (!attempt("ShortConv::forward", bounded, [&] { y = conv->forward(v); })) return;
+  if (!bounded) return;
+  if (!y.allFinite()) fail("a short convolution of bounded input is not finite");
+  linattn::ConvWindows<T> windows(*conv, 1);
+  Matrix<T> pieces(in.n, c);
+  attempt("ConvWindows::prefill", true, [&] {
+    if (in.split > 0) {
+      const Matrix<T> head = v.topRows(in.split);
+      Matrix<T> out(in.split, c);
+      windows.prefill_into(
+          *conv,
+          linattn::ConstHeadsView<T>::bnhd(head.data(), linattn::BnhdShape(1, in.split, 1, c)),
+          linattn::HeadsView<T>::bnhd(out.data(), linattn::BnhdShape(1, in.split, 1, c)));
+      pieces.topRows(in.split) = out;
+    }
+    Matrix<T> out(1, c);
+    for (Index t = in.split; t < in.n; ++t) {
+      windows.step_into(*conv, v.row(t), out);
+      pieces.row(t) = out.row(0);
+    }
+  });
+  if (!bit_equal(pieces, y)) fail("short convolution: prefill then steps differ from forward()");
+  const Index w = conv->window_rows();
+  for (Index r = 0; r < w; ++r) {
+    const Index src = in.n - w + r;
+    const bool same =
+        src >= 0 ? windows.window(0).row(r) == v.row(src) : windows.window(0).row(r).isZero(0);
+    if (!same) fail("short convolution: the window is not the last inputs");
+  }
+  const Matrix<T> grad_y = v.colwise().reverse();
+  Matrix<T> grad_x(in.n, c), grad_x_windows(in.n, c);
+  const auto view = [&](const Matrix<T>& m) {
+    return linattn::ConstHeadsView<T>::bnhd(m.data(), linattn::BnhdShape(1, m.rows(), 1, c));
+  };
+  const auto out_view = [&](Matrix<T>& m) {
+    return linattn::HeadsView<T>::bnhd(m.data(), linattn::BnhdShape(1, m.rows(), 1, c));
+  };
+  linattn::ShortConvGradients<T> grads, grads_windows;
+  linattn::ConvWindows<T> zeros(*conv, 1), grad_zeros(*conv, 1);
+  attempt("ShortConv::backward", true, [&] {
+    grads = conv->backward_into(view(v), view(grad_y), out_view(grad_x));
+    grads_windows =
+        conv->backward_into(view(v), zeros, view(grad_y), out_view(grad_x_windows), grad_zeros);
+  });
+  if (!grad_x.allFinite() || !grads.weight.allFinite() || !grads.bias.allFinite()) {
+    fail("short convolution: a gradient of bounded input is not finite");
+  }
+  if (!bit_equal(grad_x, grad_x_windows) || !bit_equal(grads.weight, grads_windows.weight)) {
+    fail("short convolution: the backward from zero windows differs from the one from zeros");
+  }
+}
+
 template void run_softmax<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
                                  const Matrix<float>&, bool);
 template void run_softmax<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
@@ -351,5 +431,9 @@ template void run_delta<float>(const Input&, const Matrix<float>&, const Matrix<
                                const Matrix<float>&, bool);
 template void run_delta<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
                                 const Matrix<double>&, bool);
+template void run_conv<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
+                              const Matrix<float>&, bool);
+template void run_conv<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
+                               const Matrix<double>&, bool);
 
 }  // namespace linattn_fuzz

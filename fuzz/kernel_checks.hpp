@@ -259,4 +259,9 @@ template <class T>
 void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                bool bounded);
 
+/// The short convolution, forward, windows and backward (fuzz_kernels_delta.cpp).
+template <class T>
+void run_conv(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+              bool bounded);
+
 }  // namespace linattn_fuzz

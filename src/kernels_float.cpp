@@ -7,6 +7,7 @@
 #include <linattn/detail/delta_rule_backward.hpp>
 #include <linattn/detail/gradient_stream.hpp>
 #include <linattn/multi_head.hpp>
+#include <linattn/short_conv.hpp>
 #include <linattn/softmax.hpp>
 
 // Per (accumulation, input/output) pair: the chunked, streamed and view drivers of both families.
@@ -21,9 +22,10 @@ LINATTN_INPUT_CHECK_INSTANCES(template, Eigen::bfloat16)
 
 // Per accumulation type: the stream kernels behind every step, prefill and backward, the delta
 // rule's step and backward workspace, the engine's backward (its two streamed passes and their
-// thread split) and the softmax baseline's tiles.
+// thread split), the softmax baseline's tiles and the short convolution.
 LINATTN_STREAM_INSTANCES(template, float)
 LINATTN_DELTA_STEP_INSTANCES(template, float)
 LINATTN_DELTA_BACKWARD_INSTANCES(template, float)
 LINATTN_GRADIENT_INSTANCES(template, float)
 LINATTN_SOFTMAX_INSTANCES(template, float)
+LINATTN_CONV_INSTANCES(template, float)

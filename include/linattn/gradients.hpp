@@ -67,4 +67,14 @@ struct DeltaRuleGradients {
   Matrix<T> gates;
 };
 
+/// Gradients of a scalar loss with respect to a ShortConv's parameters, summed over every
+/// sequence of the call (the gradient with respect to its input goes into a view).
+template <class T>
+struct ShortConvGradients {
+  /// C x K: d loss / d weight
+  Matrix<T> weight;
+  /// C: d loss / d bias; empty for a convolution without bias
+  Vector<T> bias;
+};
+
 }  // namespace linattn

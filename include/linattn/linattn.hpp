@@ -18,6 +18,7 @@
 #include <linattn/multi_head_backward.hpp>
 #include <linattn/recurrent_state.hpp>
 #include <linattn/session_pool.hpp>
+#include <linattn/short_conv.hpp>
 #include <linattn/softmax.hpp>
 #include <linattn/state_batch.hpp>
 #include <linattn/state_io.hpp>

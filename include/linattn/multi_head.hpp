@@ -10,6 +10,7 @@
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/function_ref.hpp>
 #include <linattn/detail/parallel.hpp>
+#include <linattn/detail/sequence_rows.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/gates.hpp>
@@ -80,70 +81,9 @@ inline std::string head_name(const char* name, Eigen::Index b, Eigen::Index h) {
   return std::string(name) + "[b=" + std::to_string(b) + ", h=" + std::to_string(h) + "]";
 }
 
-/// Which rows of which batch entry each sequence covers: all N rows of entry s for a padded
-/// batch, rows [offsets[s], offsets[s+1]) of entry 0 for a packed one. Cross-attention's keys
-/// and values (padded batches only) have N_k rows of their own.
-struct SequenceRows {
-  Eigen::Index count = 0;
-  Eigen::Index tokens = 0;                             ///< N, for a padded batch
-  const std::vector<std::int64_t>* offsets = nullptr;  ///< S + 1 offsets, for a packed batch
-  Eigen::Index key_tokens = -1;                        ///< N_k when not N (cross-attention)
-
-  Eigen::Index batch_of(Eigen::Index s) const { return offsets ? 0 : s; }
-  Eigen::Index begin(Eigen::Index s) const { return offsets ? (*offsets)[s] : 0; }
-  Eigen::Index rows(Eigen::Index s) const {
-    return offsets ? (*offsets)[s + 1] - (*offsets)[s] : tokens;
-  }
-  /// The rows of k and v: rows(s), or N_k for cross-attention.
-  Eigen::Index key_rows(Eigen::Index s) const { return key_tokens >= 0 ? key_tokens : rows(s); }
-};
-
-/// Throws unless the offsets split `tokens` rows into sequences: 0 = o_0 <= o_1 <= ... = N.
-inline void validate_offsets(const std::vector<std::int64_t>& offsets, Eigen::Index tokens,
-                             const char* where) {
-  if (offsets.size() < 2) {
-    throw Error(std::string(where) + ": offsets needs at least 2 entries (0 and the total), got " +
-                std::to_string(offsets.size()));
-  }
-  if (offsets.front() != 0) {
-    throw Error(std::string(where) + ": offsets[0] must be 0, got " +
-                std::to_string(offsets.front()));
-  }
-  for (std::size_t s = 1; s < offsets.size(); ++s) {
-    if (offsets[s] < offsets[s - 1]) {
-      throw Error(std::string(where) + ": offsets must not decrease, but offsets[" +
-                  std::to_string(s) + "] = " + std::to_string(offsets[s]) + " < offsets[" +
-                  std::to_string(s - 1) + "] = " + std::to_string(offsets[s - 1]));
-    }
-  }
-  if (offsets.back() != tokens) {
-    throw Error(std::string(where) + ": offsets.back() = " + std::to_string(offsets.back()) +
-                " but the views hold " + std::to_string(tokens) + " tokens");
-  }
-}
-
 /// Shape checks for q, k (B x H x N x Dq), v (B x H x N x Dv) and out (B x H x N x out_dim).
 /// With `cross`, k and v may hold N_k tokens of their own (non-causal cross-attention).
-/// The sequences of a view call: B of N tokens, or (offsets) the packed sequences of a B = 1
-/// view, checked.
-template <class Q>
-SequenceRows sequence_rows(const HeadsView<Q>& q, const std::vector<std::int64_t>* offsets,
-                           const char* where, const char* q_name) {
-  SequenceRows sequences{q.batch(), q.tokens(), offsets};
-  if (offsets) {
-    if (q.batch() != 1) {
-      throw Error(std::string(where) +
-                  ": a packed batch is one row of sequences, so B must be 1; " + q_name + " is " +
-                  q.sizes_string());
-    }
-    validate_offsets(*offsets, q.tokens(), where);
-    sequences.count = static_cast<Eigen::Index>(offsets->size()) - 1;
-  }
-  return sequences;
-}
-
-/// The shape checks of a view call (described above sequence_rows); `out_name` is how messages
-/// name out (the view backward's grad_out plays its part).
+/// `out_name` is how messages name out (the view backward's grad_out plays its part).
 template <class Q, class K, class V, class O>
 void validate_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                     const HeadsView<O>& out, Eigen::Index out_dim, const Options& options,

@@ -11,17 +11,20 @@
 
 namespace linattn::detail {
 
-/// The number of threads one call may use: Options::threads, or OpenMP's default for 0;
-/// always 1 without OpenMP.
-inline int resolve_threads(const Options& options) {
+/// The number of threads one call may use: `threads`, or OpenMP's default for 0; always 1
+/// without OpenMP.
+inline int resolve_threads(int threads) {
 #ifdef _OPENMP
-  if (options.threads > 0) return options.threads;
+  if (threads > 0) return threads;
   return omp_in_parallel() ? 1 : std::max(1, omp_get_max_threads());
 #else
-  static_cast<void>(options);
+  static_cast<void>(threads);
   return 1;
 #endif
 }
+
+/// resolve_threads(Options::threads).
+inline int resolve_threads(const Options& options) { return resolve_threads(options.threads); }
 
 /// While alive, Eigen's own products called from this thread run on it alone: an OpenMP build
 /// of Eigen would otherwise spread each small chunk product over all cores (slower, and more
