@@ -376,19 +376,19 @@ void run_conv(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Mat
   if (!y.allFinite()) fail("a short convolution of bounded input is not finite");
   linattn::ConvWindows<T> windows(*conv, 1);
   Matrix<T> pieces(in.n, c);
-  attempt("ConvWindows::prefill", true, [&] {
+  attempt("ShortConv::prefill", true, [&] {
     if (in.split > 0) {
       const Matrix<T> head = v.topRows(in.split);
       Matrix<T> out(in.split, c);
-      windows.prefill_into(
-          *conv,
+      conv->prefill_into(
+          windows,
           linattn::ConstHeadsView<T>::bnhd(head.data(), linattn::BnhdShape(1, in.split, 1, c)),
           linattn::HeadsView<T>::bnhd(out.data(), linattn::BnhdShape(1, in.split, 1, c)));
       pieces.topRows(in.split) = out;
     }
     Matrix<T> out(1, c);
     for (Index t = in.split; t < in.n; ++t) {
-      windows.step_into(*conv, v.row(t), out);
+      conv->step_into(windows, v.row(t), out);
       pieces.row(t) = out.row(0);
     }
   });
@@ -415,10 +415,12 @@ void run_conv(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Mat
     grads_windows =
         conv->backward_into(view(v), zeros, view(grad_y), out_view(grad_x_windows), grad_zeros);
   });
-  if (!grad_x.allFinite() || !grads.weight.allFinite() || !grads.bias.allFinite()) {
+  if (!grad_x.allFinite() || !grads.weight.allFinite() || !grads.bias.allFinite() ||
+      !grad_zeros.window(0).allFinite()) {
     fail("short convolution: a gradient of bounded input is not finite");
   }
-  if (!bit_equal(grad_x, grad_x_windows) || !bit_equal(grads.weight, grads_windows.weight)) {
+  if (!bit_equal(grad_x, grad_x_windows) || !bit_equal(grads.weight, grads_windows.weight) ||
+      !bit_equal(grads.bias, grads_windows.bias)) {
     fail("short convolution: the backward from zero windows differs from the one from zeros");
   }
 }

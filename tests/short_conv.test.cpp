@@ -7,6 +7,7 @@
 #include <limits>
 #include <linattn/short_conv.hpp>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "support.hpp"
@@ -70,12 +71,13 @@ double tolerance() {
 TEMPLATE_TEST_CASE("ShortConv: forward against the naive convolution", "[short_conv]", float,
                    double) {
   using T = TestType;
-  // C = 300: a band of 256 and one of 44, whose last 12 channels take the scalar tail.
+  // C = 1,101: a band of 1,024 channels and one of 77, whose last channels take the scalar
+  // tail whatever the packet size.
   for (const Eigen::Index k : {1, 2, 3, 4, 5, 6, 7, 8}) {
     for (const Eigen::Index dilation : {1, 3}) {
       for (const bool silu : {false, true}) {
         for (const bool with_bias : {false, true}) {
-          const Eigen::Index c = 300, n = 29;
+          const Eigen::Index c = 1101, n = 29;
           const std::uint64_t seed = 100 + 10 * k + dilation;
           const Matrix<T> weight = gaussian<T>(c, k, seed, 0.5);
           const Vector<T> bias = with_bias ? Vector<T>(gaussian<T>(c, 1, seed + 1)) : Vector<T>();
@@ -118,14 +120,14 @@ TEMPLATE_TEST_CASE("ConvWindows: prefill in pieces and steps equal one forward, 
     Matrix<T> pieces(batch * n, c);
     Eigen::Index done = 0;
     for (const Eigen::Index len : {2, 9}) {
-      windows.prefill_into(conv, ConstHeadsView<T>(x.data() + done * c, batch, 1, len, c, strides),
-                           HeadsView<T>(pieces.data() + done * c, batch, 1, len, c, strides));
+      conv.prefill_into(windows, ConstHeadsView<T>(x.data() + done * c, batch, 1, len, c, strides),
+                        HeadsView<T>(pieces.data() + done * c, batch, 1, len, c, strides));
       done += len;
     }
     for (; done < n; ++done) {
       Matrix<T> token(batch, c), out(batch, c);
       for (Eigen::Index b = 0; b < batch; ++b) token.row(b) = x.row(b * n + done);
-      windows.step_into(conv, token, out);
+      conv.step_into(windows, token, out);
       for (Eigen::Index b = 0; b < batch; ++b) pieces.row(b * n + done) = out.row(b);
     }
     CHECK(pieces == whole);
@@ -148,10 +150,10 @@ TEST_CASE("ConvWindows: a window in continues a sequence, a window out is its la
   const ShortConv<T> conv(gaussian<T>(c, k, 11));
   ConvWindows<T> windows(conv, 1);
   const Matrix<T> history = gaussian<T>(conv.window_rows(), c, 12);
-  windows.window(0) = history;
+  windows.set_window(0, history);
   const Matrix<T> x = gaussian<T>(n, c, 13);
   Matrix<T> y(n, c);
-  windows.prefill_into(conv, rows_view(x), rows_view(y));
+  conv.prefill_into(windows, rows_view(x), rows_view(y));
   CHECK(relative_error(y, naive_conv(x, history, conv.weight(), Vector<T>(), 1, false)) < 1e-14);
   // The same as one call over history and x from zeros, past the history's outputs.
   Matrix<T> joined(conv.window_rows() + n, c);
@@ -178,18 +180,34 @@ TEST_CASE("ShortConv: packed sequences equal each sequence alone", "[short_conv]
     if (len == 0) continue;
     CHECK(packed.middleRows(begin, len) == conv.forward(x.middleRows(begin, len)));
   }
-  // The same through windows: each continues its own, the empty one keeps it.
-  ConvWindows<T> windows(conv, 4);
-  const Matrix<T> saved = gaussian<T>(3, c, 23);
-  windows.window(1) = saved;
+  // Through windows, every one different: sequence s continues window s, the empty one keeps
+  // its window, the short one keeps the window's last row before its two inputs.
+  ConvWindows<T> windows = conv.make_windows(4);
+  std::vector<Matrix<T>> saved;
+  for (Eigen::Index s = 0; s < 4; ++s) {
+    saved.push_back(gaussian<T>(3, c, 23 + s));
+    windows.set_window(s, saved.back());
+  }
   Matrix<T> again(14, c);
-  windows.prefill_varlen_into(conv, rows_view(x), offsets, rows_view(again));
-  CHECK(again == packed);
-  CHECK(windows.window(1) == saved);
+  conv.prefill_varlen_into(windows, rows_view(x), offsets, rows_view(again));
+  for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
+    const Eigen::Index begin = offsets[s], len = offsets[s + 1] - offsets[s];
+    if (len == 0) continue;
+    INFO("sequence " << s);
+    CHECK(relative_error(
+              again.middleRows(begin, len),
+              naive_conv(x.middleRows(begin, len).template cast<double>(),
+                         saved[s].template cast<double>(), conv.weight().template cast<double>(),
+                         Vector<double>(), 1, true)) < 2e-6);
+  }
   CHECK(windows.window(0) == x.middleRows(2, 3));
-  CHECK(windows.window(2).topRows(1).isZero(0));
+  CHECK(windows.window(1) == saved[1]);
+  CHECK(windows.window(2).topRows(1) == saved[2].bottomRows(1));
   CHECK(windows.window(2).bottomRows(2) == x.middleRows(5, 2));
   CHECK(windows.window(3) == x.middleRows(11, 3));
+  windows.reset(3);
+  CHECK(windows.window(3).isZero(0));
+  CHECK(windows.window(2).bottomRows(2) == x.middleRows(5, 2));
 }
 
 TEST_CASE("ShortConv: C channels of a wider fused row, read and written in place", "[short_conv]") {
@@ -211,7 +229,7 @@ TEST_CASE("ShortConv: C channels of a wider fused row, read and written in place
   Matrix<T> out(batch, c);
   const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> step_rows(
       fused.data() + c, batch, c, Eigen::OuterStride<>(n * width));
-  windows.step_into(conv, step_rows, out);
+  conv.step_into(windows, step_rows, out);
   for (Eigen::Index b = 0; b < batch; ++b) {
     CHECK(out.row(b) == fused.block(b * n, 2 * c, 1, c));
   }
@@ -220,8 +238,13 @@ TEST_CASE("ShortConv: C channels of a wider fused row, read and written in place
 TEST_CASE("ShortConv: backward against finite differences of the naive convolution",
           "[short_conv]") {
   using T = double;
-  const Eigen::Index c = 19, k = 4, n = 7;
-  for (const Eigen::Index dilation : {1, 2}) {
+  const Eigen::Index c = 19;
+  // K = 1 (no window), N = 3 below W = 6 (K = 4, dilation 2): a token's window reaches past
+  // the history's start and the history's rows are read by only some taps.
+  using Case = std::tuple<Eigen::Index, Eigen::Index, Eigen::Index>;  // K, N, dilation
+  for (const Case& shape : std::vector<Case>{{4, 7, 1}, {4, 7, 2}, {4, 3, 2}, {1, 5, 1}}) {
+    const Eigen::Index k = std::get<0>(shape), n = std::get<1>(shape),
+                       dilation = std::get<2>(shape);
     for (const bool silu : {false, true}) {
       ShortConvOptions options;
       options.dilation = dilation;
@@ -240,7 +263,7 @@ TEST_CASE("ShortConv: backward against finite differences of the naive convoluti
       const double h = 1e-6;
       auto numeric = [&](auto perturb) { return (perturb(h) - perturb(-h)) / (2 * h); };
       ConvWindows<T> initial(conv, 1), grad_initial(conv, 1);
-      initial.window(0) = history;
+      initial.set_window(0, history);
       Matrix<T> grad_x(n, c);
       const auto grads = conv.backward_into(rows_view(x), initial, rows_view(grad_y),
                                             rows_view(grad_x), grad_initial);
@@ -277,7 +300,7 @@ TEST_CASE("ShortConv: backward against finite differences of the naive convoluti
           worst = std::max(worst, std::abs(grad_initial.window(0)(r, ch) - expected));
         }
       }
-      INFO("dilation " << dilation << ", silu " << silu);
+      INFO("K = " << k << ", N = " << n << ", dilation " << dilation << ", silu " << silu);
       CHECK(worst < 1e-7);
       // From zeros: the same as from a zero window.
       Matrix<T> grad_x0(n, c);
@@ -293,9 +316,42 @@ TEST_CASE("ShortConv: backward against finite differences of the naive convoluti
   }
 }
 
+TEST_CASE("ShortConv: the backward of a batch from windows equals each sequence's",
+          "[short_conv]") {
+  using T = float;
+  const Eigen::Index batch = 3, n = 5, c = 33;
+  ShortConvOptions options;
+  options.dilation = 2;
+  options.activation = ConvActivation::silu;
+  const ShortConv<T> conv(gaussian<T>(c, 3, 81), Vector<T>(gaussian<T>(c, 1, 82)), options);
+  const Matrix<T> x = gaussian<T>(batch * n, c, 83), grad_y = gaussian<T>(batch * n, c, 84);
+  ConvWindows<T> initial = conv.make_windows(batch), grad_initial = conv.make_windows(batch);
+  for (Eigen::Index b = 0; b < batch; ++b) {
+    initial.set_window(b, gaussian<T>(conv.window_rows(), c, 85 + b));
+  }
+  Matrix<T> grad_x(batch * n, c);
+  const BnhdShape shape(batch, n, 1, c);
+  const auto grads = conv.backward_into(ConstHeadsView<T>::bnhd(x.data(), shape), initial,
+                                        ConstHeadsView<T>::bnhd(grad_y.data(), shape),
+                                        HeadsView<T>::bnhd(grad_x.data(), shape), grad_initial);
+  Matrix<double> weight_sum = Matrix<double>::Zero(c, 3);
+  for (Eigen::Index b = 0; b < batch; ++b) {
+    const Matrix<T> xs = x.middleRows(b * n, n), gs = grad_y.middleRows(b * n, n);
+    ConvWindows<T> one = conv.make_windows(1), grad_one = conv.make_windows(1);
+    one.set_window(0, initial.window(b));
+    Matrix<T> alone(n, c);
+    const auto each =
+        conv.backward_into(rows_view(xs), one, rows_view(gs), rows_view(alone), grad_one);
+    CHECK(grad_x.middleRows(b * n, n) == alone);
+    CHECK(grad_initial.window(b) == grad_one.window(0));
+    weight_sum += each.weight.template cast<double>();
+  }
+  CHECK(relative_error(grads.weight, weight_sum) < 1e-6);
+}
+
 TEST_CASE("ShortConv: the packed backward equals each sequence's", "[short_conv]") {
   using T = float;
-  const Eigen::Index c = 280, k = 3;
+  const Eigen::Index c = 1050, k = 3;  // two bands of channels
   ShortConvOptions options;
   options.activation = ConvActivation::silu;
   const ShortConv<T> conv(gaussian<T>(c, k, 71), Vector<T>(gaussian<T>(c, 1, 72)), options);
@@ -323,7 +379,7 @@ TEST_CASE("ShortConv: the packed backward equals each sequence's", "[short_conv]
 #ifdef _OPENMP
 TEST_CASE("ShortConv: threads give the same bits", "[short_conv]") {
   using T = float;
-  const Eigen::Index batch = 3, n = 17, c = 600;
+  const Eigen::Index batch = 3, n = 17, c = 2100;  // three bands of channels
   ShortConvOptions one, four;
   one.threads = 1;
   four.threads = 4;
@@ -364,7 +420,9 @@ TEST_CASE("ShortConv: bad input throws before anything moves", "[short_conv]") {
   CHECK_THROWS_WITH(ShortConv<T>(weight, Vector<T>::Zero(c + 1)), Contains("bias"));
   ShortConvOptions bad;
   bad.dilation = 0;
-  CHECK_THROWS_WITH(ShortConv<T>(weight, bad), Contains("dilation"));
+  CHECK_THROWS_WITH(ShortConv<T>(weight, bad), Contains("dilation must be in [1, 1048576]"));
+  bad.dilation = ShortConv<T>::kMaxDilation + 1;
+  CHECK_THROWS_WITH(ShortConv<T>(weight, bad), Contains("dilation must be in [1, 1048576]"));
   Matrix<T> nan_weight = weight;
   nan_weight(2, 1) = std::nanf("");
   CHECK_THROWS_WITH(ShortConv<T>(nan_weight), Contains("weight has a non-finite value"));
@@ -380,6 +438,9 @@ TEST_CASE("ShortConv: bad input throws before anything moves", "[short_conv]") {
       conv.forward_into(ConstHeadsView<T>(x.data(), 1, 1, 5, c, {0, 0, c, 2}), rows_view(y)),
       Contains("adjacent"));
   CHECK_THROWS_WITH(conv.forward_into(rows_view(x), rows_view(x)), Contains("own buffer"));
+  CHECK_THROWS_WITH(
+      conv.forward_into(rows_view(x), HeadsView<T>(y.data(), 1, 1, 5, c, {0, 0, c / 2, 1})),
+      Contains("y's rows overlap"));
   Matrix<T> short_y(4, c);
   CHECK_THROWS_WITH(conv.forward_into(rows_view(x), rows_view(short_y)), Contains("N must match"));
   CHECK_THROWS_WITH(conv.forward_varlen_into(rows_view(x), {0, 2, 4}, rows_view(y)),
@@ -392,27 +453,30 @@ TEST_CASE("ShortConv: bad input throws before anything moves", "[short_conv]") {
   // Windows: another convolution's, another batch, a non-finite window, a bad step.
   ConvWindows<T> windows(conv, 2);
   const Matrix<T> saved = gaussian<T>(3, c, 53);
-  windows.window(0) = saved;
+  windows.set_window(0, saved);
   ShortConvOptions dilated;
   dilated.dilation = 2;
   x(3, 5) = 1.0f;
-  CHECK_THROWS_WITH(windows.prefill_into(conv, rows_view(x), rows_view(y)),
+  CHECK_THROWS_WITH(conv.prefill_into(windows, rows_view(x), rows_view(y)),
                     Contains("1 sequences but the windows 2"));
-  CHECK_THROWS_WITH(windows.prefill_varlen_into(ShortConv<T>(weight, dilated), rows_view(x),
-                                                {0, 2, 5}, rows_view(y)),
+  CHECK_THROWS_WITH(ShortConv<T>(weight, dilated)
+                        .prefill_varlen_into(windows, rows_view(x), {0, 2, 5}, rows_view(y)),
                     Contains("the convolution needs 6 x 8"));
   Matrix<T> token = gaussian<T>(2, c, 54), out = Matrix<T>::Constant(2, c, 3.0f);
   const Matrix<T> out_before = out;
-  CHECK_THROWS_WITH(windows.step_into(conv, token.topRows(1), out), Contains("B x C = 2 x 8"));
-  CHECK_THROWS_WITH(windows.step_into(conv, token, token), Contains("own buffer"));
+  CHECK_THROWS_WITH(conv.step_into(windows, token.topRows(1), out), Contains("B x C = 2 x 8"));
+  CHECK_THROWS_WITH(conv.step_into(windows, token, token), Contains("own buffer"));
   token(1, 0) = std::numeric_limits<T>::infinity();
-  CHECK_THROWS_WITH(windows.step_into(conv, token, out),
+  CHECK_THROWS_WITH(conv.step_into(windows, token, out),
                     Contains("x (sequence 1) has a non-finite value"));
   token(1, 0) = 0.0f;
-  windows.window(1)(2, 3) = std::nanf("");
-  CHECK_THROWS_WITH(windows.step_into(conv, token, out),
-                    Contains("window 1 has a non-finite value"));
-  CHECK_THROWS_WITH(windows.window(2), Contains("out of range"));
+  Matrix<T> nan_window = gaussian<T>(3, c, 57);
+  nan_window(2, 3) = std::nanf("");
+  CHECK_THROWS_WITH(windows.set_window(1, nan_window),
+                    Contains("window has a non-finite value") && Contains("row 2, column 3"));
+  CHECK_THROWS_WITH(windows.set_window(1, Matrix<T>(c, 4)), Contains("must be W x C = 3 x 8"));
+  CHECK_THROWS_WITH(windows.window(2), Contains("sequence 2 is out of range"));
+  CHECK_THROWS_WITH(windows.set_window(-1, saved), Contains("out of range"));
   CHECK(out == out_before);
   CHECK(windows.window(0) == saved);
   CHECK_THROWS_WITH(ConvWindows<T>(conv, 0), Contains("batch must be >= 1"));

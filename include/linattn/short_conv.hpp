@@ -46,7 +46,8 @@ struct ShortConvOptions {
 /// ShortConvolution, causal_conv1d_fn): for every channel c and token t,
 ///   y[t, c] = act(bias[c] + sum_{i<K} weight(c, i) x[t - (K - 1 - i) d, c]),
 /// weight(c, K - 1) multiplying the current token. Inputs before a sequence's first token are
-/// zero (forward_into) or its window (ConvWindows: prefill, steps, windows in and out).
+/// zero (forward_into) or its window (prefill_into and step_into on the ConvWindows that
+/// make_windows gives: the convolution's state).
 /// Inputs are [B, N, C] buffers seen as views with one head (HeadsView<T>::bnhd(data,
 /// BnhdShape{B, N, 1, C}), or any token and batch strides: C channels of a wider fused row).
 /// @tparam T  float or double
@@ -56,9 +57,13 @@ class ShortConv {
                 "ShortConv<T> needs T = float or double: convert 16-bit activations to float");
 
  public:
+  /// The largest dilation: (K - 1) * dilation tokens of history stay far inside Eigen::Index.
+  static constexpr Eigen::Index kMaxDilation = Eigen::Index(1) << 20;
+
   /// Without bias.
   /// @param weight   C x K taps, K in [1, 8]: the model's depthwise weight [C, 1, K] without
-  ///                 its middle axis (HF's conv1d.weight[:, 0, :]; ggml's conv weights [K, C])
+  ///                 its middle axis (HF's conv1d.weight[:, 0, :]; ggml's conv weights, ne =
+  ///                 [K, C], are the same memory: no transpose)
   /// @param options  dilation, activation, check_finite, threads
   template <class DW>
   explicit ShortConv(const Eigen::MatrixBase<DW>& weight, const ShortConvOptions& options = {})
@@ -87,9 +92,9 @@ class ShortConv {
                   " but must be a vector of C = " + std::to_string(weight.rows()) +
                   " entries, or empty for none");
     }
-    if (options.dilation < 1) {
-      throw Error(std::string(where) + ": ShortConvOptions::dilation must be >= 1, got " +
-                  std::to_string(options.dilation));
+    if (options.dilation < 1 || options.dilation > kMaxDilation) {
+      throw Error(std::string(where) + ": ShortConvOptions::dilation must be in [1, " +
+                  std::to_string(kMaxDilation) + "], got " + std::to_string(options.dilation));
     }
     if (options.activation != ConvActivation::none && options.activation != ConvActivation::silu) {
       throw Error(std::string(where) + ": ShortConvOptions::activation is not a ConvActivation");
@@ -115,8 +120,8 @@ class ShortConv {
 
   /// Every sequence from zeros before its first token.
   /// @param x  B x 1 x N x C inputs (features adjacent: strides().dim == 1)
-  /// @param y  B x 1 x N x C outputs; may not be x's memory (outputs are written while later
-  ///           tokens still read earlier inputs)
+  /// @param y  B x 1 x N x C outputs; may not overlap x (outputs are written while later
+  ///           tokens still read earlier inputs) or itself
   template <class X, class Y>
   void forward_into(const HeadsView<X>& x, const HeadsView<Y>& y) const {
     run(x, y, nullptr, nullptr, "ShortConv::forward");
@@ -126,7 +131,7 @@ class ShortConv {
   /// [offsets[s], offsets[s+1]) of the views (FLA's cu_seqlens).
   /// @param x        1 x 1 x total x C inputs
   /// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
-  /// @param y        1 x 1 x total x C outputs; may not be x's memory
+  /// @param y        1 x 1 x total x C outputs; may not overlap x or itself
   template <class X, class Y>
   void forward_varlen_into(const HeadsView<X>& x, const std::vector<std::int64_t>& offsets,
                            const HeadsView<Y>& y) const {
@@ -145,6 +150,59 @@ class ShortConv {
     forward_into(ConstHeadsView<T>::bnhd(input.data(), BnhdShape(1, input.rows(), 1, input.cols())),
                  HeadsView<T>::bnhd(out.data(), BnhdShape(1, out.rows(), 1, out.cols())));
     return out;
+  }
+
+  /// Zero windows for `batch` sequences, the state prefill_into and step_into move.
+  /// @param batch  B >= 1, sequences
+  ConvWindows<T> make_windows(Eigen::Index batch) const { return ConvWindows<T>(*this, batch); }
+
+  /// Prompts, one per sequence, each continuing from its window, which then holds the
+  /// prompt's last inputs. Checked whole before anything moves.
+  /// @param windows  B windows of this convolution
+  /// @param x        B x 1 x N x C inputs
+  /// @param y        B x 1 x N x C outputs; may not overlap x or itself
+  template <class X, class Y>
+  void prefill_into(ConvWindows<T>& windows, const HeadsView<X>& x, const HeadsView<Y>& y) const {
+    run(x, y, nullptr, &windows, "ShortConv::prefill");
+  }
+
+  /// Prompts of different lengths packed along N: sequence s (tokens [offsets[s],
+  /// offsets[s+1])) continues window s; an empty one leaves its window as it is.
+  /// @param windows  B windows of this convolution
+  /// @param x        1 x 1 x total x C inputs
+  /// @param offsets  B + 1 nondecreasing token offsets, offsets[0] = 0, offsets[B] = total
+  /// @param y        1 x 1 x total x C outputs; may not overlap x or itself
+  template <class X, class Y>
+  void prefill_varlen_into(ConvWindows<T>& windows, const HeadsView<X>& x,
+                           const std::vector<std::int64_t>& offsets, const HeadsView<Y>& y) const {
+    run(x, y, &offsets, &windows, "ShortConv::prefill_varlen");
+  }
+
+  /// One token for every sequence: row b of x continues window b. Equal, bit for bit, to the
+  /// prefill of the same tokens.
+  /// @param windows  B windows of this convolution
+  /// @param x        B x C inputs, row b for sequence b (any row stride: a fused projection)
+  /// @param y        B x C outputs; not x's memory
+  template <class DX>
+  void step_into(ConvWindows<T>& windows, const Eigen::MatrixBase<DX>& x,
+                 Eigen::Ref<Matrix<T>> y) const {
+    static_assert(std::is_same_v<typename DX::Scalar, T>, "ShortConv<T>: x must have scalar T");
+    constexpr const char* where = "ShortConv::step";
+    // Bound in place when x is row-major with adjacent channels, copied otherwise.
+    const Eigen::Ref<const Matrix<T>> rows(x);
+    const Eigen::Index batch = windows.batch();
+    if (rows.rows() != batch || rows.cols() != channels() || y.rows() != batch ||
+        y.cols() != channels()) {
+      throw Error(std::string(where) + ": x is " + detail::shape_string(x) + " and y " +
+                  detail::shape_string(y.rows(), y.cols()) +
+                  " but both must be B x C = " + detail::shape_string(batch, channels()) +
+                  " (one token per sequence of the windows)");
+    }
+    const ConstHeadsView<T> x_view(rows.data(), batch, 1, 1, channels(),
+                                   HeadStrides{rows.outerStride(), 0, 0, 1});
+    const HeadsView<T> y_view(y.data(), batch, 1, 1, channels(),
+                              HeadStrides{y.outerStride(), 0, 0, 1});
+    run(x_view, y_view, nullptr, &windows, where);
   }
 
   /// The backward of forward_into: d loss / d x into grad_x, and the gradients of the weight
@@ -174,7 +232,7 @@ class ShortConv {
                         "ShortConv::backward_varlen");
   }
 
-  /// The backward of ConvWindows::prefill_into from the windows `initial` (as they were before
+  /// The backward of prefill_into from the windows `initial` (as they were before
   /// the prefill): also d loss / d each initial window, into grad_initial. The windows after
   /// the prefill carry no gradient here.
   /// @param x             B x 1 x N x C inputs of the prefill
@@ -216,6 +274,16 @@ class ShortConv {
     };
     check_one(x, "x");
     check_one(y, y_name);
+    // Output rows that share memory would be written by two threads (and read back wrong).
+    const HeadStrides& ys = y.strides();
+    const bool shared_rows =
+        (y.tokens() > 1 && ys.token < channels()) || (y.batch() > 1 && ys.batch < channels());
+    if (HeadsView<Y>::is_writable && shared_rows) {
+      throw Error(std::string(where) + ": " + y_name + "'s rows overlap (strides " +
+                  std::to_string(ys.token) + " between tokens and " + std::to_string(ys.batch) +
+                  " between sequences, each row C = " + std::to_string(channels()) +
+                  " wide): give it rows of its own");
+    }
     if (y.batch() != x.batch() || y.tokens() != x.tokens()) {
       throw Error(std::string(where) + ": " + y_name + " is " + y.sizes_string() + " but x is " +
                   x.sizes_string() + "; B and N must match");
@@ -300,7 +368,6 @@ class ShortConv {
       return;
     }
     convolve(x, y, sequences, [&](Eigen::Index s) { return windows->history(s); });
-    windows->mark_scanned();
     for (Eigen::Index s = 0; s < sequences.count; ++s) {
       const Eigen::Index rows = sequences.rows(s);
       if (rows == 0) continue;
@@ -324,7 +391,7 @@ class ShortConv {
     const detail::SequenceRows sequences = detail::sequence_rows(x, offsets, where, "x");
     if (initial != nullptr) {
       initial->check(*this, sequences.count, where, "initial");
-      grad_initial->check(*this, sequences.count, where, "grad_initial", false);
+      grad_initial->check(*this, sequences.count, where, "grad_initial");
     }
     scan(x, sequences, where);
     scan(grad_y, sequences, where, "grad_y");
@@ -337,15 +404,9 @@ class ShortConv {
       const Eigen::Index count = std::min(detail::kConvBand, channels() - first);
       for (Eigen::Index s = 0; s < sequences.count; ++s) {
         const Eigen::Index rows = sequences.rows(s);
-        T* const grad_history =
-            grad_initial != nullptr && window_rows() > 0 ? grad_initial->history_data(s) : nullptr;
-        if (rows == 0) {
-          // Nothing read the window: its gradient is zero.
-          for (Eigen::Index r = 0; grad_history && r < window_rows(); ++r) {
-            std::fill_n(grad_history + r * channels() + first, count, T(0));
-          }
-          continue;
-        }
+        // Windows come with padded batches only, whose sequences are never empty.
+        T* const grad_history = grad_initial != nullptr ? grad_initial->history(s) : nullptr;
+        if (rows == 0) continue;
         const Eigen::Index b = sequences.batch_of(s), begin = sequences.begin(s);
         const detail::ConvBackwardOperands<T> operands{
             {x.data() + b * xs.batch + begin * xs.token, xs.token,
@@ -371,20 +432,19 @@ class ShortConv {
 };
 
 /// The rolling windows of B sequences through one ShortConv: each the sequence's last
-/// window_rows() = (K - 1) * dilation inputs, oldest first, zeros before its first token. They
-/// are the convolution's whole state: prefill, steps, and a window in or out are this class.
-/// HF's conv_states[b] (C x K or C x (K - 1), latest input last) is window(b) transposed, its
-/// last K - 1 columns, for dilation 1.
+/// window_rows() = (K - 1) * dilation inputs, oldest first, zeros before its first token: the
+/// convolution's whole state, as a RecurrentStateBatch is a layer's. ShortConv's prefill_into,
+/// prefill_varlen_into and step_into move it; window(b) reads it, set_window(b, w) writes it.
+/// HF's conv_states[b] (C x K, the latest input last) holds window(b) transposed in its last
+/// K - 1 columns (dilation 1); ggml keeps the same K - 1 inputs per channel.
 /// @tparam T  float or double, as the ShortConv's
 template <class T>
 class ConvWindows {
  public:
-  /// Sequence b's window, W x C.
-  using WindowMap = Eigen::Map<Matrix<T>>;
   /// Read-only, W x C.
   using ConstWindowMap = Eigen::Map<const Matrix<T>>;
 
-  /// Zero windows for `batch` sequences of `conv`.
+  /// Zero windows for `batch` sequences of `conv` (or conv.make_windows(batch)).
   /// @param conv   the convolution these windows feed (its C, K and dilation)
   /// @param batch  B >= 1, sequences
   ConvWindows(const ShortConv<T>& conv, Eigen::Index batch)
@@ -402,121 +462,87 @@ class ConvWindows {
   /// C, channels.
   Eigen::Index channels() const { return channels_; }
 
-  /// Sequence b's window, W x C, oldest input first: read it to save a state, write it to
-  /// start from one (with check_finite, the next call scans what was written).
-  WindowMap window(Eigen::Index b) {
-    written_ = true;
-    return WindowMap(history_data(b), rows_, channels_);
-  }
-  /// Read-only.
+  /// Sequence b's window, W x C, the oldest input first: what a saved state keeps.
   ConstWindowMap window(Eigen::Index b) const {
-    return ConstWindowMap(history_data(b), rows_, channels_);
+    return ConstWindowMap(history_data(b, "ConvWindows::window"), rows_, channels_);
+  }
+
+  /// Starts sequence b from a window (a saved state, a prefix's), checked whole first.
+  /// @param b       sequence, in [0, B)
+  /// @param window  W x C finite inputs, the oldest first (HF's conv_states[b], C x K with the
+  ///                latest input last: its last W columns, transposed)
+  template <class DW>
+  void set_window(Eigen::Index b, const Eigen::MatrixBase<DW>& window) {
+    static_assert(std::is_same_v<typename DW::Scalar, T>,
+                  "ConvWindows<T>::set_window: the window must have scalar T");
+    constexpr const char* where = "ConvWindows::set_window";
+    T* const data = history_data(b, where);
+    if (window.rows() != rows_ || window.cols() != channels_) {
+      throw Error(std::string(where) + ": the window is " + detail::shape_string(window) +
+                  " but must be W x C = " + detail::shape_string(rows_, channels_) +
+                  " ((K - 1) * dilation rows, the oldest input first)");
+    }
+    detail::require_finite(window, where, "window");
+    WindowMap(data, rows_, channels_) = window;
   }
 
   /// Every window back to zeros (fresh sequences).
   void reset() { windows_.setZero(); }
-
-  /// Prompts, one per sequence, each continuing from its window, which then holds the
-  /// prompt's last inputs. Checked whole before anything moves.
-  /// @param conv  the convolution (C, K and dilation as at construction)
-  /// @param x     B x 1 x N x C inputs
-  /// @param y     B x 1 x N x C outputs; may not be x's memory
-  template <class X, class Y>
-  void prefill_into(const ShortConv<T>& conv, const HeadsView<X>& x, const HeadsView<Y>& y) {
-    conv.run(x, y, nullptr, this, "ConvWindows::prefill");
-  }
-
-  /// Prompts of different lengths packed along N: sequence s (tokens [offsets[s],
-  /// offsets[s+1])) continues window s; an empty one leaves its window as it is.
-  /// @param conv     the convolution
-  /// @param x        1 x 1 x total x C inputs
-  /// @param offsets  B + 1 nondecreasing token offsets, offsets[0] = 0, offsets[B] = total
-  /// @param y        1 x 1 x total x C outputs; may not be x's memory
-  template <class X, class Y>
-  void prefill_varlen_into(const ShortConv<T>& conv, const HeadsView<X>& x,
-                           const std::vector<std::int64_t>& offsets, const HeadsView<Y>& y) {
-    conv.run(x, y, &offsets, this, "ConvWindows::prefill_varlen");
-  }
-
-  /// One token for every sequence: row b of x continues window b. Equal, bit for bit, to the
-  /// prefill of the same tokens.
-  /// @param conv  the convolution
-  /// @param x     B x C inputs, row b for sequence b (any row stride: a fused projection's rows)
-  /// @param y     B x C outputs; may not be x's memory
-  template <class DX>
-  void step_into(const ShortConv<T>& conv, const Eigen::MatrixBase<DX>& x,
-                 Eigen::Ref<Matrix<T>> y) {
-    static_assert(std::is_same_v<typename DX::Scalar, T>, "ConvWindows<T>: x must have scalar T");
-    constexpr const char* where = "ConvWindows::step";
-    // Bound in place when x is row-major with adjacent channels, copied otherwise.
-    const Eigen::Ref<const Matrix<T>> rows(x);
-    if (rows.rows() != batch_ || rows.cols() != channels_ || y.rows() != batch_ ||
-        y.cols() != channels_) {
-      throw Error(std::string(where) + ": x is " + detail::shape_string(x) + " and y " +
-                  detail::shape_string(y.rows(), y.cols()) + " but both must be B x C = " +
-                  detail::shape_string(batch_, channels_) + " (one token per sequence)");
-    }
-    const auto x_view = ConstHeadsView<T>(rows.data(), batch_, 1, 1, channels_,
-                                          HeadStrides{rows.outerStride(), 0, 0, 1});
-    const auto y_view =
-        HeadsView<T>(y.data(), batch_, 1, 1, channels_, HeadStrides{y.outerStride(), 0, 0, 1});
-    conv.run(x_view, y_view, nullptr, this, where);
+  /// Sequence b's window back to zeros (a new sequence in its slot).
+  void reset(Eigen::Index b) {
+    WindowMap(history_data(b, "ConvWindows::reset"), rows_, channels_).setZero();
   }
 
  private:
   template <class>
   friend class ShortConv;
+  using WindowMap = Eigen::Map<Matrix<T>>;
 
-  T* history_data(Eigen::Index b) {
-    check_index(b);
+  T* history_data(Eigen::Index b, const char* where) {
+    check_index(b, where);
     return windows_.data() + b * rows_ * channels_;
   }
-  const T* history_data(Eigen::Index b) const {
-    check_index(b);
+  const T* history_data(Eigen::Index b, const char* where) const {
+    check_index(b, where);
     return windows_.data() + b * rows_ * channels_;
   }
-  void check_index(Eigen::Index b) const {
+  void check_index(Eigen::Index b, const char* where) const {
     if (b < 0 || b >= batch_) {
-      throw Error("ConvWindows::window: sequence " + std::to_string(b) + " is out of range [0, " +
+      throw Error(std::string(where) + ": sequence " + std::to_string(b) + " is out of range [0, " +
                   std::to_string(batch_) + ")");
     }
   }
 
   /// The kernel's history for sequence s: its window, or null when there is none (W = 0).
-  const T* history(Eigen::Index s) const { return rows_ > 0 ? history_data(s) : nullptr; }
+  const T* history(Eigen::Index s) const {
+    return rows_ > 0 ? history_data(s, "ConvWindows") : nullptr;
+  }
+  /// Its gradient's counterpart, writable.
+  T* history(Eigen::Index s) { return rows_ > 0 ? history_data(s, "ConvWindows") : nullptr; }
 
-  /// Throws unless `conv` and `sequences` fit these windows (called `name` in messages); with
-  /// `scan` and check_finite, scans them.
+  /// Throws unless `conv` and `sequences` fit these windows (called `name` in messages). The
+  /// windows need no scan: they hold scanned inputs or windows set_window checked.
   void check(const ShortConv<T>& conv, Eigen::Index sequences, const char* where,
-             const char* name = "the windows", bool scan = true) const {
+             const char* name = "the windows") const {
     if (conv.channels() != channels_ || conv.window_rows() != rows_) {
       throw Error(std::string(where) + ": " + name + " are " + std::to_string(batch_) +
                   " windows of " + std::to_string(rows_) + " x " + std::to_string(channels_) +
                   " but the convolution needs " + std::to_string(conv.window_rows()) + " x " +
                   std::to_string(conv.channels()) +
-                  " ((K - 1) * dilation x C): give windows made for this convolution");
+                  " ((K - 1) * dilation x C): use windows made for this convolution");
     }
     if (sequences != batch_) {
       throw Error(std::string(where) + ": the inputs hold " + std::to_string(sequences) +
                   " sequences but " + name + " " + std::to_string(batch_) +
                   " (one window per sequence)");
     }
-    // The windows hold inputs that were scanned, unless a caller wrote them since.
-    if (!scan || !written_ || !conv.options().check_finite) return;
-    for (Eigen::Index b = 0; b < batch_; ++b) {
-      detail::require_finite(window(b), where, ("window " + std::to_string(b)).c_str());
-    }
   }
-
-  /// After a call: the windows hold scanned inputs again (a caller's writes were checked, or
-  /// check_finite was off and the caller owns what it wrote).
-  void mark_scanned() const { written_ = false; }
 
   /// Window s after `tokens` (n x C): the last W rows of [window; tokens].
   template <class Rows>
   void advance(Eigen::Index s, const Rows& tokens) {
     if (rows_ == 0) return;
-    WindowMap w(history_data(s), rows_, channels_);
+    WindowMap w(history_data(s, "ConvWindows"), rows_, channels_);
     const Eigen::Index n = tokens.rows();
     if (n >= rows_) {
       w = tokens.bottomRows(rows_);
@@ -529,8 +555,6 @@ class ConvWindows {
 
   Eigen::Index batch_, rows_, channels_;
   Matrix<T> windows_;  // (B * W) x C: window b is rows [b * W, (b + 1) * W)
-  // window(b) handed out a writable map since the last call: scan before the next.
-  mutable bool written_ = false;
 };
 
 }  // namespace linattn
