@@ -145,14 +145,6 @@ void conv_band(const ConvOperands<T>& a, Eigen::Index first, Eigen::Index count)
   }
 }
 
-/// The convolution of one sequence, band by band (so each band's reads stay in cache).
-template <class T>
-void conv_sequence(const ConvOperands<T>& a) {
-  for (Eigen::Index first = 0; first < a.channels; first += kConvBand) {
-    conv_band(a, first, std::min(kConvBand, a.channels - first));
-  }
-}
-
 /// Operands of one sequence's backward, laid out as ConvOperands; the gradients of the taps and
 /// the bias are added to (K x C and C, over every sequence), those of x and the history written.
 template <class T>
@@ -236,11 +228,11 @@ void conv_backward_band(const ConvBackwardOperands<T>& g, Eigen::Index first, Ei
 
 }  // namespace linattn::detail
 
-/// The compiled mode's instance of the convolution kernel, one scalar type T each.
+/// The compiled mode's instances of the convolution's kernels (forward and backward), one scalar
+/// type T each.
 #define LINATTN_CONV_INSTANCES(prefix, T)                                                          \
   prefix void linattn::detail::conv_band<T>(const linattn::detail::ConvOperands<T>&, Eigen::Index, \
                                             Eigen::Index);                                         \
-  prefix void linattn::detail::conv_sequence<T>(const linattn::detail::ConvOperands<T>&);          \
   prefix void linattn::detail::conv_backward_band<T>(                                              \
       const linattn::detail::ConvBackwardOperands<T>&, Eigen::Index, Eigen::Index);
 
