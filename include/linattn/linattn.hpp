@@ -16,6 +16,7 @@
 #include <linattn/linear_attention.hpp>
 #include <linattn/multi_head.hpp>
 #include <linattn/multi_head_backward.hpp>
+#include <linattn/output_norm.hpp>
 #include <linattn/recurrent_state.hpp>
 #include <linattn/session_pool.hpp>
 #include <linattn/short_conv.hpp>
