@@ -1,5 +1,15 @@
-// The pieces of a model's mixer around its recurrence, against what bounds them in the same
-// binary. The output norms (OutputNorm) are a pass over memory: read o and the gate z, write y;
+// A model's mixer and the pieces around its recurrence, against what bounds them in the same
+// binary.
+//
+// The Gated DeltaNet mixer (GatedDeltaNet: convolution, SiLU, L2 norms, beta and gates, the
+// recurrence, the gated norm) against the bare recurrence of its heads in the same binary
+// (causal_gated_delta_rule_into over the same q, k, v, gates and beta, already convolved:
+// issue 34's target, the mixer at >= 85% of its rate), and its decoding step against the bare
+// recurrent steps of its heads (DeltaRuleStateBatch::step_into, target <= 1.25x). Shapes:
+// Qwen3.5-9B's 16 q/k heads and 32 v heads of 128 (C = 8,192) at N = 4,096, and a small one
+// (2 over 4 heads of 64) for quick runs; float, one thread.
+//
+// The output norms (OutputNorm) are a pass over memory: read o and the gate z, write y;
 // their rate is read against a copy of o into y (two of the norm's three streams, so a norm
 // at 1.5x the copy's time moves its bytes as fast as the copy does).
 //
@@ -9,6 +19,7 @@
 // and 64 (in cache); float, one thread, real time. bytes_per_s counts the bytes each pass moves.
 #include <algorithm>
 #include <cstdint>
+#include <linattn/gated_delta_net.hpp>
 #include <linattn/output_norm.hpp>
 #include <vector>
 
@@ -18,6 +29,7 @@ namespace {
 
 using linattn::BnhdShape;
 using linattn::ConstHeadsView;
+using linattn::HeadStrides;
 using linattn::HeadsView;
 using linattn::Matrix;
 using linattn::OutputNorm;
@@ -103,6 +115,145 @@ void BM_NormCopy(benchmark::State& state) {
   set_pass_counters(state, double(o.size()), 2.0);
 }
 
+/// Qwen3.5-9B's mixer (the issue's shape) or a small one.
+linattn::GatedDeltaNetShape mixer_shape(bool qwen) {
+  linattn::GatedDeltaNetShape shape;
+  if (!qwen) {
+    shape.key_heads = 2;
+    shape.value_heads = 4;
+    shape.key_dim = 64;
+    shape.value_dim = 64;
+  }
+  return shape;
+}
+
+linattn::GatedDeltaNet<float> make_mixer(const linattn::GatedDeltaNetShape& shape) {
+  linattn::GatedDeltaNetWeights<float> w;
+  w.conv_weight = random_matrix<float>(shape.conv_channels(), shape.conv_kernel, 7, 0.5);
+  w.a_log = Vector<float>::Constant(shape.value_heads, 1.0f);
+  w.dt_bias = Vector<float>::Ones(shape.value_heads);
+  w.norm_weight = Vector<float>::Ones(shape.value_dim);
+  linattn::GatedDeltaNetOptions options;
+  options.threads = 1;
+  return linattn::GatedDeltaNet<float>(shape, w, options);
+}
+
+/// The projections' outputs of one sequence of N tokens, contiguous.
+struct MixerInputs {
+  Matrix<float> qkv, z, b, a;
+  MixerInputs(const linattn::GatedDeltaNetShape& shape, Eigen::Index tokens)
+      : qkv(random_matrix<float>(tokens, shape.conv_channels(), 11)),
+        z(random_matrix<float>(tokens, shape.value_channels(), 12)),
+        b(random_matrix<float>(tokens, shape.value_heads, 13)),
+        a(random_matrix<float>(tokens, shape.value_heads, 14)) {}
+  linattn::GatedDeltaNetInputs<float> views(const linattn::GatedDeltaNetShape& shape) const {
+    const Eigen::Index n = qkv.rows(), hv = shape.value_heads;
+    return {ConstHeadsView<float>::bnhd(qkv.data(), BnhdShape(1, n, 1, qkv.cols())),
+            ConstHeadsView<float>::bnhd(z.data(), BnhdShape(1, n, hv, shape.value_dim)),
+            ConstHeadsView<float>::bnhd(b.data(), BnhdShape(1, n, hv, 1)),
+            ConstHeadsView<float>::bnhd(a.data(), BnhdShape(1, n, hv, 1))};
+  }
+};
+
+/// Useful FLOPs of the recurrence over N tokens of every value head (6 Dk Dv a token), the
+/// rate both benchmarks report.
+double mixer_flops(const linattn::GatedDeltaNetShape& shape, Eigen::Index tokens) {
+  return 6.0 * double(shape.key_dim) * double(shape.value_dim) * double(shape.value_heads) *
+         double(tokens);
+}
+
+/// The whole mixer over one sequence of N tokens (GatedDeltaNet::forward_into).
+void BM_GatedDeltaNet(benchmark::State& state) {
+  const linattn::GatedDeltaNetShape shape = mixer_shape(state.range(0) != 0);
+  const Eigen::Index tokens = state.range(1);
+  const linattn::GatedDeltaNet<float> mixer = make_mixer(shape);
+  const MixerInputs in(shape, tokens);
+  Matrix<float> y(tokens, shape.value_channels());
+  const auto out =
+      HeadsView<float>::bnhd(y.data(), BnhdShape(1, tokens, shape.value_heads, shape.value_dim));
+  measure(state, [&] {
+    mixer.forward_into(in.views(shape), out);
+    benchmark::DoNotOptimize(y.data());
+  });
+  linattn_bench::set_rates(state, mixer_flops(shape, tokens), double(tokens));
+}
+
+/// The recurrence alone over the same heads: causal_gated_delta_rule_into on the convolved
+/// q, k, v (views of one [N, C] buffer, as the mixer reads them), log gates and beta.
+void BM_GatedDeltaRuleBare(benchmark::State& state) {
+  const linattn::GatedDeltaNetShape shape = mixer_shape(state.range(0) != 0);
+  const Eigen::Index tokens = state.range(1);
+  const Eigen::Index c = shape.conv_channels(), hk = shape.key_heads, hv = shape.value_heads;
+  const Eigen::Index dk = shape.key_dim, dv = shape.value_dim;
+  const Matrix<float> mixed = random_matrix<float>(tokens, c, 21);
+  const Matrix<float> log_gate = Matrix<float>::Constant(tokens, hv, -0.05f);
+  const Matrix<float> beta = Matrix<float>::Constant(tokens, hv, 0.5f);
+  Matrix<float> y(tokens, shape.value_channels());
+  linattn::DeltaOptions options;
+  options.l2_normalize = true;
+  options.threads = 1;
+  const HeadStrides split{tokens * c, dk, c, 1};
+  const ConstHeadsView<float> q(mixed.data(), 1, hk, tokens, dk, split);
+  const ConstHeadsView<float> k(mixed.data() + hk * dk, 1, hk, tokens, dk, split);
+  const ConstHeadsView<float> v(mixed.data() + 2 * hk * dk, 1, hv, tokens, dv,
+                                HeadStrides{tokens * c, dv, c, 1});
+  const auto g = ConstHeadsView<float>::bnhd(log_gate.data(), BnhdShape(1, tokens, hv, 1));
+  const auto b = ConstHeadsView<float>::bnhd(beta.data(), BnhdShape(1, tokens, hv, 1));
+  const auto out = HeadsView<float>::bnhd(y.data(), BnhdShape(1, tokens, hv, dv));
+  measure(state, [&] {
+    linattn::causal_gated_delta_rule_into(q, k, v, linattn::log_gates(g), b, out, options);
+    benchmark::DoNotOptimize(y.data());
+  });
+  linattn_bench::set_rates(state, mixer_flops(shape, tokens), double(tokens));
+}
+
+/// One decoding step of B sequences through the whole mixer (GatedDeltaNet::step_into).
+void BM_GatedDeltaNetStep(benchmark::State& state) {
+  const linattn::GatedDeltaNetShape shape = mixer_shape(state.range(0) != 0);
+  const Eigen::Index batch = state.range(1);
+  const linattn::GatedDeltaNet<float> mixer = make_mixer(shape);
+  auto states = mixer.make_states(batch);
+  const MixerInputs token(shape, batch);  // row b: sequence b's token ([B, 1, ...])
+  const Eigen::Index hv = shape.value_heads;
+  const linattn::GatedDeltaNetInputs<float> in{
+      ConstHeadsView<float>::bnhd(token.qkv.data(), BnhdShape(batch, 1, 1, token.qkv.cols())),
+      ConstHeadsView<float>::bnhd(token.z.data(), BnhdShape(batch, 1, hv, shape.value_dim)),
+      ConstHeadsView<float>::bnhd(token.b.data(), BnhdShape(batch, 1, hv, 1)),
+      ConstHeadsView<float>::bnhd(token.a.data(), BnhdShape(batch, 1, hv, 1))};
+  Matrix<float> y(batch, shape.value_channels());
+  const auto out = HeadsView<float>::bnhd(y.data(), BnhdShape(batch, 1, hv, shape.value_dim));
+  measure(state, [&] {
+    mixer.step_into(states, in, out);
+    benchmark::DoNotOptimize(y.data());
+  });
+  linattn_bench::set_rates(state, mixer_flops(shape, batch), double(batch));
+}
+
+/// The recurrent steps alone: DeltaRuleStateBatch::step_into of the same B * Hv states on
+/// ready q, k, v, log gates and beta.
+void BM_GatedDeltaStepBare(benchmark::State& state) {
+  const linattn::GatedDeltaNetShape shape = mixer_shape(state.range(0) != 0);
+  const Eigen::Index batch = state.range(1);
+  const Eigen::Index hk = shape.key_heads, hv = shape.value_heads;
+  linattn::DeltaOptions options;
+  options.l2_normalize = true;
+  options.threads = 1;
+  const linattn::DeltaRuleLayer<float> layer(linattn::LayerHeads::grouped_query_key(hv, hk),
+                                             shape.key_dim, shape.value_dim, options);
+  auto states = layer.make_states(batch);
+  const Matrix<float> q = random_matrix<float>(batch * hk, shape.key_dim, 31);
+  const Matrix<float> k = random_matrix<float>(batch * hk, shape.key_dim, 32);
+  const Matrix<float> v = random_matrix<float>(batch * hv, shape.value_dim, 33);
+  const Matrix<float> log_gate = Matrix<float>::Constant(batch * hv, 1, -0.05f);
+  const Matrix<float> beta = Matrix<float>::Constant(batch * hv, 1, 0.5f);
+  Matrix<float> o(batch * hv, shape.value_dim);
+  measure(state, [&] {
+    layer.step_into(states, q, k, v, linattn::log_gates(log_gate), beta, o);
+    benchmark::DoNotOptimize(o.data());
+  });
+  linattn_bench::set_rates(state, mixer_flops(shape, batch), double(batch));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -119,6 +270,31 @@ int main(int argc, char** argv) {
       }
       benchmark::RegisterBenchmark("BM_NormCopy<float>", BM_NormCopy)
           ->Args({which, tokens})
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
+  }
+  // (Qwen3.5-9B or small, N): the whole mixer and its bare recurrence side by side.
+  std::vector<std::pair<std::int64_t, std::int64_t>> mixers{{0, 1024}};
+  if (!quick) mixers.push_back({1, 4096});
+  for (const auto& [qwen, tokens] : mixers) {
+    benchmark::RegisterBenchmark("BM_GatedDeltaNet<float>", BM_GatedDeltaNet)
+        ->Args({qwen, tokens})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("BM_GatedDeltaRuleBare<float>", BM_GatedDeltaRuleBare)
+        ->Args({qwen, tokens})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (const std::int64_t qwen : {0, 1}) {
+    for (const std::int64_t batch : {1, 8}) {
+      benchmark::RegisterBenchmark("BM_GatedDeltaNetStep<float>", BM_GatedDeltaNetStep)
+          ->Args({qwen, batch})
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark("BM_GatedDeltaStepBare<float>", BM_GatedDeltaStepBare)
+          ->Args({qwen, batch})
           ->UseRealTime()
           ->Unit(benchmark::kMicrosecond);
     }

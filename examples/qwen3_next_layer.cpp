@@ -15,9 +15,10 @@
 // What a full port adds around this: a short causal depthwise conv1d (kernel 4, then SiLU)
 // on the q, k, v projections before the delta rule (decoding keeps its last 3 inputs per
 // sequence as a conv state beside its delta-rule states), and after it a per-head RMSNorm gated
-// by SiLU(x W_z) and the output projection. The checkpoint fuses the projections
-// (in_proj_qkvz, in_proj_ba) with the heads interleaved per q/k group: split them into
-// [B, N, H, D] buffers like the ones here.
+// by SiLU(x W_z) and the output projection. linattn::GatedDeltaNet (gated_delta_net.hpp) is
+// that whole layer between the projections, convolution and norm included, with its state.
+// The checkpoint fuses the projections (in_proj_qkvz, in_proj_ba) with the heads interleaved
+// per q/k group: split them into [B, N, H, D] buffers like the ones here.
 //
 // The program checks that the prefill and the decoded tokens give what the chunked form's
 // forward over prompt + decoded tokens gives (1e-4 relative: two forms in float), and fails

@@ -24,6 +24,9 @@
 //   * the short convolution (on v, C = Dv) with bounded input never throws and is finite;
 //     prefill then steps give forward() bit for bit, windows included; its backward is finite,
 //     from zeros the same as from zero windows;
+//   * the Gated DeltaNet mixer (Qwen3.5's or Kimi's, its projections made of q, k and v) with
+//     bounded input never throws and is finite; prefill then steps stay within the
+//     recurrence's bound of the forward, and a copy of its states steps to the same bits;
 //   * softmax baselines on such inputs: finite, inside the range of v, and the tiled, the
 //     materialised, the sliding-window and both caches agree; truncate() rolls back exactly;
 //   * the causal backward (plain with Options::decay, or gated with scalar or per-feature
@@ -156,6 +159,7 @@ void run(const Input& in) {
   run_softmax<T>(in, q, k, v, bounded);
   run_delta<T>(in, q, k, v, bounded);
   run_conv<T>(in, q, k, v, bounded);
+  run_gated_delta_net<T>(in, q, k, v, bounded);
 }
 
 }  // namespace

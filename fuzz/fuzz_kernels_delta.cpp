@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
 // fuzz_kernels: the checks of the softmax baselines, the delta rule and the short convolution.
+#include <linattn/gated_delta_net.hpp>
 #include <linattn/short_conv.hpp>
 
 #include "kernel_checks.hpp"
@@ -425,6 +426,100 @@ void run_conv(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Mat
   }
 }
 
+/// The Gated DeltaNet mixer (Qwen3.5's, or Kimi Linear's KDA by a seed bit) over one sequence:
+/// Hk = 1 head of Dk over Hv = 1 or 2 value heads of Dv, K = 1 + seed % 4 taps, its projections
+/// built from q, k and v (qkv = [q | k | v per value head], z = v, b from q's first column, a
+/// from k's first column or, per key channel for Kimi, from k). With bounded input it never
+/// throws and is finite; prefill of the first `split` tokens then steps stay close to the
+/// forward (the norm divides the recurrence's rounding by at least sqrt(eps): the bound says
+/// so); a copy of the states steps to the same bits as the states themselves.
+template <class T>
+void run_gated_delta_net(const Input& in, const Matrix<T>& q, const Matrix<T>& k,
+                         const Matrix<T>& v, bool bounded) {
+  linattn::GatedDeltaNetShape shape;
+  shape.model = (in.seed & 64u) != 0 ? linattn::GatedDeltaNetModel::kimi_linear
+                                     : linattn::GatedDeltaNetModel::qwen3_5;
+  shape.key_heads = 1;
+  shape.value_heads = 1 + static_cast<Index>((in.seed >> 3) % 2);
+  shape.key_dim = in.dk;
+  shape.value_dim = in.dv;
+  shape.conv_kernel = 1 + static_cast<Index>(in.seed % 4);
+  const Index c = shape.conv_channels(), hv = shape.value_heads, n = in.n;
+  const Index gate_dim = shape.gate_dim();
+  linattn::GatedDeltaNetWeights<T> w;
+  w.conv_weight.resize(c, shape.conv_kernel);
+  for (Index ch = 0; ch < c; ++ch) {
+    for (Index i = 0; i < shape.conv_kernel; ++i) {
+      w.conv_weight(ch, i) = T(1) / T(1 + ((ch + 3 * i) % 5));
+    }
+  }
+  w.a_log = Vector<T>::LinSpaced(hv, T(-1), T(1));
+  w.dt_bias = Vector<T>::Constant(hv * gate_dim, T(0.5));
+  w.norm_weight = Vector<T>::LinSpaced(in.dv, T(0.5), T(1.5));
+  linattn::GatedDeltaNetOptions options;
+  options.check_finite = in.options.check_finite;
+  options.chunk = in.options.chunk;
+  std::optional<linattn::GatedDeltaNet<T>> mixer;
+  // The fuzzed chunk may be invalid: then the mixer refuses it, with an Error.
+  if (!attempt("GatedDeltaNet", options.chunk >= 1, [&] { mixer.emplace(shape, w, options); })) {
+    return;
+  }
+  Matrix<T> qkv(n, c), z(n, hv * in.dv), b(n, hv), a(n, hv * gate_dim);
+  qkv.leftCols(in.dk) = q;
+  qkv.middleCols(in.dk, in.dk) = k;
+  for (Index h = 0; h < hv; ++h) {
+    qkv.middleCols(2 * in.dk + h * in.dv, in.dv) = v;
+    z.middleCols(h * in.dv, in.dv) = v;
+    b.col(h) = q.col(0);
+    a.middleCols(h * gate_dim, gate_dim) = k.leftCols(gate_dim);
+  }
+  const auto inputs = [&](Index first, Index count) {
+    const auto view = [&](const Matrix<T>& m, Index heads, Index dim) {
+      return linattn::ConstHeadsView<T>(m.data() + first * m.cols(), 1, heads, count, dim,
+                                        linattn::HeadStrides{0, dim, m.cols(), 1});
+    };
+    return linattn::GatedDeltaNetInputs<T>{view(qkv, 1, c), view(z, hv, in.dv), view(b, hv, 1),
+                                           view(a, hv, gate_dim)};
+  };
+  const auto out_view = [&](Matrix<T>& m, Index first, Index count) {
+    return linattn::HeadsView<T>(m.data() + first * m.cols(), 1, hv, count, in.dv,
+                                 linattn::HeadStrides{0, in.dv, m.cols(), 1});
+  };
+  Matrix<T> forward(n, hv * in.dv), pieces(n, hv * in.dv);
+  if (!attempt("GatedDeltaNet::forward", bounded,
+               [&] { mixer->forward_into(inputs(0, n), out_view(forward, 0, n)); })) {
+    return;
+  }
+  if (!bounded) return;
+  require_finite("GatedDeltaNet::forward", forward);
+  auto states = mixer->make_states(1);
+  std::optional<linattn::GatedDeltaNetStates<T>> copy;
+  Matrix<T> from_copy(1, hv * in.dv);
+  attempt("GatedDeltaNet::prefill and step", true, [&] {
+    if (in.split > 0)
+      mixer->prefill_into(states, inputs(0, in.split), out_view(pieces, 0, in.split));
+    for (Index t = in.split; t < n; ++t) {
+      if (t == n - 1) copy.emplace(states);
+      mixer->step_into(states, inputs(t, 1), out_view(pieces, t, 1));
+    }
+    if (copy) mixer->step_into(*copy, inputs(n - 1, 1), out_view(from_copy, 0, 1));
+  });
+  const Matrix<T> last = pieces.bottomRows(1);
+  if (copy && !bit_equal(from_copy, last)) {
+    fail("GatedDeltaNet: a copy of the states steps to other bits");
+  }
+  // The recurrence's error (as the delta rule's bound) through the norm: divided by the rms
+  // of o plus eps (at least sqrt(eps) = 1e-3), times w and silu(z).
+  double conv_scale = 0.0;
+  for (Index ch = 0; ch < c; ++ch)
+    conv_scale = std::max(conv_scale, max_abs(w.conv_weight.row(ch)));
+  const double values =
+      static_cast<double>(shape.conv_kernel) * conv_scale * std::max(max_abs(v), 1.0);
+  const double tol = kRelTol<T> * (1.0 + 2.0 * static_cast<double>(n) * values) * 1e3 * 1.5 *
+                     std::max(max_abs(v), 1.0) * std::sqrt(static_cast<double>(in.dv));
+  require_close("GatedDeltaNet: prefill then steps vs forward", pieces, forward, tol);
+}
+
 template void run_softmax<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
                                  const Matrix<float>&, bool);
 template void run_softmax<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
@@ -437,5 +532,10 @@ template void run_conv<float>(const Input&, const Matrix<float>&, const Matrix<f
                               const Matrix<float>&, bool);
 template void run_conv<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
                                const Matrix<double>&, bool);
+
+template void run_gated_delta_net<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
+                                         const Matrix<float>&, bool);
+template void run_gated_delta_net<double>(const Input&, const Matrix<double>&,
+                                          const Matrix<double>&, const Matrix<double>&, bool);
 
 }  // namespace linattn_fuzz

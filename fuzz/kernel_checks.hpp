@@ -264,4 +264,9 @@ template <class T>
 void run_conv(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
               bool bounded);
 
+/// Qwen3.5's Gated DeltaNet mixer, forward, prefill and steps (fuzz_kernels_delta.cpp).
+template <class T>
+void run_gated_delta_net(const Input& in, const Matrix<T>& q, const Matrix<T>& k,
+                         const Matrix<T>& v, bool bounded);
+
 }  // namespace linattn_fuzz

@@ -9,6 +9,7 @@
 #include <linattn/feature_map.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/gated.hpp>
+#include <linattn/gated_delta_net.hpp>
 #include <linattn/gates.hpp>
 #include <linattn/gradients.hpp>
 #include <linattn/heads_view.hpp>

@@ -5,12 +5,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <linattn/config.hpp>
 #include <linattn/detail/openmp.hpp>
 #include <linattn/detail/output_norm.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/detail/view_checks.hpp>
 #include <linattn/heads_view.hpp>
 #include <string>
 #include <type_traits>
@@ -234,33 +234,6 @@ class OutputNorm {
                                 : std::is_same_v<S, float> || std::is_same_v<S, Eigen::half> ||
                                       std::is_same_v<S, Eigen::bfloat16>;
 
-  /// The first and one past the last byte a view covers.
-  template <class S>
-  static std::pair<std::uintptr_t, std::uintptr_t> byte_range(const HeadsView<S>& v) {
-    const HeadStrides& s = v.strides();
-    const Eigen::Index last = (v.batch() - 1) * s.batch + (v.heads() - 1) * s.head +
-                              (v.tokens() - 1) * s.token + (v.dim() - 1) * s.dim;
-    const auto first = reinterpret_cast<std::uintptr_t>(v.data());
-    return {first, first + static_cast<std::uintptr_t>((last + 1) * sizeof(S))};
-  }
-
-  /// True when a view's (sequence, head, token) rows of D adjacent features never share an
-  /// element: its three strides, smallest first, each step past everything the smaller span.
-  template <class S>
-  static bool rows_distinct(const HeadsView<S>& v) {
-    std::vector<std::pair<Eigen::Index, Eigen::Index>> axes;  // (stride, count) of axes > 1
-    if (v.batch() > 1) axes.emplace_back(v.strides().batch, v.batch());
-    if (v.heads() > 1) axes.emplace_back(v.strides().head, v.heads());
-    if (v.tokens() > 1) axes.emplace_back(v.strides().token, v.tokens());
-    std::sort(axes.begin(), axes.end());
-    Eigen::Index span = v.dim();
-    for (const auto& [stride, count] : axes) {
-      if (stride < span) return false;
-      span = stride * (count - 1) + span;
-    }
-    return true;
-  }
-
   /// Checks, then the norm.
   template <class O, class Z, class Y>
   void run(const HeadsView<O>& o, const HeadsView<Z>* z, const HeadsView<Y>& y,
@@ -301,7 +274,7 @@ class OutputNorm {
                   " does not divide the H * D = " + std::to_string(channels) +
                   " channels of a token (Mamba-2: d_inner / n_groups)");
     }
-    if (!rows_distinct(y)) {
+    if (!detail::rows_distinct(y)) {
       throw Error(std::string(where) + ": y's rows overlap (strides {batch " +
                   std::to_string(y.strides().batch) + ", head " + std::to_string(y.strides().head) +
                   ", token " + std::to_string(y.strides().token) + "} for " + y.sizes_string() +
@@ -314,9 +287,7 @@ class OutputNorm {
           static_cast<const void*>(input.data()) == static_cast<const void*>(y.data()) &&
           input.strides().batch == y.strides().batch && input.strides().head == y.strides().head &&
           input.strides().token == y.strides().token;
-      const auto [in_first, in_last] = byte_range(input);
-      const auto [y_first, y_last] = byte_range(y);
-      if (!same_layout && in_first < y_last && y_first < in_last) {
+      if (!same_layout && detail::views_meet(input, y)) {
         throw Error(std::string(where) + ": y overlaps " + name + "'s memory without being it " +
                     "(the same data, type and strides): write in place or to memory of its own");
       }
@@ -325,8 +296,8 @@ class OutputNorm {
     if (z != nullptr) require_apart(*z, "z");
     const int threads = detail::resolve_threads(options_.threads);
     if (options_.check_finite) {
-      scan(o, "o", where);
-      if (z != nullptr) scan(*z, "z", where);
+      detail::require_finite_view(o, where, "o");
+      if (z != nullptr) detail::require_finite_view(*z, where, "z");
     }
 
     std::vector<detail::NormRun> runs;
@@ -368,19 +339,6 @@ class OutputNorm {
                            y.data() + b * ys.batch + n * ys.token, ys.head, scratch);
       }
     });
-  }
-
-  /// Throws on the first NaN or Inf of a view, naming its sequence and head.
-  template <class S>
-  void scan(const HeadsView<S>& view, const char* name, const char* where) const {
-    for (Eigen::Index b = 0; b < view.batch(); ++b) {
-      for (Eigen::Index h = 0; h < view.heads(); ++h) {
-        if (detail::all_finite(view.head_rows(b, h))) continue;
-        const std::string label = std::string(name) + " (sequence " + std::to_string(b) +
-                                  ", head " + std::to_string(h) + "; rows are tokens)";
-        detail::require_finite(view.head_rows(b, h), where, label.c_str());
-      }
-    }
   }
 
   OutputNormOptions options_;
