@@ -192,11 +192,23 @@ void BM_GatedDeltaRuleBare(benchmark::State& state) {
   linattn::DeltaOptions options;
   options.l2_normalize = true;
   options.threads = 1;
+  // Layout 0: views of one [N, C] buffer, as the mixer reads its convolution's output; 1:
+  // each head's rows contiguous ([H, N, D] tensors), the layout the kernels stream fastest.
+  const bool per_head = state.range(2) != 0;
+  const Matrix<float> heads_q = random_matrix<float>(hk * tokens, dk, 22);
+  const Matrix<float> heads_k = random_matrix<float>(hk * tokens, dk, 23);
+  const Matrix<float> heads_v = random_matrix<float>(hv * tokens, dv, 24);
   const HeadStrides split{tokens * c, dk, c, 1};
-  const ConstHeadsView<float> q(mixed.data(), 1, hk, tokens, dk, split);
-  const ConstHeadsView<float> k(mixed.data() + hk * dk, 1, hk, tokens, dk, split);
-  const ConstHeadsView<float> v(mixed.data() + 2 * hk * dk, 1, hv, tokens, dv,
-                                HeadStrides{tokens * c, dv, c, 1});
+  const ConstHeadsView<float> q =
+      per_head ? ConstHeadsView<float>::bhnd(heads_q.data(), {1, hk, tokens, dk})
+               : ConstHeadsView<float>(mixed.data(), 1, hk, tokens, dk, split);
+  const ConstHeadsView<float> k =
+      per_head ? ConstHeadsView<float>::bhnd(heads_k.data(), {1, hk, tokens, dk})
+               : ConstHeadsView<float>(mixed.data() + hk * dk, 1, hk, tokens, dk, split);
+  const ConstHeadsView<float> v =
+      per_head ? ConstHeadsView<float>::bhnd(heads_v.data(), {1, hv, tokens, dv})
+               : ConstHeadsView<float>(mixed.data() + 2 * hk * dk, 1, hv, tokens, dv,
+                                       HeadStrides{tokens * c, dv, c, 1});
   const auto g = ConstHeadsView<float>::bnhd(log_gate.data(), BnhdShape(1, tokens, hv, 1));
   const auto b = ConstHeadsView<float>::bnhd(beta.data(), BnhdShape(1, tokens, hv, 1));
   const auto out = HeadsView<float>::bnhd(y.data(), BnhdShape(1, tokens, hv, dv));
@@ -282,10 +294,12 @@ int main(int argc, char** argv) {
         ->Args({qwen, tokens})
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("BM_GatedDeltaRuleBare<float>", BM_GatedDeltaRuleBare)
-        ->Args({qwen, tokens})
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
+    for (const std::int64_t per_head : {0, 1}) {
+      benchmark::RegisterBenchmark("BM_GatedDeltaRuleBare<float>", BM_GatedDeltaRuleBare)
+          ->Args({qwen, tokens, per_head})
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
   }
   for (const std::int64_t qwen : {0, 1}) {
     for (const std::int64_t batch : {1, 8}) {
