@@ -27,6 +27,7 @@
 //   * the Gated DeltaNet mixer (Qwen3.5's or Kimi's, its projections made of q, k and v) with
 //     bounded input never throws and is finite; prefill then steps stay within the
 //     recurrence's bound of the forward, and a copy of its states steps to the same bits;
+//   * the Mamba-2 mixer (in_proj's outputs made of q, k and v) likewise;
 //   * softmax baselines on such inputs: finite, inside the range of v, and the tiled, the
 //     materialised, the sliding-window and both caches agree; truncate() rolls back exactly;
 //   * the causal backward (plain with Options::decay, or gated with scalar or per-feature
@@ -160,6 +161,7 @@ void run(const Input& in) {
   run_delta<T>(in, q, k, v, bounded);
   run_conv<T>(in, q, k, v, bounded);
   run_gated_delta_net<T>(in, q, k, v, bounded);
+  run_mamba2<T>(in, q, k, v, bounded);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // fuzz_kernels: the checks of the softmax baselines, the delta rule and the short convolution.
 #include <linattn/gated_delta_net.hpp>
+#include <linattn/mamba2.hpp>
 #include <linattn/short_conv.hpp>
 
 #include "kernel_checks.hpp"
@@ -520,6 +521,92 @@ void run_gated_delta_net(const Input& in, const Matrix<T>& q, const Matrix<T>& k
   require_close("GatedDeltaNet: prefill then steps vs forward", pieces, forward, tol);
 }
 
+/// The Mamba-2 mixer over one sequence: H = 1 or 2 heads of P = Dv in one group, states of
+/// N = Dk, K = 1 + seed % 4 taps with a bias, in_proj's outputs built from q, k and v (xBC =
+/// [v per head | k | q], z = v per head, dt from q's first column). With bounded input it
+/// never throws and is finite; prefill of the first `split` tokens then steps stay close to
+/// the forward; a copy of the states steps to the same bits.
+template <class T>
+void run_mamba2(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                bool bounded) {
+  linattn::Mamba2Shape shape;
+  shape.heads = 1 + static_cast<Index>((in.seed >> 3) % 2);
+  shape.head_dim = in.dv;
+  shape.groups = 1;
+  shape.state_dim = in.dk;
+  shape.conv_kernel = 1 + static_cast<Index>(in.seed % 4);
+  const Index c = shape.conv_channels(), h = shape.heads, n = in.n, inner = shape.inner();
+  linattn::Mamba2Weights<T> w;
+  w.conv_weight.resize(c, shape.conv_kernel);
+  for (Index ch = 0; ch < c; ++ch) {
+    for (Index i = 0; i < shape.conv_kernel; ++i) {
+      w.conv_weight(ch, i) = T(1) / T(1 + ((2 * ch + i) % 5));
+    }
+  }
+  w.conv_bias = Vector<T>::Constant(c, T(0.1));
+  w.a_log = Vector<T>::LinSpaced(h, T(0), T(2));
+  w.dt_bias = Vector<T>::Constant(h, T(-2));
+  w.d = Vector<T>::Ones(h);
+  w.norm_weight = Vector<T>::LinSpaced(inner, T(0.5), T(1.5));
+  linattn::Mamba2Options options;
+  options.check_finite = in.options.check_finite;
+  options.chunk = in.options.chunk;
+  std::optional<linattn::Mamba2<T>> mixer;
+  if (!attempt("Mamba2", options.chunk >= 1, [&] { mixer.emplace(shape, w, options); })) return;
+  Matrix<T> xbc(n, c), z(n, inner), dt(n, h);
+  for (Index head = 0; head < h; ++head) {
+    xbc.middleCols(head * in.dv, in.dv) = v;
+    z.middleCols(head * in.dv, in.dv) = v;
+    dt.col(head) = q.col(0);
+  }
+  xbc.middleCols(inner, in.dk) = k;
+  xbc.middleCols(inner + in.dk, in.dk) = q;
+  const auto inputs = [&](Index first, Index count) {
+    const auto view = [&](const Matrix<T>& m, Index heads, Index dim) {
+      return linattn::ConstHeadsView<T>(m.data() + first * m.cols(), 1, heads, count, dim,
+                                        linattn::HeadStrides{0, dim, m.cols(), 1});
+    };
+    return linattn::Mamba2Inputs<T>{view(z, h, in.dv), view(xbc, 1, c), view(dt, h, 1)};
+  };
+  const auto out_view = [&](Matrix<T>& m, Index first, Index count) {
+    return linattn::HeadsView<T>(m.data() + first * m.cols(), 1, h, count, in.dv,
+                                 linattn::HeadStrides{0, in.dv, m.cols(), 1});
+  };
+  Matrix<T> forward(n, inner), pieces(n, inner);
+  if (!attempt("Mamba2::forward", bounded,
+               [&] { mixer->forward_into(inputs(0, n), out_view(forward, 0, n)); })) {
+    return;
+  }
+  if (!bounded) return;
+  require_finite("Mamba2::forward", forward);
+  auto states = mixer->make_states(1);
+  std::optional<linattn::Mamba2States<T>> copy;
+  Matrix<T> from_copy(1, inner);
+  attempt("Mamba2::prefill and step", true, [&] {
+    if (in.split > 0) {
+      mixer->prefill_into(states, inputs(0, in.split), out_view(pieces, 0, in.split));
+    }
+    for (Index t = in.split; t < n; ++t) {
+      if (t == n - 1) copy.emplace(states);
+      mixer->step_into(states, inputs(t, 1), out_view(pieces, t, 1));
+    }
+    if (copy) mixer->step_into(*copy, inputs(n - 1, 1), out_view(from_copy, 0, 1));
+  });
+  const Matrix<T> last = pieces.bottomRows(1);
+  if (copy && !bit_equal(from_copy, last)) fail("Mamba2: a copy of the states steps to other bits");
+  // The SSM's state sums at most n terms of |B| |dt x| (dt <= softplus of the inputs' range);
+  // the norm divides the error by sqrt(eps) at worst (1/sqrt(1e-5) < 400), times w and silu(z).
+  const double conv_scale = static_cast<double>(shape.conv_kernel) *
+                            (std::max({max_abs(v), max_abs(k), max_abs(q), 1.0}) + 0.1);
+  const double step_scale = std::max(max_abs(q), 1.0) + 2.0;
+  const double tol = kRelTol<T> *
+                     (1.0 + static_cast<double>(n) * conv_scale * conv_scale * step_scale *
+                                static_cast<double>(in.dk)) *
+                     400.0 * 1.5 * std::max(max_abs(v), 1.0) *
+                     std::sqrt(static_cast<double>(inner));
+  require_close("Mamba2: prefill then steps vs forward", pieces, forward, tol);
+}
+
 template void run_softmax<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
                                  const Matrix<float>&, bool);
 template void run_softmax<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
@@ -537,5 +624,9 @@ template void run_gated_delta_net<float>(const Input&, const Matrix<float>&, con
                                          const Matrix<float>&, bool);
 template void run_gated_delta_net<double>(const Input&, const Matrix<double>&,
                                           const Matrix<double>&, const Matrix<double>&, bool);
+template void run_mamba2<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
+                                const Matrix<float>&, bool);
+template void run_mamba2<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
+                                 const Matrix<double>&, bool);
 
 }  // namespace linattn_fuzz

@@ -269,4 +269,9 @@ template <class T>
 void run_gated_delta_net(const Input& in, const Matrix<T>& q, const Matrix<T>& k,
                          const Matrix<T>& v, bool bounded);
 
+/// The Mamba-2 mixer, forward, prefill and steps (fuzz_kernels_delta.cpp).
+template <class T>
+void run_mamba2(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                bool bounded);
+
 }  // namespace linattn_fuzz

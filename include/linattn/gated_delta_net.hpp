@@ -9,8 +9,8 @@
 #include <limits>
 #include <linattn/config.hpp>
 #include <linattn/delta_rule.hpp>
+#include <linattn/detail/mixer.hpp>
 #include <linattn/detail/validate.hpp>
-#include <linattn/detail/view_checks.hpp>
 #include <linattn/gates.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/layer.hpp>
@@ -243,10 +243,6 @@ class GatedDeltaNet {
   }
 
  private:
-  /// Tokens per block of a prefill: the convolution's outputs of a block (B x 256 x C) are
-  /// read by the recurrence while they are still in cache.
-  static constexpr Eigen::Index kBlockTokens = 256;
-
   static GatedDeltaNetShape checked_shape(const GatedDeltaNetShape& shape) {
     constexpr const char* where = "GatedDeltaNet";
     if (shape.model != GatedDeltaNetModel::qwen3_5 &&
@@ -338,14 +334,7 @@ class GatedDeltaNet {
     const Eigen::Index hv = shape_.value_heads;
     auto require = [&](const auto& view, Eigen::Index heads, Eigen::Index dim, const char* name,
                        const char* meaning) {
-      if (view.batch() != batch || view.heads() != heads || view.tokens() != tokens ||
-          view.dim() != dim || view.strides().dim != 1) {
-        throw Error(std::string(where) + ": " + name + " is [B, H, N, D] = " + view.sizes_string() +
-                    " (dim stride " + std::to_string(view.strides().dim) + ") but must be [" +
-                    std::to_string(batch) + ", " + std::to_string(heads) + ", " +
-                    std::to_string(tokens) + ", " + std::to_string(dim) +
-                    "] with adjacent features: " + meaning);
-      }
+      detail::require_mixer_view(view, batch, heads, tokens, dim, where, name, meaning);
     };
     require(in.qkv, 1, shape_.conv_channels(), "qkv",
             "in_proj_qkv's C = 2 Hk Dk + Hv Dv channels as one head (B and N set by it)");
@@ -356,20 +345,8 @@ class GatedDeltaNet {
                 ? "f_proj's Dk values per value head (a log gate per key channel)"
                 : "in_proj_a's one value per value head");
     require(out, hv, shape_.value_dim, "out", "Hv heads of Dv");
-    if (!detail::rows_distinct(out)) {
-      throw Error(std::string(where) + ": out's rows overlap: give every (sequence, head, " +
-                  "token) its Dv features of its own");
-    }
-    auto clear_of = [&](const auto& input, const char* name) {
-      if (detail::views_meet(input, out)) {
-        throw Error(std::string(where) + ": out overlaps " + name + "'s memory: the mixer " +
-                    "reads its inputs after writing outputs, so give out a buffer of its own");
-      }
-    };
-    clear_of(in.qkv, "qkv");
-    clear_of(in.z, "z");
-    clear_of(in.b, "b");
-    clear_of(in.a, "a");
+    detail::require_mixer_output(out, where, std::pair("qkv", in.qkv), std::pair("z", in.z),
+                                 std::pair("b", in.b), std::pair("a", in.a));
     if (states != nullptr) require_states(*states, batch, where);
     if (options_.check_finite) {
       detail::require_finite_view(in.qkv, where, "qkv");
@@ -382,9 +359,7 @@ class GatedDeltaNet {
   /// Throws unless `states` could come from make_states(batch).
   void require_states(const States& states, Eigen::Index batch, const char* where) const {
     const DeltaRuleStateBatch<T>& recurrent = states.recurrent;
-    const bool conv_ok = states.conv.batch() == batch &&
-                         states.conv.channels() == conv_.channels() &&
-                         states.conv.rows() == conv_.window_rows();
+    const bool conv_ok = detail::windows_fit(states.conv, conv_, batch);
     const bool recurrent_ok =
         recurrent.size() == batch * shape_.value_heads && recurrent.key_dim() == shape_.key_dim &&
         recurrent.value_dim() == shape_.value_dim &&
@@ -429,8 +404,7 @@ class GatedDeltaNet {
           finite = finite && std::isfinite(logit);
           for (Eigen::Index d = 0; d < gd; ++d) {
             const T x = a_row[h * as.head + d] + dt_bias_(h * gd + d);
-            const T softplus = x > T(20) ? x : std::log1p(std::exp(x));
-            gate_row[h * gd + d] = -decay_rates_(h) * softplus;
+            gate_row[h * gd + d] = -decay_rates_(h) * detail::softplus(x);
             finite = finite && !std::isnan(x);
           }
         }
@@ -451,16 +425,11 @@ class GatedDeltaNet {
     const Eigen::Index hk = shape_.key_heads, hv = shape_.value_heads;
     const Eigen::Index dk = shape_.key_dim, dv = shape_.value_dim;
     const Eigen::Index channels = shape_.conv_channels();
-    const Eigen::Index block = std::min(tokens, kBlockTokens);
+    const Eigen::Index block = std::min(tokens, detail::kMixerBlockTokens);
     Matrix<T> mixed(batch * block, channels);
     for (Eigen::Index first = 0; first < tokens; first += block) {
       const Eigen::Index count = std::min(block, tokens - first);
-      auto rows = [&](const auto& view) {  // tokens [first, first + count) of a view
-        using View = std::decay_t<decltype(view)>;
-        const HeadStrides& s = view.strides();
-        return View(view.data() + first * s.token, view.batch(), view.heads(), count, view.dim(),
-                    s);
-      };
+      auto rows = [&](const auto& view) { return detail::token_rows(view, first, count); };
       const HeadsView<T> mixed_view =
           HeadsView<T>::bnhd(mixed.data(), BnhdShape(batch, count, 1, channels));
       conv_.prefill_into(states.conv, rows(in.qkv), mixed_view);

@@ -10,11 +10,13 @@
 #include <linattn/feature_maps.hpp>
 #include <linattn/gated.hpp>
 #include <linattn/gated_delta_net.hpp>
+#include <linattn/gated_short_conv.hpp>
 #include <linattn/gates.hpp>
 #include <linattn/gradients.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/layer.hpp>
 #include <linattn/linear_attention.hpp>
+#include <linattn/mamba2.hpp>
 #include <linattn/multi_head.hpp>
 #include <linattn/multi_head_backward.hpp>
 #include <linattn/output_norm.hpp>

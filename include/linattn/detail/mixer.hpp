@@ -1,0 +1,76 @@
+// SPDX-License-Identifier: MIT
+// What every mixer (a model's layer between its projections) checks and computes the same way:
+// its views' shapes, its output's memory, its convolution windows, PyTorch's softplus, and the
+// blocks of tokens a prefill walks.
+#pragma once
+
+#include <cmath>
+#include <linattn/config.hpp>
+#include <linattn/detail/view_checks.hpp>
+#include <linattn/heads_view.hpp>
+#include <linattn/short_conv.hpp>
+#include <string>
+#include <utility>
+
+namespace linattn::detail {
+
+/// Throws unless `view` is [batch, heads, tokens, dim] with adjacent features; `meaning` says
+/// what the mixer reads there.
+template <class S>
+void require_mixer_view(const HeadsView<S>& view, Eigen::Index batch, Eigen::Index heads,
+                        Eigen::Index tokens, Eigen::Index dim, const char* where, const char* name,
+                        const char* meaning) {
+  if (view.batch() != batch || view.heads() != heads || view.tokens() != tokens ||
+      view.dim() != dim || view.strides().dim != 1) {
+    throw Error(std::string(where) + ": " + name + " is [B, H, N, D] = " + view.sizes_string() +
+                " (dim stride " + std::to_string(view.strides().dim) + ") but must be [" +
+                std::to_string(batch) + ", " + std::to_string(heads) + ", " +
+                std::to_string(tokens) + ", " + std::to_string(dim) +
+                "] with adjacent features: " + meaning);
+  }
+}
+
+/// Throws when out's rows share elements or out meets any input's memory (a mixer reads its
+/// inputs after it has written outputs).
+template <class O, class... Inputs>
+void require_mixer_output(const HeadsView<O>& out, const char* where,
+                          const std::pair<const char*, Inputs>&... inputs) {
+  if (!rows_distinct(out)) {
+    throw Error(std::string(where) + ": out's rows overlap: give every (sequence, head, token) " +
+                "its features of its own");
+  }
+  auto clear_of = [&](const char* name, const auto& input) {
+    if (views_meet(input, out)) {
+      throw Error(std::string(where) + ": out overlaps " + name + "'s memory: the mixer reads " +
+                  "its inputs after writing outputs, so give out a buffer of its own");
+    }
+  };
+  (clear_of(inputs.first, inputs.second), ...);
+}
+
+/// True when `windows` could come from conv.make_windows(batch).
+template <class T>
+bool windows_fit(const ConvWindows<T>& windows, const ShortConv<T>& conv, Eigen::Index batch) {
+  return windows.batch() == batch && windows.channels() == conv.channels() &&
+         windows.rows() == conv.window_rows();
+}
+
+/// PyTorch's softplus (beta 1, threshold 20): log(1 + exp(x)), x itself past 20.
+template <class T>
+T softplus(T x) {
+  return x > T(20) ? x : std::log1p(std::exp(x));
+}
+
+/// The [first, first + count) tokens of a view.
+template <class S>
+HeadsView<S> token_rows(const HeadsView<S>& view, Eigen::Index first, Eigen::Index count) {
+  const HeadStrides& s = view.strides();
+  return HeadsView<S>(view.data() + first * s.token, view.batch(), view.heads(), count, view.dim(),
+                      s);
+}
+
+/// Tokens per block of a mixer's prefill: a block's convolved inputs are read by the
+/// recurrence while they are still in cache.
+inline constexpr Eigen::Index kMixerBlockTokens = 256;
+
+}  // namespace linattn::detail
