@@ -162,17 +162,28 @@ double mixer_flops(const linattn::GatedDeltaNetShape& shape, Eigen::Index tokens
          double(tokens);
 }
 
-/// The whole mixer over one sequence of N tokens (GatedDeltaNet::forward_into).
+/// The whole mixer over one sequence of N tokens: GatedDeltaNet::forward_into (third argument
+/// 0), or a prefill from fresh states that also writes the states every 256 tokens (1: prefix
+/// caching's checkpoints, issue 34's target at most 5% over the same prefill without them).
 void BM_GatedDeltaNet(benchmark::State& state) {
   const linattn::GatedDeltaNetShape shape = mixer_shape(state.range(0) != 0);
   const Eigen::Index tokens = state.range(1);
+  const bool checkpoints = state.range(2) != 0;
   const linattn::GatedDeltaNet<float> mixer = make_mixer(shape);
   const MixerInputs in(shape, tokens);
   Matrix<float> y(tokens, shape.value_channels());
   const auto out =
       HeadsView<float>::bnhd(y.data(), BnhdShape(1, tokens, shape.value_heads, shape.value_dim));
+  std::vector<Eigen::Index> positions;
+  for (Eigen::Index p = 256; p <= tokens; p += 256) positions.push_back(p);
+  std::vector<linattn::GatedDeltaNetStates<float>> snapshots;
   measure(state, [&] {
-    mixer.forward_into(in.views(shape), out);
+    if (checkpoints) {
+      auto states = mixer.make_states(1);
+      mixer.prefill_into(states, in.views(shape), out, positions, snapshots);
+    } else {
+      mixer.forward_into(in.views(shape), out);
+    }
     benchmark::DoNotOptimize(y.data());
   });
   linattn_bench::set_rates(state, mixer_flops(shape, tokens), double(tokens));
@@ -290,10 +301,12 @@ int main(int argc, char** argv) {
   std::vector<std::pair<std::int64_t, std::int64_t>> mixers{{0, 1024}};
   if (!quick) mixers.push_back({1, 4096});
   for (const auto& [qwen, tokens] : mixers) {
-    benchmark::RegisterBenchmark("BM_GatedDeltaNet<float>", BM_GatedDeltaNet)
-        ->Args({qwen, tokens})
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
+    for (const std::int64_t checkpoints : {0, 1}) {
+      benchmark::RegisterBenchmark("BM_GatedDeltaNet<float>", BM_GatedDeltaNet)
+          ->Args({qwen, tokens, checkpoints})
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
     for (const std::int64_t per_head : {0, 1}) {
       benchmark::RegisterBenchmark("BM_GatedDeltaRuleBare<float>", BM_GatedDeltaRuleBare)
           ->Args({qwen, tokens, per_head})

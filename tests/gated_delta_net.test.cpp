@@ -240,6 +240,52 @@ TEMPLATE_TEST_CASE(
   }
 }
 
+TEST_CASE("GatedDeltaNet: checkpoints are the states of the prefixes run alone",
+          "[gated_delta_net]") {
+  using T = double;
+  const GatedDeltaNetShape shape = small_shape(GatedDeltaNetModel::kimi_linear);
+  const GatedDeltaNet<T> mixer(shape, cast_weights<T>(random_weights(shape, 5)));
+  const Eigen::Index batch = 2, tokens = 300;
+  std::vector<Sequence> sequences{random_sequence(shape, tokens, 70),
+                                  random_sequence(shape, tokens, 80)};
+  const Batch<T> data(sequences, 0, tokens);
+  const std::vector<Eigen::Index> positions{1, 37, 256, 290, 300};
+  std::vector<GatedDeltaNet<T>::States> snapshots;
+  auto states = mixer.make_states(batch);
+  Matrix<T> y(batch * tokens, shape.value_channels()),
+      plain(batch * tokens, shape.value_channels());
+  mixer.prefill_into(states, data.inputs(shape), out_view(y, shape, batch), positions, snapshots);
+  REQUIRE(snapshots.size() == positions.size());
+  auto plain_states = mixer.make_states(batch);
+  mixer.prefill_into(plain_states, data.inputs(shape), out_view(plain, shape, batch));
+  CHECK(relative_error(y, plain) < 1e-12);
+  for (std::size_t i = 0; i < positions.size(); ++i) {
+    CAPTURE(i);
+    const Batch<T> prefix(sequences, 0, positions[i]);
+    auto alone = mixer.make_states(batch);
+    Matrix<T> out(batch * positions[i], shape.value_channels());
+    mixer.prefill_into(alone, prefix.inputs(shape), out_view(out, shape, batch));
+    for (Eigen::Index b = 0; b < batch; ++b)
+      CHECK(snapshots[i].conv.window(b) == alone.conv.window(b));
+    for (Eigen::Index j = 0; j < alone.recurrent.size(); ++j) {
+      CHECK(relative_error(snapshots[i].recurrent[j].s(), alone.recurrent[j].s()) < 1e-12);
+    }
+  }
+  // A second call fills the same snapshots in place; bad positions throw before anything moves.
+  const Matrix<T> s0 = snapshots[0].recurrent[0].s();
+  mixer.prefill_into(states, data.inputs(shape), out_view(y, shape, batch), positions, snapshots);
+  CHECK(snapshots.size() == positions.size());
+  CHECK(snapshots[0].recurrent[0].s() != s0);  // it continued from where the first call ended
+  const auto before = states;
+  using Catch::Matchers::Contains;
+  for (const std::vector<Eigen::Index>& bad : {std::vector<Eigen::Index>{0}, {5, 5}, {301}}) {
+    CHECK_THROWS_WITH(
+        mixer.prefill_into(states, data.inputs(shape), out_view(y, shape, batch), bad, snapshots),
+        Contains("positions must rise strictly within [1, N = 300]"));
+  }
+  CHECK(states.recurrent[3].s() == before.recurrent[3].s());
+}
+
 TEST_CASE("GatedDeltaNet: views of one fused projection row give the same bits",
           "[gated_delta_net]") {
   using T = float;

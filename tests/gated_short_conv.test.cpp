@@ -98,6 +98,35 @@ TEMPLATE_TEST_CASE("GatedShortConv: forward, prefill and steps against LFM2's bl
   CHECK(pieces == forward);
 }
 
+TEST_CASE("GatedShortConv: checkpoints are the windows of the prefixes run alone",
+          "[gated_short_conv]") {
+  using T = float;
+  const Eigen::Index c = 12, batch = 2, tokens = 260;
+  const GatedShortConv<T> block(gaussian<T>(c, 3, 7));
+  std::vector<Matrix<T>> sequences{gaussian<T>(tokens, 3 * c, 8), gaussian<T>(tokens, 3 * c, 9)};
+  Matrix<T> bcx(batch * tokens, 3 * c);
+  for (Eigen::Index s = 0; s < batch; ++s) {
+    bcx.middleRows(s * tokens, tokens) = sequences[static_cast<std::size_t>(s)];
+  }
+  const std::vector<Eigen::Index> positions{1, 2, 100, 260};
+  std::vector<GatedShortConv<T>::States> snapshots;
+  auto windows = block.make_states(batch);
+  Matrix<T> y(batch * tokens, c);
+  block.prefill_into(windows, rows_view(bcx, batch), rows_view(y, batch), positions, snapshots);
+  REQUIRE(snapshots.size() == positions.size());
+  for (std::size_t i = 0; i < positions.size(); ++i) {
+    CAPTURE(i);
+    Matrix<T> prefix(batch * positions[i], 3 * c), out(batch * positions[i], c);
+    for (Eigen::Index s = 0; s < batch; ++s) {
+      prefix.middleRows(s * positions[i], positions[i]) =
+          sequences[static_cast<std::size_t>(s)].topRows(positions[i]);
+    }
+    auto alone = block.make_states(batch);
+    block.prefill_into(alone, rows_view(prefix, batch), rows_view(out, batch));
+    for (Eigen::Index b = 0; b < batch; ++b) CHECK(snapshots[i].window(b) == alone.window(b));
+  }
+}
+
 TEST_CASE("GatedShortConv: a fused row, and bad input throws before anything moves",
           "[gated_short_conv]") {
   using T = float;

@@ -221,6 +221,34 @@ TEMPLATE_TEST_CASE("Mamba2: forward, prefill and steps against the Mamba-2 layer
   }
 }
 
+TEST_CASE("Mamba2: checkpoints are the states of the prefixes run alone", "[mamba2]") {
+  using T = double;
+  const Mamba2Shape shape = small_shape();
+  const Mamba2<T> mixer(shape, cast_weights<T>(random_weights(shape, 3)));
+  const Eigen::Index batch = 2, tokens = 270;
+  std::vector<Sequence> sequences{random_sequence(shape, tokens, 50),
+                                  random_sequence(shape, tokens, 60)};
+  const Batch<T> data(sequences, 0, tokens);
+  const std::vector<Eigen::Index> positions{3, 256, 257};
+  std::vector<Mamba2<T>::States> snapshots;
+  auto states = mixer.make_states(batch);
+  Matrix<T> y(batch * tokens, shape.inner());
+  mixer.prefill_into(states, data.inputs(shape), out_view(y, shape, batch), positions, snapshots);
+  REQUIRE(snapshots.size() == positions.size());
+  for (std::size_t i = 0; i < positions.size(); ++i) {
+    CAPTURE(i);
+    const Batch<T> prefix(sequences, 0, positions[i]);
+    auto alone = mixer.make_states(batch);
+    Matrix<T> out(batch * positions[i], shape.inner());
+    mixer.prefill_into(alone, prefix.inputs(shape), out_view(out, shape, batch));
+    for (Eigen::Index b = 0; b < batch; ++b)
+      CHECK(snapshots[i].conv.window(b) == alone.conv.window(b));
+    for (Eigen::Index j = 0; j < alone.recurrent.size(); ++j) {
+      CHECK(relative_error(snapshots[i].recurrent[j].s(), alone.recurrent[j].s()) < 1e-12);
+    }
+  }
+}
+
 TEST_CASE("Mamba2: bad input throws before anything moves", "[mamba2]") {
   using T = float;
   using Catch::Matchers::Contains;

@@ -20,6 +20,7 @@
 #include <linattn/state_batch.hpp>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace linattn {
 
@@ -174,7 +175,7 @@ class GatedDeltaNet {
     check(in, out, nullptr, where);
     const Gates gates = gate_values(in, where);
     States states = make_states(in.qkv.batch());
-    run(states, in, gates, out);
+    run(states, in, gates, out, {}, nullptr);
   }
 
   /// Prompts, one per sequence, each continuing from its states, which then hold where the
@@ -187,7 +188,27 @@ class GatedDeltaNet {
     constexpr const char* where = "GatedDeltaNet::prefill";
     check(in, out, &states, where);
     const Gates gates = gate_values(in, where);
-    run(states, in, gates, out);
+    run(states, in, gates, out, {}, nullptr);
+  }
+
+  /// A prefill that also writes the states after each of `positions` tokens into
+  /// snapshots[i] (prefix caching: a later prompt sharing the first positions[i] tokens
+  /// continues from snapshots[i]). The prefill splits its blocks there, so this costs the
+  /// copies and little else.
+  /// @param states     from make_states(B)
+  /// @param in         the projections' views, B sequences of N tokens
+  /// @param out        B x Hv x N x Dv result, clear of the inputs
+  /// @param positions  token counts rising strictly within [1, N]
+  /// @param snapshots  result: one States per position (filled in place when it already holds
+  ///                   as many, e.g. from an earlier call)
+  void prefill_into(States& states, const GatedDeltaNetInputs<T>& in, const HeadsView<T>& out,
+                    const std::vector<Eigen::Index>& positions,
+                    std::vector<States>& snapshots) const {
+    constexpr const char* where = "GatedDeltaNet::prefill";
+    check(in, out, &states, where);
+    detail::require_checkpoints(positions, in.qkv.tokens(), where);
+    const Gates gates = gate_values(in, where);
+    run(states, in, gates, out, positions, &snapshots);
   }
 
   /// One token of every sequence (decoding): the views with N = 1, read where they lie.
@@ -420,15 +441,15 @@ class GatedDeltaNet {
   /// The checked call: blocks of tokens through the convolution, the gates, the recurrence
   /// and the norm in turn, the states carrying each block into the next.
   void run(States& states, const GatedDeltaNetInputs<T>& in, const Gates& gates,
-           const HeadsView<T>& out) const {
+           const HeadsView<T>& out, const std::vector<Eigen::Index>& positions,
+           std::vector<States>* snapshots) const {
     const Eigen::Index batch = in.qkv.batch(), tokens = in.qkv.tokens();
     const Eigen::Index hk = shape_.key_heads, hv = shape_.value_heads;
     const Eigen::Index dk = shape_.key_dim, dv = shape_.value_dim;
     const Eigen::Index channels = shape_.conv_channels();
     const Eigen::Index block = std::min(tokens, detail::kMixerBlockTokens);
     Matrix<T> mixed(batch * block, channels);
-    for (Eigen::Index first = 0; first < tokens; first += block) {
-      const Eigen::Index count = std::min(block, tokens - first);
+    auto run_block = [&](Eigen::Index first, Eigen::Index count) {
       auto rows = [&](const auto& view) { return detail::token_rows(view, first, count); };
       const HeadsView<T> mixed_view =
           HeadsView<T>::bnhd(mixed.data(), BnhdShape(batch, count, 1, channels));
@@ -448,7 +469,9 @@ class GatedDeltaNet {
       const HeadsView<T> o = rows(out);
       delta_.prefill_into(states.recurrent, q, k, v, log_gates(gate_view), beta_view, o);
       norm_.apply_into(ConstHeadsView<T>(o), rows(in.z), o);
-    }
+    };
+    detail::for_each_block(tokens, positions, run_block,
+                           [&](std::size_t i) { detail::write_snapshot(*snapshots, i, states); });
   }
 
   GatedDeltaNetShape shape_;

@@ -12,6 +12,7 @@
 #include <linattn/short_conv.hpp>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace linattn {
 
@@ -63,7 +64,7 @@ class GatedShortConv {
     constexpr const char* where = "GatedShortConv::forward";
     check(bcx, out, nullptr, where);
     States windows = make_states(bcx.batch());
-    run(windows, bcx, out);
+    run(windows, bcx, out, {}, nullptr);
   }
 
   /// Prompts, each continuing from its window. Checked whole before anything moves.
@@ -73,7 +74,24 @@ class GatedShortConv {
   void prefill_into(States& windows, const ConstHeadsView<T>& bcx, const HeadsView<T>& out) const {
     constexpr const char* where = "GatedShortConv::prefill";
     check(bcx, out, &windows, where);
-    run(windows, bcx, out);
+    run(windows, bcx, out, {}, nullptr);
+  }
+
+  /// A prefill that also writes the windows after each of `positions` tokens into
+  /// snapshots[i] (prefix caching), as GatedDeltaNet's.
+  /// @param windows    from make_states(B)
+  /// @param bcx        B x 1 x N x 3C
+  /// @param out        B x 1 x N x C result, clear of bcx
+  /// @param positions  token counts rising strictly within [1, N]
+  /// @param snapshots  result: one States per position (filled in place when it already holds
+  ///                   as many)
+  void prefill_into(States& windows, const ConstHeadsView<T>& bcx, const HeadsView<T>& out,
+                    const std::vector<Eigen::Index>& positions,
+                    std::vector<States>& snapshots) const {
+    constexpr const char* where = "GatedShortConv::prefill";
+    check(bcx, out, &windows, where);
+    detail::require_checkpoints(positions, bcx.tokens(), where);
+    run(windows, bcx, out, positions, &snapshots);
   }
 
   /// One token of every sequence: bcx and out with N = 1. Checked whole before anything moves.
@@ -128,12 +146,12 @@ class GatedShortConv {
   }
 
   /// Blocks of tokens: b * x into a buffer, its convolution into out, then out *= c.
-  void run(States& windows, const ConstHeadsView<T>& bcx, const HeadsView<T>& out) const {
+  void run(States& windows, const ConstHeadsView<T>& bcx, const HeadsView<T>& out,
+           const std::vector<Eigen::Index>& positions, std::vector<States>* snapshots) const {
     const Eigen::Index batch = bcx.batch(), tokens = bcx.tokens(), c = channels();
     const Eigen::Index block = std::min(tokens, detail::kMixerBlockTokens);
     Matrix<T> bx(batch * block, c);
-    for (Eigen::Index first = 0; first < tokens; first += block) {
-      const Eigen::Index count = std::min(block, tokens - first);
+    auto run_block = [&](Eigen::Index first, Eigen::Index count) {
       const ConstHeadsView<T> in = detail::token_rows(bcx, first, count);
       const HeadsView<T> y = detail::token_rows(out, first, count);
       for (Eigen::Index b = 0; b < batch; ++b) {
@@ -152,7 +170,9 @@ class GatedShortConv {
           row = row.cwiseProduct(Eigen::Map<const Vector<T>>(gate, c));
         }
       }
-    }
+    };
+    detail::for_each_block(tokens, positions, run_block,
+                           [&](std::size_t i) { detail::write_snapshot(*snapshots, i, windows); });
   }
 
   GatedShortConvOptions options_;

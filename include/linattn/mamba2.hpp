@@ -20,6 +20,7 @@
 #include <linattn/state_batch.hpp>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace linattn {
 
@@ -154,7 +155,7 @@ class Mamba2 {
     check(in, out, nullptr, where);
     const Matrix<T> dt = step_sizes(in, where);
     States states = make_states(in.xbc.batch());
-    run(states, in, dt, out);
+    run(states, in, dt, out, {}, nullptr);
   }
 
   /// Prompts, each continuing from its states. Checked whole before anything moves.
@@ -165,7 +166,25 @@ class Mamba2 {
     constexpr const char* where = "Mamba2::prefill";
     check(in, out, &states, where);
     const Matrix<T> dt = step_sizes(in, where);
-    run(states, in, dt, out);
+    run(states, in, dt, out, {}, nullptr);
+  }
+
+  /// A prefill that also writes the states after each of `positions` tokens into
+  /// snapshots[i] (prefix caching), as GatedDeltaNet's.
+  /// @param states     from make_states(B)
+  /// @param in         in_proj's views, B sequences of N tokens
+  /// @param out        B x H x N x P result, clear of the inputs
+  /// @param positions  token counts rising strictly within [1, N]
+  /// @param snapshots  result: one States per position (filled in place when it already holds
+  ///                   as many)
+  void prefill_into(States& states, const Mamba2Inputs<T>& in, const HeadsView<T>& out,
+                    const std::vector<Eigen::Index>& positions,
+                    std::vector<States>& snapshots) const {
+    constexpr const char* where = "Mamba2::prefill";
+    check(in, out, &states, where);
+    detail::require_checkpoints(positions, in.xbc.tokens(), where);
+    const Matrix<T> dt = step_sizes(in, where);
+    run(states, in, dt, out, positions, &snapshots);
   }
 
   /// One token of every sequence: the views with N = 1. Checked whole before anything moves.
@@ -345,15 +364,14 @@ class Mamba2 {
 
   /// The checked call: blocks of tokens through the convolution, v = dt x and the log gates,
   /// the SSM, the D skip and the norm in turn, the states carrying each block into the next.
-  void run(States& states, const Mamba2Inputs<T>& in, const Matrix<T>& dt,
-           const HeadsView<T>& out) const {
+  void run(States& states, const Mamba2Inputs<T>& in, const Matrix<T>& dt, const HeadsView<T>& out,
+           const std::vector<Eigen::Index>& positions, std::vector<States>* snapshots) const {
     const Eigen::Index batch = in.xbc.batch(), tokens = in.xbc.tokens();
     const Eigen::Index h = shape_.heads, p = shape_.head_dim, g = shape_.groups;
     const Eigen::Index n = shape_.state_dim, c = shape_.conv_channels();
     const Eigen::Index block = std::min(tokens, detail::kMixerBlockTokens);
     Matrix<T> mixed(batch * block, c), v(batch * block, h * p), log_gate(batch * block, h);
-    for (Eigen::Index first = 0; first < tokens; first += block) {
-      const Eigen::Index count = std::min(block, tokens - first);
+    auto run_block = [&](Eigen::Index first, Eigen::Index count) {
       conv_.prefill_into(states.conv, detail::token_rows(in.xbc, first, count),
                          HeadsView<T>::bnhd(mixed.data(), BnhdShape(batch, count, 1, c)));
       // v = dt x and the log gates dt A, [B, count, H, P] and [B, count, H, 1].
@@ -385,7 +403,9 @@ class Mamba2 {
         }
       }
       norm_.apply_into(ConstHeadsView<T>(y), detail::token_rows(in.z, first, count), y);
-    }
+    };
+    detail::for_each_block(tokens, positions, run_block,
+                           [&](std::size_t i) { detail::write_snapshot(*snapshots, i, states); });
   }
 
   Mamba2Shape shape_;

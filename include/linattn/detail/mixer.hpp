@@ -4,6 +4,7 @@
 // blocks of tokens a prefill walks.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <linattn/config.hpp>
 #include <linattn/detail/view_checks.hpp>
@@ -11,6 +12,7 @@
 #include <linattn/short_conv.hpp>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace linattn::detail {
 
@@ -72,5 +74,48 @@ HeadsView<S> token_rows(const HeadsView<S>& view, Eigen::Index first, Eigen::Ind
 /// Tokens per block of a mixer's prefill: a block's convolved inputs are read by the
 /// recurrence while they are still in cache.
 inline constexpr Eigen::Index kMixerBlockTokens = 256;
+
+/// Throws unless `positions` rise strictly within [1, tokens]: the token counts after which a
+/// prefill writes its states.
+inline void require_checkpoints(const std::vector<Eigen::Index>& positions, Eigen::Index tokens,
+                                const char* where) {
+  Eigen::Index last = 0;
+  for (std::size_t i = 0; i < positions.size(); ++i) {
+    if (positions[i] <= last || positions[i] > tokens) {
+      throw Error(std::string(where) + ": checkpoint " + std::to_string(i) + " is at " +
+                  std::to_string(positions[i]) +
+                  " tokens; positions must rise strictly within [1, N = " + std::to_string(tokens) +
+                  "]");
+    }
+    last = positions[i];
+  }
+}
+
+/// Calls run(first, count) over tokens [0, tokens) in blocks of at most kMixerBlockTokens that
+/// end at each of `positions` (checked by require_checkpoints), and at(i) after the block
+/// that ends at positions[i].
+template <class Run, class At>
+void for_each_block(Eigen::Index tokens, const std::vector<Eigen::Index>& positions, const Run& run,
+                    const At& at) {
+  std::size_t next = 0;
+  for (Eigen::Index first = 0; first < tokens;) {
+    Eigen::Index end = std::min(tokens, first + kMixerBlockTokens);
+    if (next < positions.size()) end = std::min(end, positions[next]);
+    run(first, end - first);
+    first = end;
+    if (next < positions.size() && positions[next] == first) at(next++);
+  }
+}
+
+/// snapshots[i] = states, reusing the storage of a snapshot already there (a vector as long
+/// as the positions is filled in place; otherwise it grows by copies).
+template <class States>
+void write_snapshot(std::vector<States>& snapshots, std::size_t i, const States& states) {
+  if (i < snapshots.size()) {
+    snapshots[i] = states;
+  } else {
+    snapshots.push_back(states);
+  }
+}
 
 }  // namespace linattn::detail
