@@ -19,6 +19,7 @@
 // and 64 (in cache); float, one thread, real time. bytes_per_s counts the bytes each pass moves.
 #include <algorithm>
 #include <cstdint>
+#include <linattn/draft_ring.hpp>
 #include <linattn/gated_delta_net.hpp>
 #include <linattn/output_norm.hpp>
 #include <vector>
@@ -277,6 +278,60 @@ void BM_GatedDeltaStepBare(benchmark::State& state) {
   linattn_bench::set_rates(state, mixer_flops(shape, batch), double(batch));
 }
 
+/// One round of speculative decoding through the mixer, K = 4 drafts of which m = 2 are kept,
+/// B sequences: mode 0 plain (4 steps, no rollback: the cost to compare with), 1 the DraftRing
+/// (begin, 4 steps each recorded, rollback to 2), 2 replay (a copy of the accepted states, 4
+/// steps, the copy put back, 2 steps again).
+void BM_DraftRound(benchmark::State& state) {
+  const linattn::GatedDeltaNetShape shape = mixer_shape(state.range(0) != 0);
+  const Eigen::Index batch = state.range(1);
+  const int mode = static_cast<int>(state.range(2));
+  constexpr Eigen::Index kDrafts = 4, kKept = 2;
+  const linattn::GatedDeltaNet<float> mixer = make_mixer(shape);
+  auto states = mixer.make_states(batch);
+  const MixerInputs token(shape, batch);
+  const Eigen::Index hv = shape.value_heads;
+  const linattn::GatedDeltaNetInputs<float> in{
+      ConstHeadsView<float>::bnhd(token.qkv.data(), BnhdShape(batch, 1, 1, token.qkv.cols())),
+      ConstHeadsView<float>::bnhd(token.z.data(), BnhdShape(batch, 1, hv, shape.value_dim)),
+      ConstHeadsView<float>::bnhd(token.b.data(), BnhdShape(batch, 1, hv, 1)),
+      ConstHeadsView<float>::bnhd(token.a.data(), BnhdShape(batch, 1, hv, 1))};
+  Matrix<float> y(batch, shape.value_channels());
+  const auto out = HeadsView<float>::bnhd(y.data(), BnhdShape(batch, 1, hv, shape.value_dim));
+  linattn::DraftRing<linattn::GatedDeltaNetStates<float>> ring(kDrafts);
+  linattn::GatedDeltaNetStates<float> saved = states;
+  measure(state, [&] {
+    if (mode == 1) ring.begin(states);
+    if (mode == 2) saved = states;
+    for (Eigen::Index t = 0; t < kDrafts; ++t) {
+      mixer.step_into(states, in, out);
+      if (mode == 1) ring.record(states);
+    }
+    if (mode == 1) ring.rollback(states, kKept);
+    if (mode == 2) {
+      states = saved;
+      for (Eigen::Index t = 0; t < kKept; ++t) mixer.step_into(states, in, out);
+    }
+    benchmark::DoNotOptimize(y.data());
+  });
+  linattn_bench::set_rates(state, mixer_flops(shape, batch * kDrafts), double(batch * kDrafts));
+}
+
+/// The rollback alone: DraftRing::rollback of B sequences' states to m = 2 of 4 recorded.
+void BM_DraftRollback(benchmark::State& state) {
+  const linattn::GatedDeltaNetShape shape = mixer_shape(state.range(0) != 0);
+  const Eigen::Index batch = state.range(1);
+  const linattn::GatedDeltaNet<float> mixer = make_mixer(shape);
+  auto states = mixer.make_states(batch);
+  linattn::DraftRing<linattn::GatedDeltaNetStates<float>> ring(4);
+  ring.begin(states);
+  for (int t = 0; t < 4; ++t) ring.record(states);
+  measure(state, [&] {
+    ring.rollback(states, 2);
+    benchmark::DoNotOptimize(&states);
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -325,6 +380,18 @@ int main(int argc, char** argv) {
           ->UseRealTime()
           ->Unit(benchmark::kMicrosecond);
     }
+  }
+  for (const std::int64_t qwen : {0, 1}) {
+    for (const std::int64_t mode : {0, 1, 2}) {
+      benchmark::RegisterBenchmark("BM_DraftRound<float>", BM_DraftRound)
+          ->Args({qwen, 1, mode})
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
+    benchmark::RegisterBenchmark("BM_DraftRollback<float>", BM_DraftRollback)
+        ->Args({qwen, 1})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
