@@ -144,6 +144,20 @@ TEST_CASE("DraftRing: misuse throws", "[draft_ring]") {
   CHECK_THROWS_WITH(ring.rollback(s, 3), Contains("m = 3 but the round recorded 2"));
   CHECK_THROWS_WITH(ring.at(-1), Contains("not a recorded position"));
   CHECK(ring.recorded() == 2);
+  // After a rollback to m the round goes on from the m kept drafts.
+  Matrix<T> state = Matrix<T>::Zero(2, 2);
+  ring.begin(state);
+  for (int t = 1; t <= 2; ++t) {
+    state.setConstant(T(t));
+    ring.record(state);
+  }
+  ring.rollback(state, 1);
+  CHECK(ring.recorded() == 1);
+  CHECK(state == Matrix<T>::Constant(2, 2, T(1)));
+  state.setConstant(T(7));
+  ring.record(state);
+  CHECK(ring.at(2) == Matrix<T>::Constant(2, 2, T(7)));
+  CHECK(ring.at(1) == Matrix<T>::Constant(2, 2, T(1)));
 }
 
 }  // namespace linattn_test_draft_ring

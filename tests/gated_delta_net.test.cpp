@@ -341,6 +341,30 @@ TEST_CASE("GatedDeltaNet: views of one fused projection row give the same bits",
   const Batch<T> next_batch(nexts, 0, 1);
   mixer.step_into(states, next_batch.inputs(shape), out_view(y_separate, shape, batch));
   CHECK(y_fused == y_separate);
+  // One row shared by both sequences (batch stride 0): the same as the two rows apart.
+  auto shared_states = fused_states;
+  const auto zero_batch = [&](Eigen::Index column, Eigen::Index heads, Eigen::Index dim) {
+    return ConstHeadsView<T>(row.data() + column, batch, heads, 1, dim,
+                             HeadStrides{0, dim, width, 1});
+  };
+  const GatedDeltaNetInputs<T> shared_in{
+      zero_batch(hv, 1, c), zero_batch(hv + c, hv, shape.value_dim),
+      zero_batch(hv + c + shape.value_channels(), hv, 1), zero_batch(0, hv, 1)};
+  auto apart_states = fused_states;
+  Matrix<T> y_shared(batch, shape.value_channels()), y_apart(batch, shape.value_channels());
+  mixer.step_into(shared_states, shared_in, out_view(y_shared, shape, batch));
+  Matrix<T> two_rows(batch, width);
+  two_rows.row(0) = row.row(0);
+  two_rows.row(1) = row.row(0);
+  const GatedDeltaNetInputs<T> apart_in{
+      ConstHeadsView<T>(two_rows.data() + hv, batch, 1, 1, c, HeadStrides{width, c, width, 1}),
+      ConstHeadsView<T>(two_rows.data() + hv + c, batch, hv, 1, shape.value_dim,
+                        HeadStrides{width, shape.value_dim, width, 1}),
+      ConstHeadsView<T>(two_rows.data() + hv + c + shape.value_channels(), batch, hv, 1, 1,
+                        HeadStrides{width, 1, width, 1}),
+      ConstHeadsView<T>(two_rows.data(), batch, hv, 1, 1, HeadStrides{width, 1, width, 1})};
+  mixer.step_into(apart_states, apart_in, out_view(y_apart, shape, batch));
+  CHECK(y_shared == y_apart);
   CHECK(fused_states.recurrent[5].s() == states.recurrent[5].s());
 }
 
@@ -411,6 +435,14 @@ TEST_CASE("GatedDeltaNet: bad input throws before anything moves", "[gated_delta
                     Contains("out overlaps z's memory"));
   auto three = mixer.make_states(3);
   CHECK_THROWS_WITH(mixer.prefill_into(three, in, out), Contains("make_states(B)"));
+  // A Kimi mixer of the same sizes: the used Qwen states do not continue as KDA states.
+  const GatedDeltaNetShape kimi_shape = small_shape(GatedDeltaNetModel::kimi_linear);
+  const GatedDeltaNet<T> kimi(kimi_shape, cast_weights<T>(random_weights(kimi_shape, 6)));
+  std::vector<Sequence> kimi_sequences{random_sequence(kimi_shape, tokens, 90),
+                                       random_sequence(kimi_shape, tokens, 91)};
+  const Batch<T> kimi_data(kimi_sequences, 0, tokens);
+  CHECK_THROWS_WITH(kimi.prefill_into(states, kimi_data.inputs(kimi_shape), out),
+                    Contains("not this mixer's"));
   const GatedDeltaNet<T> other(shape, cast_weights<T>(random_weights(shape, 4)));
   GatedDeltaNetShape wider = shape;
   wider.conv_kernel = 3;

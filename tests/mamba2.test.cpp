@@ -266,7 +266,8 @@ TEST_CASE("Mamba2: bad input throws before anything moves", "[mamba2]") {
   CHECK_THROWS_WITH(Mamba2<T>(shape, bad), Contains("bias"));
   bad = weights;
   bad.d = Vector<T>::Zero(3);
-  CHECK_THROWS_WITH(Mamba2<T>(shape, bad), Contains("d "));
+  CHECK_THROWS_WITH(Mamba2<T>(shape, bad),
+                    Contains("Mamba2: d is 3 x 1, expected a vector of 4 entries"));
   bad = weights;
   bad.norm_weight = Vector<T>::Ones(8);
   CHECK_THROWS_WITH(Mamba2<T>(shape, bad), Contains("norm_weight has 8 entries"));
@@ -301,6 +302,13 @@ TEST_CASE("Mamba2: bad input throws before anything moves", "[mamba2]") {
   aliased.z = ConstHeadsView<T>::bnhd(z_copy.data(), BnhdShape(batch, tokens, 4, 8));
   CHECK_THROWS_WITH(mixer.prefill_into(states, aliased, out_view(z_copy, shape, batch)),
                     Contains("out overlaps z's memory"));
+  // States of the same sizes whose sums run otherwise (a normalised engine): refused.
+  auto normalised = before;
+  linattn::Options other;
+  other.normalize = true;
+  normalised.recurrent[1] = linattn::RecurrentState<T>(shape.state_dim, shape.head_dim, other);
+  CHECK_THROWS_WITH(mixer.prefill_into(normalised, data.inputs(shape), out),
+                    Contains("not this mixer's"));
   auto three = mixer.make_states(3);
   CHECK_THROWS_WITH(mixer.prefill_into(three, data.inputs(shape), out), Contains("make_states(B)"));
   for (const auto member : {&Batch<T>::z, &Batch<T>::xbc, &Batch<T>::dt}) {

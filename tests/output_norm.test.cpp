@@ -224,7 +224,7 @@ TEMPLATE_TEST_CASE("OutputNorm: each model's norm against its formula", "[output
 
 TEST_CASE("OutputNorm: strided views, in place, and threads give the same bits", "[output_norm]") {
   using T = float;
-  const Shape shape{3, 150, 4, 32};
+  const Shape shape{3, 600, 4, 32};
   const Matrix<T> o = outputs<T>(shape, 11);
   const Matrix<T> z = gaussian<T>(shape.rows(), shape.channels(), 12, 2.0);
   const Vector<T> w_head = gaussian<T>(shape.dim, 1, 13, 0.5, 1.0);
@@ -275,9 +275,19 @@ TEST_CASE("OutputNorm: strided views, in place, and threads give the same bits",
     CHECK(fused.middleCols(3 * shape.channels(), shape.channels()) == expected);
     CHECK(fused.leftCols(3 * shape.channels()) == fused_before.leftCols(3 * shape.channels()));
     CHECK(fused.rightCols(5) == fused_before.rightCols(5));
+    // One token in place, o seen as [B, N, H, D] and y as [B, H, N, D] of the same memory: the
+    // token strides differ but N = 1 never uses them.
+    Matrix<T> token = o.topRows(shape.batch);
+    const Matrix<T> z_token = z.topRows(shape.batch);
+    Matrix<T> token_expected(shape.batch, shape.channels());
+    const Shape one{shape.batch, 1, shape.heads, shape.dim};
+    c.norm.apply_into(view(token, one), view(z_token, one), view(token_expected, one));
+    c.norm.apply_into(view(token, one), view(z_token, one),
+                      HeadsView<T>::bhnd(token.data(), {shape.batch, shape.heads, 1, shape.dim}));
+    CHECK(token == token_expected);
 
 #ifdef _OPENMP
-    // 450 rows of 64: several work items on two threads, the same bits as one.
+    // 1,800 token rows, 30 work items of 64: two threads share them; the same bits as one.
     OutputNormOptions options = c.norm.options();
     for (const int threads : {1, 2}) {
       options.threads = threads;

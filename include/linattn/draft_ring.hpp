@@ -14,7 +14,7 @@ namespace linattn {
 /// each draft token, and `rollback(states, m)` puts back the states after the first m drafts
 /// (0 <= m <= recorded()). Decoding the drafts with the same per-token steps as plain decoding
 /// makes a rollback to m bit for bit the states of decoding the m accepted tokens alone.
-/// Storage is allocated by the first round only: later rounds copy into it.
+/// Storage grows to the most drafts a round has recorded; later rounds copy into it.
 ///
 ///   ring.begin(states);
 ///   for (t < K) { mixer.step_into(states, draft[t], y[t]); ring.record(states); }
@@ -61,10 +61,11 @@ class DraftRing {
   }
 
   /// states = the states after the first m drafts of this round (m = 0: the accepted states
-  /// begin() kept). The round stays open: another rollback may follow.
+  /// begin() kept). The round goes on from there: recorded() becomes m, so the next record()
+  /// follows the m kept drafts.
   /// @param states  overwritten
   /// @param m       0 <= m <= recorded()
-  void rollback(States& states, Eigen::Index m) const {
+  void rollback(States& states, Eigen::Index m) {
     if (!started_) throw Error("DraftRing::rollback: no round begun");
     if (m < 0 || m > recorded_) {
       throw Error("DraftRing::rollback: m = " + std::to_string(m) + " but the round recorded " +
@@ -72,6 +73,7 @@ class DraftRing {
                   ")");
     }
     states = slots_[static_cast<std::size_t>(m)];
+    recorded_ = m;
   }
 
   /// The states after the first m drafts, read-only (0 <= m <= recorded()).

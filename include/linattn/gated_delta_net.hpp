@@ -128,7 +128,7 @@ class GatedDeltaNet {
   using States = GatedDeltaNetStates<T>;
 
   /// @param shape    Hk, Hv, Dk, Dv, K
-  /// @param weights  conv_weight C x K, a_log Hv, dt_bias Hv, norm_weight Dv
+  /// @param weights  conv_weight C x K, a_log Hv, dt_bias Hv * gate_dim(), norm_weight Dv
   /// @param options  norm_eps, form, chunk, check_finite, threads
   GatedDeltaNet(const GatedDeltaNetShape& shape, const GatedDeltaNetWeights<T>& weights,
                 const GatedDeltaNetOptions& options = {})
@@ -228,13 +228,11 @@ class GatedDeltaNet {
     const Eigen::Index hk = shape_.key_heads, hv = shape_.value_heads;
     const Eigen::Index dk = shape_.key_dim, dv = shape_.value_dim;
     const Eigen::Index channels = shape_.conv_channels();
-    using RowsMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
-    const RowsMap x(in.qkv.data(), batch, channels,
-                    Eigen::OuterStride<>(batch > 1 ? in.qkv.strides().batch : channels));
     // [B, Hv] and [B, Hv * gate_dim] (N = 1): row b * Hv + h once reshaped, as the states.
     const Gates gates = gate_values(in, where);
     Matrix<T> mixed(batch, channels);
-    conv_.step_into(states.conv, x, mixed);
+    detail::with_step_rows(in.qkv,
+                           [&](const auto& rows) { conv_.step_into(states.conv, rows, mixed); });
     // Row b * H + h of each: head h of sequence b, as the state batch's step reads them. One
     // sequence's row already is q's, k's and v's rows end to end; more are gathered.
     using HeadRows = Eigen::Map<const Matrix<T>>;
@@ -377,22 +375,29 @@ class GatedDeltaNet {
     }
   }
 
-  /// Throws unless `states` could come from make_states(batch).
+  /// Throws unless `states` could come from make_states(batch): the windows' shape, and every
+  /// recurrent state's shape, options and transition (a Qwen3.5 state does not continue as a
+  /// Kimi one), as the recurrence would check them only after the convolution moved.
   void require_states(const States& states, Eigen::Index batch, const char* where) const {
     const DeltaRuleStateBatch<T>& recurrent = states.recurrent;
-    const bool conv_ok = detail::windows_fit(states.conv, conv_, batch);
-    const bool recurrent_ok =
-        recurrent.size() == batch * shape_.value_heads && recurrent.key_dim() == shape_.key_dim &&
-        recurrent.value_dim() == shape_.value_dim &&
-        detail::same_delta_results(recurrent.options(), delta_.options(), shape_.key_dim);
-    if (!conv_ok || !recurrent_ok) {
+    const DeltaOptions& own = delta_.options();
+    const TransitionKind kind = detail::transition_of_gate_dim(shape_.gate_dim());
+    bool fits = detail::windows_fit(states.conv, conv_, batch) &&
+                recurrent.size() == batch * shape_.value_heads;
+    for (Eigen::Index i = 0; fits && i < recurrent.size(); ++i) {
+      const DeltaRuleState<T>& state = recurrent[i];
+      fits = state.key_dim() == shape_.key_dim && state.value_dim() == shape_.value_dim &&
+             detail::same_delta_results(state.options(), own, shape_.key_dim) &&
+             state.options().check_finite == own.check_finite &&
+             detail::continues_transition(state.transition(), kind);
+    }
+    if (!fits) {
       throw Error(std::string(where) +
                   ": the states are not this mixer's for B = " + std::to_string(batch) +
                   " sequences (windows " + std::to_string(states.conv.batch()) + " x " +
                   detail::shape_string(states.conv.rows(), states.conv.channels()) + ", " +
-                  std::to_string(recurrent.size()) + " recurrent states of " +
-                  detail::shape_string(recurrent.key_dim(), recurrent.value_dim()) +
-                  "): make them with make_states(B)");
+                  std::to_string(recurrent.size()) + " recurrent states): make them with " +
+                  "make_states(B) of this mixer");
     }
     detail::require_layer_states(recurrent, delta_.layer_heads(), HeadGrouping::interleaved, where);
   }
@@ -426,7 +431,7 @@ class GatedDeltaNet {
           for (Eigen::Index d = 0; d < gd; ++d) {
             const T x = a_row[h * as.head + d] + dt_bias_(h * gd + d);
             gate_row[h * gd + d] = -decay_rates_(h) * detail::softplus(x);
-            finite = finite && !std::isnan(x);
+            finite = finite && std::isfinite(x);
           }
         }
       }
@@ -480,7 +485,7 @@ class GatedDeltaNet {
   DeltaRuleLayer<T> delta_;
   OutputNorm<T> norm_;
   Vector<T> decay_rates_;  ///< exp(A_log), Hv
-  Vector<T> dt_bias_;      ///< Hv
+  Vector<T> dt_bias_;      ///< Hv * gate_dim()
 };
 
 }  // namespace linattn

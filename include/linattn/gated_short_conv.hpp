@@ -105,19 +105,8 @@ class GatedShortConv {
       throw Error(std::string(where) + ": the views hold N = " + std::to_string(bcx.tokens()) +
                   " tokens; a step takes one (prefill_into takes more)");
     }
-    const Eigen::Index batch = bcx.batch(), c = channels();
-    Matrix<T> bx(batch, c), conv_out(batch, c);
-    for (Eigen::Index b = 0; b < batch; ++b) {
-      const T* row = bcx.data() + b * bcx.strides().batch;
-      bx.row(b) = Eigen::Map<const Vector<T>>(row, c).transpose().cwiseProduct(
-          Eigen::Map<const Vector<T>>(row + 2 * c, c).transpose());
-    }
-    conv_.step_into(windows, bx, conv_out);
-    for (Eigen::Index b = 0; b < batch; ++b) {
-      const T* gate = bcx.data() + b * bcx.strides().batch + c;
-      Eigen::Map<Vector<T>>(out.data() + b * out.strides().batch, c) =
-          conv_out.row(b).transpose().cwiseProduct(Eigen::Map<const Vector<T>>(gate, c));
-    }
+    // The convolution's step is its prefill of one token bit for bit: one path for both.
+    run(windows, bcx, out, {}, nullptr);
   }
 
  private:

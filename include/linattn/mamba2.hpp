@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// The Mamba-2 mixer (Nemotron-H, Granite 4, Falcon-H1, Mamba-2 itself) as one object: from the
+// The Mamba-2 mixer (Nemotron-H, Granite 4, Mamba-2 itself) as one object: from the
 // output of the model's in_proj to the input of its out_proj, in the parallel form and the
 // per-token step, with its state (the convolution's windows and the SSM states).
 #pragma once
@@ -201,11 +201,9 @@ class Mamba2 {
     const Eigen::Index batch = in.xbc.batch(), h = shape_.heads, p = shape_.head_dim;
     const Eigen::Index g = shape_.groups, n = shape_.state_dim, c = shape_.conv_channels();
     const Matrix<T> dt = step_sizes(in, where);  // [B, H]
-    using RowsMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
-    const RowsMap x_in(in.xbc.data(), batch, c,
-                       Eigen::OuterStride<>(batch > 1 ? in.xbc.strides().batch : c));
     Matrix<T> mixed(batch, c);
-    conv_.step_into(states.conv, x_in, mixed);
+    detail::with_step_rows(in.xbc,
+                           [&](const auto& rows) { conv_.step_into(states.conv, rows, mixed); });
     // Rows b * heads + head, as the state batch reads them.
     Matrix<T> k(batch * g, n), q(batch * g, n), v(batch * h, p), log_gate(batch * h, 1);
     for (Eigen::Index b = 0; b < batch; ++b) {
@@ -323,11 +321,24 @@ class Mamba2 {
     detail::require_mixer_output(out, where, std::pair("z", in.z), std::pair("xbc", in.xbc),
                                  std::pair("dt", in.dt));
     if (states != nullptr) {
+      // Every state's shape, the options its sums run with and its transition: the SSM would
+      // check the transition only after the convolution moved, and computes with each state's
+      // own options.
       const RecurrentStateBatch<T>& recurrent = states->recurrent;
-      if (!detail::windows_fit(states->conv, conv_, batch) || recurrent.size() != batch * h ||
-          recurrent.feature_dim() != shape_.state_dim || recurrent.value_dim() != shape_.head_dim) {
-        throw Error(std::string(where) + ": the states are not this mixer's for B = " +
-                    std::to_string(batch) + " sequences: make them with make_states(B)");
+      const Options& own = ssm_.options();
+      bool fits = detail::windows_fit(states->conv, conv_, batch) && recurrent.size() == batch * h;
+      for (Eigen::Index i = 0; fits && i < recurrent.size(); ++i) {
+        const RecurrentState<T>& state = recurrent[i];
+        const Options& o = state.options();
+        fits = state.feature_dim() == shape_.state_dim && state.value_dim() == shape_.head_dim &&
+               o.normalize == own.normalize && o.scale == own.scale && o.decay == own.decay &&
+               detail::continues_transition(state.transition(), detail::transition_of_gate_dim(1));
+      }
+      if (!fits) {
+        throw Error(std::string(where) +
+                    ": the states are not this mixer's for B = " + std::to_string(batch) +
+                    " sequences: make them with make_states(B) of this "
+                    "mixer");
       }
       detail::require_layer_states(recurrent, ssm_.layer_heads(), HeadGrouping::interleaved, where);
     }

@@ -113,9 +113,13 @@ class OutputNorm {
                   " entries but weight " + std::to_string(weight.size()) +
                   "; give as many, or none");
     }
-    if (!(options.eps > 0.0) || !std::isfinite(options.eps)) {
-      throw Error(std::string(where) + ": OutputNormOptions::eps must be finite and > 0, got " +
-                  std::to_string(options.eps));
+    if (!(static_cast<T>(options.eps) > T(0)) || !std::isfinite(static_cast<T>(options.eps))) {
+      throw Error(std::string(where) + ": OutputNormOptions::eps must be finite and > 0 in T, " +
+                  "got " + std::to_string(options.eps));
+    }
+    if (options.threads < 0) {
+      throw Error(std::string(where) + ": OutputNormOptions::threads must be >= 0 (0 = OpenMP's " +
+                  "default), got " + std::to_string(options.threads));
     }
     if (options.group_size < 0) {
       throw Error(std::string(where) + ": OutputNormOptions::group_size must be >= 0 (0: each " +
@@ -282,11 +286,14 @@ class OutputNorm {
     }
     auto require_apart = [&](const auto& input, const char* name) {
       using IS = std::remove_const_t<typename std::decay_t<decltype(input)>::Scalar>;
+      // The same elements: the same start, and the same stride along every axis longer than 1
+      // (a decoding step's [B, H, 1, D] views may differ in the token stride they never use).
+      const HeadStrides &is = input.strides(), &ys = y.strides();
       const bool same_layout =
           std::is_same_v<IS, YS> &&
           static_cast<const void*>(input.data()) == static_cast<const void*>(y.data()) &&
-          input.strides().batch == y.strides().batch && input.strides().head == y.strides().head &&
-          input.strides().token == y.strides().token;
+          (y.batch() == 1 || is.batch == ys.batch) && (y.heads() == 1 || is.head == ys.head) &&
+          (y.tokens() == 1 || is.token == ys.token);
       if (!same_layout && detail::views_meet(input, y)) {
         throw Error(std::string(where) + ": y overlaps " + name + "'s memory without being it " +
                     "(the same data, type and strides): write in place or to memory of its own");

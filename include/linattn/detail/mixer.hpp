@@ -57,6 +57,27 @@ bool windows_fit(const ConvWindows<T>& windows, const ShortConv<T>& conv, Eigen:
          windows.rows() == conv.window_rows();
 }
 
+/// Calls step(rows) with the B x C rows of a one-token view ([B, 1, 1, C]) as a matrix for a
+/// convolution's step: a map of them in place when the sequences' rows lie apart, a copy when
+/// they share memory (a batch stride below C, which an Eigen::Ref of the map would read as
+/// contiguous rows).
+template <class T, class Step>
+void with_step_rows(const HeadsView<const T>& view, const Step& step) {
+  const Eigen::Index batch = view.batch(), channels = view.dim();
+  const Eigen::Index stride = view.strides().batch;
+  if (batch == 1 || stride >= channels) {
+    using RowsMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+    step(
+        RowsMap(view.data(), batch, channels, Eigen::OuterStride<>(batch > 1 ? stride : channels)));
+    return;
+  }
+  Matrix<T> rows(batch, channels);
+  for (Eigen::Index b = 0; b < batch; ++b) {
+    rows.row(b) = Eigen::Map<const Matrix<T>>(view.data() + b * stride, 1, channels);
+  }
+  step(rows);
+}
+
 /// PyTorch's softplus (beta 1, threshold 20): log(1 + exp(x)), x itself past 20.
 template <class T>
 T softplus(T x) {
