@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <linattn/gated_delta_net.hpp>
+#include <linattn/gated_short_conv.hpp>
 #include <linattn/layer.hpp>
+#include <linattn/mamba2.hpp>
 #include <linattn/session_pool.hpp>
+#include <linattn/softmax.hpp>
 #include <map>
 #include <random>
 #include <sstream>
@@ -640,6 +644,265 @@ TEST_CASE("a pool is made from its layers: every session runs with its layer's o
   Matrix<T> want(2, kDv);
   layer.step_into(states, q, k, v, beta, want);
   CHECK(pool.step(0, q, k, v, beta) == want);
+}
+
+// --- SessionPool<>: a hybrid model's layers of every kind ---
+
+namespace {
+
+using linattn::ConstHeadsView;
+using linattn::HeadStrides;
+using linattn::SessionStorage;
+using HybridPool = SessionPool<>;
+using F = float;
+
+/// A small model with one layer of every kind a pool holds, and each layer's token rows:
+///   0 Qwen3.5 Gated DeltaNet  [qkv | z | b | a]      1 softmax KV caches  [q | k | v]
+///   2 Mamba-2                 [z | xBC | dt]         3 LFM2 gated conv    [b | c | x]
+///   4 linear attention, elu   [q | k | v]            5 DeltaNet           [q | k | v | b]
+struct Hybrid {
+  static constexpr Eigen::Index kLayers = 6, kH = 2, kD = 4;
+
+  static linattn::GatedDeltaNetShape gdn_shape() {
+    linattn::GatedDeltaNetShape shape;
+    shape.key_heads = 2;
+    shape.value_heads = 4;
+    shape.key_dim = 8;
+    shape.value_dim = 8;
+    shape.conv_kernel = 4;
+    return shape;
+  }
+  static linattn::GatedDeltaNetWeights<F> gdn_weights() {
+    const auto shape = gdn_shape();
+    linattn::GatedDeltaNetWeights<F> w;
+    w.conv_weight = gaussian<F>(shape.conv_channels(), shape.conv_kernel, 1, 0.5);
+    w.a_log = gaussian<F>(shape.value_heads, 1, 2, 0.5, 0.5);
+    w.dt_bias = gaussian<F>(shape.value_heads, 1, 3, 0.5, 1.0);
+    w.norm_weight = gaussian<F>(shape.value_dim, 1, 4, 0.2, 1.0);
+    return w;
+  }
+  static linattn::Mamba2Shape mamba_shape() {
+    linattn::Mamba2Shape shape;
+    shape.heads = 4;
+    shape.head_dim = 4;
+    shape.groups = 2;
+    shape.state_dim = 6;
+    shape.conv_kernel = 4;
+    return shape;
+  }
+  static linattn::Mamba2Weights<F> mamba_weights() {
+    const auto shape = mamba_shape();
+    linattn::Mamba2Weights<F> w;
+    w.conv_weight = gaussian<F>(shape.conv_channels(), shape.conv_kernel, 5, 0.5);
+    w.conv_bias = gaussian<F>(shape.conv_channels(), 1, 6, 0.2);
+    w.a_log = gaussian<F>(shape.heads, 1, 7, 0.5, 1.0);
+    w.dt_bias = gaussian<F>(shape.heads, 1, 8, 0.5, -2.0);
+    w.d = gaussian<F>(shape.heads, 1, 9, 0.3, 1.0);
+    w.norm_weight = gaussian<F>(shape.inner(), 1, 10, 0.2, 1.0);
+    return w;
+  }
+  static linattn::HeadDecays decays() {
+    linattn::HeadDecays d;
+    d.values = {0.9, 0.99};
+    return d;
+  }
+  static DeltaOptions delta_options() {
+    DeltaOptions options;
+    options.l2_normalize = true;
+    return options;
+  }
+
+  linattn::GatedDeltaNet<F> gdn{gdn_shape(), gdn_weights()};
+  linattn::KVCacheBatch<F> attention{1, kH, kD, kD};
+  linattn::Mamba2<F> mamba{mamba_shape(), mamba_weights()};
+  linattn::GatedShortConv<F> conv{gaussian<F>(8, 3, 11, 0.5), gaussian<F>(8, 1, 12, 0.2)};
+  linattn::LinearAttentionLayer<F, linattn::EluPlusOne> linear{
+      linattn::EluPlusOne{}, kH, kD, kD, decays()};
+  linattn::DeltaRuleLayer<F> delta{kH, kD, kD, delta_options()};
+
+  HybridPool make_pool() const { return HybridPool(gdn, attention, mamba, conv, linear, delta); }
+
+  /// The width of layer l's token row.
+  Eigen::Index width(Eigen::Index l) const {
+    const auto g = gdn_shape();
+    const auto m = mamba_shape();
+    const Eigen::Index widths[kLayers] = {
+        g.conv_channels() + g.value_channels() + 2 * g.value_heads, 3 * kH * kD,
+        m.inner() + m.conv_channels() + m.heads, 3 * 8, 3 * kH * kD, 3 * kH * kD + kH};
+    return widths[l];
+  }
+  /// Session `key`'s row for layer l at token t: anyone can replay it.
+  Matrix<F> row(Key key, Eigen::Index l, std::int64_t t) const {
+    return gaussian<F>(1, width(l), static_cast<std::uint64_t>(key * 100000 + t * 10 + l));
+  }
+
+  /// One token of B sequences through layer l on `states` (rows: B x width(l)).
+  template <class States>
+  Matrix<F> step(Eigen::Index l, States& states, const Matrix<F>& rows) const {
+    const Eigen::Index b = rows.rows(), w = rows.cols();
+    const auto view = [&](Eigen::Index column, Eigen::Index heads, Eigen::Index dim) {
+      return ConstHeadsView<F>(rows.data() + column, b, heads, 1, dim, HeadStrides{w, dim, w, 1});
+    };
+    const auto out_view = [&](Matrix<F>& out, Eigen::Index heads, Eigen::Index dim) {
+      return HeadsView<F>(out.data(), b, heads, 1, dim, HeadStrides{heads * dim, dim, heads * dim, 1});
+    };
+    /// Rows b * H + h of head h's D columns starting at `column`.
+    const auto heads_of = [&](Eigen::Index column) {
+      Matrix<F> m(b * kH, kD);
+      for (Eigen::Index s = 0; s < b; ++s)
+        for (Eigen::Index h = 0; h < kH; ++h) m.row(s * kH + h) = rows.block(s, column + h * kD, 1, kD);
+      return m;
+    };
+    if constexpr (std::is_same_v<States, linattn::GatedDeltaNetStates<F>>) {
+      const auto g = gdn_shape();
+      const Eigen::Index c = g.conv_channels(), hv = g.value_heads;
+      Matrix<F> out(b, g.value_channels());
+      gdn.step_into(states, {view(0, 1, c), view(c, hv, g.value_dim),
+                             view(c + g.value_channels(), hv, 1),
+                             view(c + g.value_channels() + hv, hv, 1)},
+                    out_view(out, hv, g.value_dim));
+      return out;
+    } else if constexpr (std::is_same_v<States, linattn::KVCacheBatch<F>>) {
+      Matrix<F> out(b, kH * kD);
+      for (Eigen::Index s = 0; s < b; ++s) {
+        for (Eigen::Index h = 0; h < kH; ++h) {
+          linattn::Vector<F> o(kD);
+          states.cache(s, h).step_into(rows.block(s, h * kD, 1, kD),
+                                       rows.block(s, kH * kD + h * kD, 1, kD),
+                                       rows.block(s, 2 * kH * kD + h * kD, 1, kD), o);
+          out.block(s, h * kD, 1, kD) = o.transpose();
+        }
+      }
+      return out;
+    } else if constexpr (std::is_same_v<States, linattn::Mamba2States<F>>) {
+      const auto m = mamba_shape();
+      Matrix<F> out(b, m.inner());
+      mamba.step_into(states, {view(0, m.heads, m.head_dim), view(m.inner(), 1, m.conv_channels()),
+                               view(m.inner() + m.conv_channels(), m.heads, 1)},
+                      out_view(out, m.heads, m.head_dim));
+      return out;
+    } else if constexpr (std::is_same_v<States, linattn::ConvWindows<F>>) {
+      Matrix<F> out(b, 8);
+      conv.step_into(states, view(0, 1, 24), out_view(out, 1, 8));
+      return out;
+    } else if constexpr (std::is_same_v<States, RecurrentStateBatch<F>>) {
+      Matrix<F> out(b * kH, kD);
+      linear.step_into(states, heads_of(0), heads_of(kH * kD), heads_of(2 * kH * kD), out);
+      return out;
+    } else {
+      Matrix<F> out(b * kH, kD);
+      Vector<F> beta(b * kH);
+      for (Eigen::Index s = 0; s < b; ++s)
+        for (Eigen::Index h = 0; h < kH; ++h)
+          beta(s * kH + h) = F(1) / (F(1) + std::exp(-rows(s, 3 * kH * kD + h)));
+      delta.step_into(states, heads_of(0), heads_of(kH * kD), heads_of(2 * kH * kD), beta, out);
+      return out;
+    }
+  }
+
+  /// Calls f(l, States-typed tag) for each layer with its kind.
+  template <class F2>
+  void for_each_layer(const F2& f) const {
+    f(0, gdn.make_states(1));
+    f(1, attention.make_states(1));
+    f(2, mamba.make_states(1));
+    f(3, conv.make_states(1));
+    f(4, linear.make_states(1));
+    f(5, delta.make_states(1));
+  }
+};
+
+/// A session run alone: its own states of every layer and its token count.
+struct Alone {
+  linattn::GatedDeltaNetStates<F> gdn;
+  linattn::KVCacheBatch<F> attention;
+  linattn::Mamba2States<F> mamba;
+  linattn::ConvWindows<F> conv;
+  RecurrentStateBatch<F> linear;
+  DeltaRuleStateBatch<F> delta;
+  std::int64_t tokens = 0;
+
+  explicit Alone(const Hybrid& m)
+      : gdn(m.gdn.make_states(1)),
+        attention(m.attention.make_states(1)),
+        mamba(m.mamba.make_states(1)),
+        conv(m.conv.make_states(1)),
+        linear(m.linear.make_states(1)),
+        delta(m.delta.make_states(1)) {}
+
+  template <class G>
+  void each(const G& g) {
+    g(0, gdn);
+    g(1, attention);
+    g(2, mamba);
+    g(3, conv);
+    g(4, linear);
+    g(5, delta);
+  }
+};
+
+/// One decoding step of every live session of the pool, every layer, checked bit for bit
+/// against each session stepped alone.
+void step_all(const Hybrid& model, HybridPool& pool, std::map<Key, Alone>& alone) {
+  const std::vector<Key> keys = pool.keys();
+  const auto b = static_cast<Eigen::Index>(keys.size());
+  Alone& any = alone.at(keys.front());
+  any.each([&](Eigen::Index l, auto& tag) {
+    using States = std::decay_t<decltype(tag)>;
+    Matrix<F> rows(b, model.width(l));
+    for (Eigen::Index s = 0; s < b; ++s) rows.row(s) = model.row(keys[s], l, alone.at(keys[s]).tokens);
+    Matrix<F> pooled;
+    pool.lend_live<States>(l, [&](States& states) { pooled = model.step(l, states, rows); });
+    const Eigen::Index per = pooled.rows() / b;
+    for (Eigen::Index s = 0; s < b; ++s) {
+      Alone& mine = alone.at(keys[s]);
+      States* own = nullptr;
+      mine.each([&](Eigen::Index ll, auto& st) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(st)>, States>) {
+          if (ll == l) own = &st;
+        }
+      });
+      const Matrix<F> want = model.step(l, *own, Matrix<F>(rows.row(s)));
+      CAPTURE(l, keys[s]);
+      CHECK(pooled.middleRows(s * per, per) == want);
+    }
+  });
+  for (Key key : keys) ++alone.at(key).tokens;
+}
+
+}  // namespace
+
+TEST_CASE("hybrid pool: every layer kind steps as each session alone, across adds, drops, "
+          "reorders and blobs",
+          "[session_pool][hybrid]") {
+  const Hybrid model;
+  HybridPool pool = model.make_pool();
+  SessionPool deduced(model.gdn, model.attention, model.mamba);
+  static_assert(std::is_same_v<decltype(deduced), HybridPool>);
+  REQUIRE(pool.layers() == Hybrid::kLayers);
+  std::map<Key, Alone> alone;
+  for (Key key : {5, 9, 2}) {
+    pool.add(key);
+    alone.emplace(key, Alone(model));
+  }
+  for (int t = 0; t < 3; ++t) step_all(model, pool, alone);
+  pool.drop(9);
+  alone.erase(9);
+  pool.reorder({2, 5});
+  pool.add(11);
+  alone.emplace(11, Alone(model));
+  for (int t = 0; t < 2; ++t) step_all(model, pool, alone);
+
+  // Session 5 as one blob: added back under a new key it continues bit for bit, in place.
+  const std::vector<std::uint8_t> blob = pool.save_bytes(5);
+  pool.add_bytes(40, blob);
+  alone.emplace(40, alone.at(5));  // session 40 starts where 5 is: from its copy
+  for (int t = 0; t < 3; ++t) step_all(model, pool, alone);
+  // The blob saved again holds what the pool holds: bit for bit the same bytes.
+  CHECK(pool.save_bytes(40) != blob);
+  HybridPool other = model.make_pool();
+  other.add_bytes(40, pool.save_bytes(40));
+  CHECK(other.save_bytes(40) == pool.save_bytes(40));
 }
 
 }  // namespace linattn_test_session_pool

@@ -157,4 +157,9 @@ class Error : public std::invalid_argument {
   explicit Error(const std::string& what) : std::invalid_argument("linattn: " + what) {}
 };
 
+namespace detail {
+/// How a SessionPool reaches the storage of the batches it lends (detail/session_parts.hpp).
+struct PoolAccess;
+}  // namespace detail
+
 }  // namespace linattn

@@ -741,11 +741,7 @@ class DeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, DeltaOp
   /// little-endian with a CRC-32; load(is, options) reads it back bit for bit.
   /// @param os  binary output stream
   void save(std::ostream& os) const {
-    detail::StateRecord record = this->record_of(StateFamily::delta_rule);
-    record.delta.scale = options_.scale;
-    record.delta.l2_normalize = options_.l2_normalize;
-    record.delta.allow_negative_eigenvalues = options_.allow_negative_eigenvalues;
-    detail::write_state_record<Acc>(os, record, carried_.s, nullptr, "DeltaRuleState::save");
+    detail::write_state_record<Acc>(os, record(), carried_.s, nullptr, "DeltaRuleState::save");
   }
 
   /// Reads a state written by save and checks that it fits the caller: the options that change
@@ -759,6 +755,37 @@ class DeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, DeltaOp
     detail::validate_delta_options(options, where);
     const detail::StateRecord stored =
         detail::read_state_of<Acc>(is, StateFamily::delta_rule, where);
+    return restore(stored, options, where);
+  }
+
+  /// Reads a state written by save checking nothing against the caller: the state gets the
+  /// options it was saved with (and the defaults of chunk, check_finite, threads). For tools
+  /// that inspect files; a server loads with load(is, options). Throws Error, and returns
+  /// nothing, for an empty, failed, truncated or corrupt stream, a wrong magic, format version
+  /// or scalar type, another family's state (a RecurrentState's), dims over 2^26 entries,
+  /// invalid options or transition record, or a non-finite S. Reads format 4 and the delta
+  /// rule's earlier format ("LNATTND" 1).
+  /// @param is  binary stream positioned at a saved state; read up to its last byte
+  static DeltaRuleState load_unchecked(std::istream& is) {
+    const detail::StateRecord stored =
+        detail::read_state_of<Acc>(is, StateFamily::delta_rule, "DeltaRuleState::load_unchecked");
+    return build(stored, detail::saved_options(stored.delta));
+  }
+
+ private:
+  /// The record save writes (its S is carried_.s).
+  detail::StateRecord record() const {
+    detail::StateRecord record = this->record_of(StateFamily::delta_rule);
+    record.delta.scale = options_.scale;
+    record.delta.l2_normalize = options_.l2_normalize;
+    record.delta.allow_negative_eigenvalues = options_.allow_negative_eigenvalues;
+    return record;
+  }
+
+  /// The state a verified record holds, checked against the caller's options as load checks
+  /// them: what load and a SessionPool's session load give.
+  static DeltaRuleState restore(const detail::StateRecord& stored, const DeltaOptions& options,
+                                const char* where) {
     const auto dk = static_cast<Eigen::Index>(stored.rows);
     const std::string head = std::string(where) + ": the state was saved with ";
     const double saved_scale = detail::delta_scale(detail::saved_options(stored.delta), dk);
@@ -780,21 +807,6 @@ class DeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, DeltaOp
     return build(stored, options);
   }
 
-  /// Reads a state written by save checking nothing against the caller: the state gets the
-  /// options it was saved with (and the defaults of chunk, check_finite, threads). For tools
-  /// that inspect files; a server loads with load(is, options). Throws Error, and returns
-  /// nothing, for an empty, failed, truncated or corrupt stream, a wrong magic, format version
-  /// or scalar type, another family's state (a RecurrentState's), dims over 2^26 entries,
-  /// invalid options or transition record, or a non-finite S. Reads format 4 and the delta
-  /// rule's earlier format ("LNATTND" 1).
-  /// @param is  binary stream positioned at a saved state; read up to its last byte
-  static DeltaRuleState load_unchecked(std::istream& is) {
-    const detail::StateRecord stored =
-        detail::read_state_of<Acc>(is, StateFamily::delta_rule, "DeltaRuleState::load_unchecked");
-    return build(stored, detail::saved_options(stored.delta));
-  }
-
- private:
   /// The state a verified record holds, with the given options.
   static DeltaRuleState build(const detail::StateRecord& stored, const DeltaOptions& options) {
     DeltaRuleState state(static_cast<Eigen::Index>(stored.rows),

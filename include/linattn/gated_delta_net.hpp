@@ -10,6 +10,7 @@
 #include <linattn/config.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/detail/mixer.hpp>
+#include <linattn/detail/session_parts.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/gates.hpp>
 #include <linattn/heads_view.hpp>
@@ -489,3 +490,14 @@ class GatedDeltaNet {
 };
 
 }  // namespace linattn
+
+namespace linattn::detail {
+
+/// A SessionPool<> keeps a GatedDeltaNet's session as its window and its states.
+template <class T>
+struct SessionParts<GatedDeltaNetStates<T>> : MixerParts<GatedDeltaNetStates<T>> {
+  static constexpr PartKind kind = PartKind::gated_delta_net;
+  static constexpr const char* name = "GatedDeltaNetStates (conv windows + delta-rule states)";
+};
+
+}  // namespace linattn::detail

@@ -9,6 +9,7 @@
 #include <limits>
 #include <linattn/config.hpp>
 #include <linattn/detail/mixer.hpp>
+#include <linattn/detail/session_parts.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/gates.hpp>
@@ -430,3 +431,22 @@ class Mamba2 {
 };
 
 }  // namespace linattn
+
+namespace linattn::detail {
+
+/// A SessionPool<> keeps a Mamba2's session as its window and its states.
+template <class T>
+struct SessionParts<Mamba2States<T>> : MixerParts<Mamba2States<T>> {
+  static constexpr PartKind kind = PartKind::mamba2;
+  static constexpr const char* name = "Mamba2States (conv windows + SSM states)";
+};
+
+/// Mamba2's SSM runs on the Identity map over B and C: the map its saved states record.
+template <class T>
+struct LayerMapPrint<Mamba2<T>> {
+  static MapFingerprint of(const Mamba2<T>& mixer) {
+    return fingerprint_of(Identity{}, mixer.shape().state_dim);
+  }
+};
+
+}  // namespace linattn::detail

@@ -569,16 +569,9 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
                     "map, so the map cannot be checked; read it with load_unchecked(is), compare "
                     "its options() with yours and save it again with save(os, map)");
       }
-      if (stored.linear.map.kind == detail::MapKind::unknown) {
-        throw Error(std::string(where) +
-                    ": the state was saved without its feature map (save(os)), so the map "
-                    "cannot be checked; save it with save(os, map), or read it with "
-                    "load_unchecked(is)");
-      }
-      detail::require_same_map(stored.linear.map,
-                               detail::fingerprint_of(map, static_cast<Eigen::Index>(stored.rows)),
-                               where);
-      return build(stored, options);
+      return restore(stored,
+                     detail::fingerprint_of(map, static_cast<Eigen::Index>(stored.rows)),
+                     options, where);
     } else {
       return load_unchecked(is);  // not reached: check_feature_map failed to compile
     }
@@ -622,16 +615,9 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
  private:
   /// Writes format 4 (detail/state_record.hpp has the layout) with the map record `print`.
   void write(std::ostream& os, const detail::MapFingerprint& print) const {
-    detail::StateRecord record = this->record_of(StateFamily::linear);
-    record.linear.eps = options_.eps;
-    record.linear.decay = options_.decay;
-    record.linear.normalize = options_.normalize;
-    record.linear.scale = options_.scale;
-    record.linear.map = print;
-    record.linear.log_scale = carried_.log_scale;
     // Pending per-feature gate factors are applied to the written sums (the format has no field).
     const ScaledSums<Acc> sums = this->sums();
-    detail::write_state_record<Acc>(os, record, sums.s, &sums.z, "RecurrentState::save");
+    detail::write_state_record<Acc>(os, record(print), sums.s, &sums.z, "RecurrentState::save");
   }
 
   /// Throws Error naming the first result-changing option that differs from the saved one.
@@ -654,6 +640,35 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
       throw Error(head + "scale " + detail::format_double(saved.scale) + " but options.scale is " +
                   detail::format_double(options.scale));
     }
+  }
+
+  /// The state a verified record holds, checked against the caller's map (its fingerprint)
+  /// and options as load checks them: what load and a SessionPool's session load give.
+  static RecurrentState restore(const detail::StateRecord& stored,
+                                const detail::MapFingerprint& print, const Options& options,
+                                const char* where) {
+    require_same_options(stored.linear, options, where);
+    if (stored.linear.map.kind == detail::MapKind::unknown) {
+      throw Error(std::string(where) +
+                  ": the state was saved without its feature map (save(os)), so the map "
+                  "cannot be checked; save it with save(os, map), or read it with "
+                  "load_unchecked(is)");
+    }
+    detail::require_same_map(stored.linear.map, print, where);
+    return build(stored, options);
+  }
+
+  /// The record save(os, map) writes, the map recorded as `print`, its S and z in the
+  /// returned sums (pending per-feature gate factors applied: the format has no field).
+  detail::StateRecord record(const detail::MapFingerprint& print) const {
+    detail::StateRecord record = this->record_of(StateFamily::linear);
+    record.linear.eps = options_.eps;
+    record.linear.decay = options_.decay;
+    record.linear.normalize = options_.normalize;
+    record.linear.scale = options_.scale;
+    record.linear.map = print;
+    record.linear.log_scale = carried_.log_scale;
+    return record;
   }
 
   /// The state a verified record holds, with the given options.

@@ -6,8 +6,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <istream>
+#include <cstring>
 #include <linattn/config.hpp>
+#include <linattn/detail/fingerprint.hpp>
+#include <linattn/detail/session_keys.hpp>
+#include <linattn/detail/session_parts.hpp>
 #include <linattn/detail/state_batch.hpp>
+#include <memory>
 #include <linattn/state_batch.hpp>
 #include <linattn/state_io.hpp>
 #include <ostream>
@@ -36,6 +41,14 @@ template <class T, class Acc>
 struct batch_traits<DeltaRuleStateBatch<T, Acc>> {
   using Scalar = T;
 };
+
+/// Whether K is a batch of states (what a SessionPool<Batch> holds).
+template <class K>
+inline constexpr bool is_state_batch = false;
+template <class T, class Acc>
+inline constexpr bool is_state_batch<RecurrentStateBatch<T, Acc>> = true;
+template <class T, class Acc>
+inline constexpr bool is_state_batch<DeltaRuleStateBatch<T, Acc>> = true;
 
 /// Whether Layer is a layer whose make_states gives a Batch (the layers of a SessionPool).
 template <class Layer, class Batch, class = void>
@@ -496,12 +509,406 @@ class SessionPool {
   std::unordered_map<Key, Eigen::Index> positions_;
 };
 
-/// SessionPool pool(layer_0, layer_1, ...) holds those layers' States.
+namespace detail {
+/// SessionPool<Batch> for layers whose States are all one batch of states, else SessionPool<>.
 template <class First, class... Rest>
-SessionPool(const First&, const Rest&...) -> SessionPool<typename First::States>;
+using pool_of_layers_t = std::conditional_t<
+    (std::is_same_v<typename First::States, typename Rest::States> && ...) &&
+        is_state_batch<typename First::States>,
+    typename First::States, void>;
+}  // namespace detail
+
+/// SessionPool pool(layer_0, layer_1, ...) holds those layers' States: a SessionPool<Batch>
+/// when every layer's States is the same batch of states, else a SessionPool<> (hybrid).
+template <class First, class... Rest>
+SessionPool(const First&, const Rest&...) -> SessionPool<detail::pool_of_layers_t<First, Rest...>>;
 template <class Layer>
 SessionPool(const std::vector<Layer>&) -> SessionPool<typename Layer::States>;
 template <class Layer>
 SessionPool(Eigen::Index, const Layer&) -> SessionPool<typename Layer::States>;
+
+}  // namespace linattn
+
+namespace linattn {
+namespace detail {
+
+/// A new address for every type K: which kind a type-erased pool layer holds (without RTTI).
+template <class K>
+const void* pool_kind_id() {
+  static const char id = 0;
+  return &id;
+}
+
+/// A staged part of one session (fresh or loaded) before it joins its layer.
+struct StagedPart {
+  virtual ~StagedPart() = default;
+};
+
+/// One layer of a SessionPool<>: its live sessions' parts, whatever their kind.
+class PoolLayer {
+ public:
+  virtual ~PoolLayer() = default;
+  virtual const void* kind_id() const = 0;
+  virtual PartKind kind() const = 0;
+  virtual const char* name() const = 0;
+  /// A new session's part (may throw; nothing changes).
+  virtual std::unique_ptr<StagedPart> fresh() const = 0;
+  /// A session's part read from a blob, checked against this layer (may throw).
+  virtual std::unique_ptr<StagedPart> load(LittleEndianReader& in, SessionStorage storage,
+                                           const char* where) const = 0;
+  /// Room for one more session (may throw); push then cannot.
+  virtual void reserve_one() = 0;
+  virtual void push(StagedPart& part) noexcept = 0;
+  virtual void erase(std::size_t at) = 0;
+  /// Session from[s] moves to position s (no part's memory moves).
+  virtual void permute(const std::vector<std::size_t>& from) = 0;
+  virtual void reset(std::size_t at) = 0;
+  virtual void save(LittleEndianWriter& out, std::size_t at, SessionStorage storage,
+                    const char* where) const = 0;
+};
+
+/// A pool layer of kind K: one K of batch 1 per session, lent as one K of B for a call.
+template <class K>
+class TypedPoolLayer final : public PoolLayer {
+  using Parts = SessionParts<K>;
+  struct Staged final : StagedPart {
+    explicit Staged(K part) : value(std::move(part)) {}
+    K value;
+  };
+
+ public:
+  TypedPoolLayer(K fresh, const MapFingerprint& print)
+      : fresh_(fresh), lent_(std::move(fresh)), print_(print) {}
+
+  const void* kind_id() const override { return pool_kind_id<K>(); }
+  PartKind kind() const override { return Parts::kind; }
+  const char* name() const override { return Parts::name; }
+  std::unique_ptr<StagedPart> fresh() const override { return std::make_unique<Staged>(fresh_); }
+  std::unique_ptr<StagedPart> load(LittleEndianReader& in, SessionStorage storage,
+                                   const char* where) const override {
+    return std::make_unique<Staged>(Parts::load(in, storage, fresh_, print_, where));
+  }
+  void reserve_one() override {
+    if (ones_.capacity() < ones_.size() + 1) ones_.reserve(std::max<std::size_t>(4, 2 * ones_.size()));
+  }
+  void push(StagedPart& part) noexcept override {
+    ones_.push_back(std::move(static_cast<Staged&>(part).value));
+  }
+  void erase(std::size_t at) override {
+    ones_.erase(ones_.begin() + static_cast<std::ptrdiff_t>(at));
+  }
+  void permute(const std::vector<std::size_t>& from) override {
+    std::vector<K> next;
+    next.reserve(ones_.size());
+    for (std::size_t s : from) next.push_back(std::move(ones_[s]));
+    ones_.swap(next);
+  }
+  void reset(std::size_t at) override { Parts::reset(ones_[at]); }
+  void save(LittleEndianWriter& out, std::size_t at, SessionStorage storage,
+            const char* where) const override {
+    Parts::save(out, ones_[at], storage, print_, where);
+  }
+
+  /// Session at[i]'s part as sequence i of one K for body(K&), and back whatever happens.
+  template <class Body>
+  void lend(const std::vector<std::size_t>& at, const Body& body) {
+    Parts::lend(lent_, ones_, at);
+    struct GiveBack {
+      TypedPoolLayer& layer;
+      const std::vector<std::size_t>& at;
+      ~GiveBack() { Parts::give_back(layer.lent_, layer.ones_, at); }
+    };
+    const GiveBack give_back{*this, at};
+    body(lent_);
+  }
+
+  K& one(std::size_t at) { return ones_[at]; }
+  const K& one(std::size_t at) const { return ones_[at]; }
+
+ private:
+  K fresh_;                // a new session's part: the layer's make_states(1)
+  K lent_;                 // the batch lent for each call (its containers empty between calls)
+  MapFingerprint print_;   // the layer's feature map, recorded with linear states
+  std::vector<K> ones_;    // by position: each session's part, a batch of one
+};
+
+/// The pool layer of a model layer (anything whose make_states(1) is a kind SessionParts knows).
+template <class Layer>
+std::unique_ptr<PoolLayer> make_pool_layer(const Layer& layer) {
+  using K = std::decay_t<decltype(layer.make_states(1))>;
+  return std::make_unique<TypedPoolLayer<K>>(layer.make_states(1),
+                                             LayerMapPrint<Layer>::of(layer));
+}
+
+/// The magic of a session blob.
+inline constexpr char kSessionMagic[8] = {'L', 'N', 'A', 'T', 'T', 'N', 'P', '\0'};
+/// The session blob format this build writes (and the last it reads).
+inline constexpr std::uint32_t kSessionFormatVersion = 1;
+
+}  // namespace detail
+
+/// The sessions of a whole hybrid model: for each layer, whatever that layer carries from one
+/// call to the next, of any kind: a linear-attention or delta-rule layer's states, a mixer's
+/// windows and states (GatedDeltaNet, Mamba2), a gated short convolution's windows
+/// (GatedShortConv), a softmax layer's KV caches (KVCacheBatch). Made from the model's layers in
+/// order; sessions are named by key and ordered by position as in SessionPool<Batch>, and a
+/// call on layer l lends that layer's parts of the sessions named (or of every live one) to
+/// one batch of the layer's kind, sequence b being the b-th session, then takes them back:
+/// adding, dropping and reordering sessions never moves a state's memory.
+///
+/// A session saves as one blob: every layer, one CRC-32, the format versioned (the layout is
+/// in docs/design.md), in the storage asked for (exact, bf16, int8); add_bytes reads and
+/// checks the whole blob before the session joins.
+template <>
+class SessionPool<void> {
+ public:
+  /// How the caller names a session.
+  using Key = std::int64_t;
+
+  /// A pool for a model's layers, in order: each session holds layer l's make_states(1).
+  /// @param layers  LinearAttentionLayer, DeltaRuleLayer, GatedDeltaNet, Mamba2,
+  ///                GatedShortConv, or a KVCacheBatch (a softmax layer's caches:
+  ///                its heads, Dk, Dv and scale); at least one
+  template <class... Layers>
+  explicit SessionPool(const Layers&... layers) {
+    static_assert(sizeof...(Layers) >= 1, "linattn: SessionPool<> needs the model's layers");
+    layers_.reserve(sizeof...(Layers));
+    (layers_.push_back(detail::make_pool_layer(layers)), ...);
+  }
+
+  /// Number of layers.
+  Eigen::Index layers() const { return static_cast<Eigen::Index>(layers_.size()); }
+  /// What layer `layer` holds per session, e.g. "GatedDeltaNetStates (...)".
+  const char* layer_kind(Eigen::Index layer) const {
+    return layers_[checked_layer(layer, "SessionPool::layer_kind")]->name();
+  }
+  /// Number of live sessions.
+  Eigen::Index size() const { return keys_.size(); }
+  /// The live sessions' keys in position order (the order of a call's sequences).
+  const std::vector<Key>& keys() const { return keys_.keys(); }
+  /// Whether a session named `key` is live.
+  bool contains(Key key) const { return keys_.contains(key); }
+  /// The position of session `key`; throws if it is not live.
+  Eigen::Index position(Key key) const { return keys_.position_of(key, "SessionPool::position"); }
+
+  /// Adds a new session at the end, every layer fresh; throws if `key` is live.
+  /// @return its position, size() - 1
+  Eigen::Index add(Key key) {
+    keys_.require_new(key, "SessionPool::add");
+    std::vector<std::unique_ptr<detail::StagedPart>> parts;
+    parts.reserve(layers_.size());
+    for (const auto& layer : layers_) parts.push_back(layer->fresh());
+    return insert(key, parts);
+  }
+
+  /// Adds session `key` at the end from the blob save_bytes wrote (any storage), read and
+  /// checked whole (magic, version, every layer's kind and shape, options, feature maps, the
+  /// CRC, nothing after it) before the session joins: a throwing call changes nothing.
+  /// @param data  the blob's first byte
+  /// @param size  its length in bytes
+  /// @return      its position, size() - 1
+  Eigen::Index add_bytes(Key key, const void* data, std::size_t size) {
+    constexpr const char* where = "SessionPool::add_bytes";
+    keys_.require_new(key, where);
+    detail::ByteSource source(data, size);
+    std::istream is(&source);
+    std::vector<std::unique_ptr<detail::StagedPart>> parts = read_session(is, where);
+    if (source.left() != 0) {
+      throw Error(std::string(where) + ": the blob holds " + std::to_string(source.left()) +
+                  " bytes after the session (" + std::to_string(size) + " in all)");
+    }
+    return insert(key, parts);
+  }
+  /// As add_bytes over a vector.
+  Eigen::Index add_bytes(Key key, const std::vector<std::uint8_t>& bytes) {
+    return add_bytes(key, bytes.data(), bytes.size());
+  }
+  /// As add_bytes from a stream positioned at a blob, read up to its last byte.
+  Eigen::Index add(Key key, std::istream& is) {
+    constexpr const char* where = "SessionPool::add";
+    keys_.require_new(key, where);
+    std::vector<std::unique_ptr<detail::StagedPart>> parts = read_session(is, where);
+    return insert(key, parts);
+  }
+
+  /// Writes session `key`, every layer, as one blob (add and add_bytes read it back).
+  /// @param storage  exact (bit for bit), bf16 or int8: the numbers' bytes in the blob
+  void save(Key key, std::ostream& os, SessionStorage storage = SessionStorage::exact) const {
+    constexpr const char* where = "SessionPool::save";
+    const std::size_t at = static_cast<std::size_t>(keys_.position_of(key, where));
+    if (storage != SessionStorage::exact && storage != SessionStorage::bf16 &&
+        storage != SessionStorage::int8) {
+      throw Error(std::string(where) + ": storage is not a SessionStorage");
+    }
+    detail::LittleEndianWriter out(os);
+    out.put_bytes(reinterpret_cast<const unsigned char*>(detail::kSessionMagic),
+                  sizeof(detail::kSessionMagic));
+    out.put<std::uint32_t>(detail::kSessionFormatVersion);
+    out.put<std::uint8_t>(static_cast<std::uint8_t>(storage));
+    out.put<std::uint32_t>(static_cast<std::uint32_t>(layers_.size()));
+    for (const auto& layer : layers_) {
+      out.put<std::uint8_t>(static_cast<std::uint8_t>(layer->kind()));
+      layer->save(out, at, storage, where);
+    }
+    const std::uint32_t checksum = out.checksum();
+    out.put<std::uint32_t>(checksum);
+    if (!os) throw Error(std::string(where) + ": the stream failed while writing");
+  }
+
+  /// The bytes save(key, os, storage) writes: a session as one database blob.
+  std::vector<std::uint8_t> save_bytes(Key key,
+                                       SessionStorage storage = SessionStorage::exact) const {
+    std::vector<std::uint8_t> bytes;
+    detail::ByteSink sink(bytes);
+    std::ostream os(&sink);
+    save(key, os, storage);
+    return bytes;
+  }
+
+  /// Removes session `key`; the sessions after it move up one position.
+  void drop(Key key) {
+    const std::size_t at = static_cast<std::size_t>(keys_.position_of(key, "SessionPool::drop"));
+    for (const auto& layer : layers_) layer->erase(at);
+    keys_.erase(at);
+  }
+
+  /// Puts the sessions in the order of `order`, a permutation of keys().
+  void reorder(const std::vector<Key>& order) {
+    const std::vector<std::size_t> from = keys_.permutation_of(order, "SessionPool::reorder");
+    for (const auto& layer : layers_) layer->permute(from);
+    keys_.reorder(order);
+  }
+
+  /// Clears every layer of session `key` (a new conversation under the same key).
+  void reset(Key key) {
+    const std::size_t at = static_cast<std::size_t>(keys_.position_of(key, "SessionPool::reset"));
+    for (const auto& layer : layers_) layer->reset(at);
+  }
+
+  /// Session `key`'s part of layer `layer` (a batch of one sequence), to read or set.
+  /// @tparam States  the layer's kind (its make_states' type); another throws
+  template <class States>
+  States& states(Key key, Eigen::Index layer) {
+    constexpr const char* where = "SessionPool::states";
+    return typed<States>(layer, where).one(
+        static_cast<std::size_t>(keys_.position_of(key, where)));
+  }
+  /// Read-only.
+  template <class States>
+  const States& states(Key key, Eigen::Index layer) const {
+    constexpr const char* where = "SessionPool::states";
+    return const_cast<SessionPool&>(*this).typed<States>(layer, where).one(
+        static_cast<std::size_t>(keys_.position_of(key, where)));
+  }
+
+  /// body(states) with the sessions named as one batch of layer `layer`'s kind, session
+  /// sessions[b] its sequence b; the parts go back whatever body does.
+  /// @tparam States  the layer's kind; another throws
+  /// @param sessions  distinct live keys, at least one
+  template <class States, class Body>
+  void lend(Eigen::Index layer, const std::vector<Key>& sessions, const Body& body) {
+    constexpr const char* where = "SessionPool::lend";
+    auto& typed_layer = typed<States>(layer, where);
+    if (sessions.empty()) throw Error(std::string(where) + ": sessions is empty");
+    typed_layer.lend(keys_.positions_of(sessions, where, "sessions"), body);
+  }
+  /// As lend over every live session in position order.
+  template <class States, class Body>
+  void lend_live(Eigen::Index layer, const Body& body) {
+    lend<States>(layer, keys_.keys(), body);
+  }
+
+  /// One step of every live session through layer `layer`, the model's `mixer` (the layer the
+  /// pool was made with): mixer.step_into(states, args...), sequence b the session at
+  /// position b. Throws if no session is live.
+  template <class Layer, class... Args>
+  void step_into(Eigen::Index layer, const Layer& mixer, Args&&... args) {
+    lend_live<typename Layer::States>(
+        layer, [&](typename Layer::States& states) { mixer.step_into(states, args...); });
+  }
+  /// Prompts for the sessions named through layer `layer`: mixer.prefill_into(states, args...)
+  /// with sequence b the session sessions[b]. The other sessions are not touched.
+  template <class Layer, class... Args>
+  void prefill_into(Eigen::Index layer, const std::vector<Key>& sessions, const Layer& mixer,
+                    Args&&... args) {
+    lend<typename Layer::States>(layer, sessions, [&](typename Layer::States& states) {
+      mixer.prefill_into(states, args...);
+    });
+  }
+
+ private:
+  std::size_t checked_layer(Eigen::Index layer, const char* where) const {
+    if (layer < 0 || layer >= layers()) {
+      throw Error(std::string(where) + ": layer " + std::to_string(layer) + " but the pool has " +
+                  std::to_string(layers()) + " layers");
+    }
+    return static_cast<std::size_t>(layer);
+  }
+
+  template <class States>
+  detail::TypedPoolLayer<States>& typed(Eigen::Index layer, const char* where) {
+    detail::PoolLayer& held = *layers_[checked_layer(layer, where)];
+    if (held.kind_id() != detail::pool_kind_id<States>()) {
+      throw Error(std::string(where) + ": layer " + std::to_string(layer) + " holds " +
+                  held.name() + ", not " + detail::SessionParts<States>::name +
+                  " of this scalar type: pass the layer's own States");
+    }
+    return static_cast<detail::TypedPoolLayer<States>&>(held);
+  }
+
+  /// Every layer's part of one session from a blob, checked.
+  std::vector<std::unique_ptr<detail::StagedPart>> read_session(std::istream& is,
+                                                                const char* where) const {
+    detail::LittleEndianReader in(is, where);
+    unsigned char magic[8];
+    in.get_first_bytes(magic, sizeof(magic), "the magic bytes");
+    if (std::memcmp(magic, detail::kSessionMagic, sizeof(magic)) != 0) {
+      throw Error(std::string(where) +
+                  (std::memcmp(magic, detail::kStateMagic, sizeof(magic)) == 0
+                       ? ": the bytes hold one state, not a session blob (SessionPool<>::save)"
+                       : ": wrong magic bytes, not a linattn session"));
+    }
+    const auto version = in.get<std::uint32_t>("the format version");
+    if (version < 1 || version > detail::kSessionFormatVersion) {
+      throw Error(std::string(where) + ": session format version " + std::to_string(version) +
+                  ", this build reads 1 to " + std::to_string(detail::kSessionFormatVersion));
+    }
+    const auto storage = in.get<std::uint8_t>("the storage");
+    if (storage > static_cast<std::uint8_t>(SessionStorage::int8)) {
+      throw Error(std::string(where) + ": unknown storage " + std::to_string(storage));
+    }
+    detail::require_count(in.get<std::uint32_t>("the layer count"), layers_.size(),
+                          "layer count", where);
+    std::vector<std::unique_ptr<detail::StagedPart>> parts;
+    parts.reserve(layers_.size());
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      const auto kind = in.get<std::uint8_t>("a layer's kind");
+      if (kind != static_cast<std::uint8_t>(layers_[l]->kind())) {
+        throw Error(std::string(where) + ": the blob's layer " + std::to_string(l) +
+                    " is of kind " + std::to_string(kind) + " but this pool's holds " +
+                    layers_[l]->name() + ": a session of another model");
+      }
+      parts.push_back(layers_[l]->load(in, static_cast<SessionStorage>(storage), where));
+    }
+    const std::uint32_t computed = in.checksum();
+    if (in.get<std::uint32_t>("the checksum") != computed) {
+      throw Error(std::string(where) + ": checksum mismatch, the session is corrupt");
+    }
+    return parts;
+  }
+
+  /// Appends session `key` with its staged parts. Everything that can throw happens first.
+  Eigen::Index insert(Key key, std::vector<std::unique_ptr<detail::StagedPart>>& parts) {
+    for (const auto& layer : layers_) layer->reserve_one();
+    keys_.reserve_one();
+    keys_.append(key);
+    // Nothing below throws: moves into reserved room.
+    for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l]->push(*parts[l]);
+    return size() - 1;
+  }
+
+  std::vector<std::unique_ptr<detail::PoolLayer>> layers_;
+  detail::SessionKeys keys_;
+};
 
 }  // namespace linattn

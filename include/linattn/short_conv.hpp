@@ -448,15 +448,15 @@ class ConvWindows {
   /// @param conv   the convolution these windows feed (its C, K and dilation)
   /// @param batch  B >= 1, sequences
   ConvWindows(const ShortConv<T>& conv, Eigen::Index batch)
-      : batch_(batch), rows_(conv.window_rows()), channels_(conv.channels()) {
+      : rows_(conv.window_rows()), channels_(conv.channels()) {
     if (batch < 1) {
       throw Error("ConvWindows: batch must be >= 1, got " + std::to_string(batch));
     }
-    windows_.setZero(batch * rows_, channels_);
+    windows_.assign(static_cast<std::size_t>(batch), Matrix<T>::Zero(rows_, channels_));
   }
 
   /// B, sequences.
-  Eigen::Index batch() const { return batch_; }
+  Eigen::Index batch() const { return static_cast<Eigen::Index>(windows_.size()); }
   /// W = (K - 1) * dilation, rows per window.
   Eigen::Index rows() const { return rows_; }
   /// C, channels.
@@ -487,7 +487,9 @@ class ConvWindows {
   }
 
   /// Every window back to zeros (fresh sequences).
-  void reset() { windows_.setZero(); }
+  void reset() {
+    for (Matrix<T>& window : windows_) window.setZero();
+  }
   /// Sequence b's window back to zeros (a new sequence in its slot).
   void reset(Eigen::Index b) {
     WindowMap(history_data(b, "ConvWindows::reset"), rows_, channels_).setZero();
@@ -496,20 +498,22 @@ class ConvWindows {
  private:
   template <class>
   friend class ShortConv;
+  // A SessionPool moves each session's window in and out of the windows it lends.
+  friend struct detail::PoolAccess;
   using WindowMap = Eigen::Map<Matrix<T>>;
 
   T* history_data(Eigen::Index b, const char* where) {
     check_index(b, where);
-    return windows_.data() + b * rows_ * channels_;
+    return windows_[static_cast<std::size_t>(b)].data();
   }
   const T* history_data(Eigen::Index b, const char* where) const {
     check_index(b, where);
-    return windows_.data() + b * rows_ * channels_;
+    return windows_[static_cast<std::size_t>(b)].data();
   }
   void check_index(Eigen::Index b, const char* where) const {
-    if (b < 0 || b >= batch_) {
+    if (b < 0 || b >= batch()) {
       throw Error(std::string(where) + ": sequence " + std::to_string(b) + " is out of range [0, " +
-                  std::to_string(batch_) + ")");
+                  std::to_string(batch()) + ")");
     }
   }
 
@@ -525,15 +529,15 @@ class ConvWindows {
   void check(const ShortConv<T>& conv, Eigen::Index sequences, const char* where,
              const char* name = "the windows") const {
     if (conv.channels() != channels_ || conv.window_rows() != rows_) {
-      throw Error(std::string(where) + ": " + name + " are " + std::to_string(batch_) +
+      throw Error(std::string(where) + ": " + name + " are " + std::to_string(batch()) +
                   " windows of " + std::to_string(rows_) + " x " + std::to_string(channels_) +
                   " but the convolution needs " + std::to_string(conv.window_rows()) + " x " +
                   std::to_string(conv.channels()) +
                   " ((K - 1) * dilation x C): use windows made for this convolution");
     }
-    if (sequences != batch_) {
+    if (sequences != batch()) {
       throw Error(std::string(where) + ": the inputs hold " + std::to_string(sequences) +
-                  " sequences but " + name + " " + std::to_string(batch_) +
+                  " sequences but " + name + " " + std::to_string(batch()) +
                   " (one window per sequence)");
     }
   }
@@ -553,8 +557,8 @@ class ConvWindows {
     }
   }
 
-  Eigen::Index batch_, rows_, channels_;
-  Matrix<T> windows_;  // (B * W) x C: window b is rows [b * W, (b + 1) * W)
+  Eigen::Index rows_, channels_;
+  std::vector<Matrix<T>> windows_;  // B windows of W x C, one allocation each (movable)
 };
 
 }  // namespace linattn

@@ -14,6 +14,7 @@
 #include <linattn/gradients.hpp>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace linattn {
 
@@ -557,6 +558,8 @@ class SoftmaxKVCache {
   Eigen::Index key_dim() const { return key_dim_; }
   /// Dv, the width of v and the output.
   Eigen::Index value_dim() const { return value_dim_; }
+  /// The scale multiplying q . k (resolved: 1/sqrt(Dk) when made with a negative one).
+  T scale() const { return scale_; }
   /// Cached keys, tokens() x Dk.
   typename Matrix<T>::ConstRowsBlockXpr keys() const { return keys_.topRows(size_); }
   /// Cached values, tokens() x Dv.
@@ -586,6 +589,68 @@ class SoftmaxKVCache {
   Matrix<T> keys_, values_;  // capacity x Dk, capacity x Dv
   Vector<T> scores_;
   Vector<T> query_;
+};
+
+/// The KV caches of B sequences through one softmax attention layer of H heads (the KV heads:
+/// fewer than the query heads under GQA), cache b * H + h for head h of sequence b: what a
+/// SessionPool holds for a hybrid model's softmax layers, as a RecurrentStateBatch is a
+/// linear layer's. Each cache is a SoftmaxKVCache, stepped by the caller.
+/// @tparam T  float or double
+template <class T>
+class KVCacheBatch {
+ public:
+  /// What make_states returns (a SessionPool<> takes a KVCacheBatch as a softmax layer).
+  using States = KVCacheBatch;
+
+  /// B * H empty caches of Dk-wide keys and Dv-wide values.
+  /// @param batch      B >= 1, sequences
+  /// @param heads      H >= 1, KV heads per sequence
+  /// @param key_dim    Dk
+  /// @param value_dim  Dv
+  /// @param scale      multiplies q . k; negative means 1/sqrt(Dk)
+  KVCacheBatch(Eigen::Index batch, Eigen::Index heads, Eigen::Index key_dim,
+               Eigen::Index value_dim, double scale = -1)
+      : heads_(detail::require_positive_dim(heads, "KVCacheBatch", "heads")),
+        caches_(static_cast<std::size_t>(detail::require_positive_dim(batch, "KVCacheBatch",
+                                                                      "batch") *
+                                         heads),
+                SoftmaxKVCache<T>(key_dim, value_dim, scale)) {}
+
+  /// Caches for `batch` sequences of this layer's shape, empty (a SessionPool's layer).
+  KVCacheBatch make_states(Eigen::Index batch) const {
+    const SoftmaxKVCache<T>& first = caches_.front();
+    return KVCacheBatch(batch, heads_, first.key_dim(), first.value_dim(), first.scale());
+  }
+  /// B, sequences.
+  Eigen::Index batch() const { return static_cast<Eigen::Index>(caches_.size()) / heads_; }
+  /// H, caches per sequence.
+  Eigen::Index heads() const { return heads_; }
+  /// Head `head`'s cache of sequence `b`.
+  SoftmaxKVCache<T>& cache(Eigen::Index b, Eigen::Index head) {
+    return caches_[index(b, head)];
+  }
+  /// Read-only.
+  const SoftmaxKVCache<T>& cache(Eigen::Index b, Eigen::Index head) const {
+    return caches_[index(b, head)];
+  }
+  /// Drops every cached token (keeps the capacity).
+  void reset() {
+    for (SoftmaxKVCache<T>& cache : caches_) cache.reset();
+  }
+
+ private:
+  friend struct detail::PoolAccess;
+  std::size_t index(Eigen::Index b, Eigen::Index head) const {
+    if (b < 0 || b >= batch() || head < 0 || head >= heads_) {
+      throw Error("KVCacheBatch::cache: (sequence " + std::to_string(b) + ", head " +
+                  std::to_string(head) + ") is out of range [0, " + std::to_string(batch()) +
+                  ") x [0, " + std::to_string(heads_) + ")");
+    }
+    return static_cast<std::size_t>(b * heads_ + head);
+  }
+
+  Eigen::Index heads_;
+  std::vector<SoftmaxKVCache<T>> caches_;  // b * H + h
 };
 
 /// The decoding twin of sliding_window_attention: a ring buffer of the last `window` keys and

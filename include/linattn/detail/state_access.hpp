@@ -18,6 +18,17 @@ struct StateAccess {
   static const auto& held(const State& state) {
     return state.held();
   }
+  /// The record a state saves (args: a RecurrentState's map fingerprint, or nothing).
+  template <class State, class... Args>
+  static auto record(const State& state, const Args&... args) {
+    return state.record(args...);
+  }
+  /// The state a verified record holds, checked as State::load checks a stream (args: the
+  /// map's fingerprint for a RecurrentState, then the options; `where` names the caller).
+  template <class State, class Record, class... Args>
+  static State restore(const Record& stored, const Args&... args) {
+    return State::restore(stored, args...);
+  }
 };
 
 }  // namespace linattn::detail

@@ -12,7 +12,9 @@
 #include <vector>
 
 namespace linattn {
-template <class Batch>
+/// The live sessions of a server (session_pool.hpp): SessionPool<Batch> for layers of one batch
+/// type, SessionPool<> for a hybrid model's layers of any kind.
+template <class Batch = void>
 class SessionPool;
 }  // namespace linattn
 
@@ -197,6 +199,7 @@ class StateBatch {
   // The pool lends its sessions' states to a batch for each call, by swapping vectors.
   template <class Batch>
   friend class linattn::SessionPool;
+  friend struct PoolAccess;
 };
 
 /// Lets a layer tell the batch it makes its head counts.

@@ -114,6 +114,32 @@ inline const char* accumulation_name(std::uint32_t scalar_bytes) {
   return scalar_bytes == 4 ? "float" : scalar_bytes == 8 ? "double" : "?";
 }
 
+/// Writes what format 4 holds between the dims and the payload (bytes 32 to 41 and the
+/// family's record): the family, the transition, the tokens and the family's settings. A
+/// session saved by a SessionPool holds each state's the same way (detail/session_parts.hpp).
+inline void write_record_settings(LittleEndianWriter& out, const StateRecord& record) {
+  out.put<std::uint8_t>(static_cast<std::uint8_t>(record.family));
+  out.put<std::uint8_t>(static_cast<std::uint8_t>(record.transition));
+  out.put<std::int64_t>(record.tokens);
+  switch (record.family) {
+    case StateFamily::linear: {
+      const LinearRecord& linear = record.linear;
+      out.put<double>(linear.eps);
+      out.put<double>(linear.decay);
+      out.put<std::uint8_t>(linear.normalize ? 1 : 0);
+      out.put<double>(linear.scale);
+      write_fingerprint(out, linear.map);
+      out.put<double>(linear.log_scale);
+      break;
+    }
+    case StateFamily::delta_rule:
+      out.put<double>(record.delta.scale);
+      out.put<std::uint8_t>(record.delta.l2_normalize ? 1 : 0);
+      out.put<std::uint8_t>(record.delta.allow_negative_eigenvalues ? 1 : 0);
+      break;
+  }
+}
+
 /// Writes a state in format 4, in this order (little-endian; offsets in bytes):
 ///   0 magic "LNATTNS\0" (8) | 8 version u32 = 4 | 12 sizeof(Acc) u32 | 16 rows u64
 ///   24 cols u64 | 32 family u8 (StateFamily) | 33 transition u8 (TransitionKind)
@@ -147,26 +173,7 @@ void write_state_record(std::ostream& os, const StateRecord& record, const Matri
   LINATTN_ASSERT((z != nullptr) == (record.family == StateFamily::linear));
   LittleEndianWriter out(os);
   write_state_header<Acc>(out, kStateMagic, kStateFormatVersion, record.rows, record.cols);
-  out.put<std::uint8_t>(static_cast<std::uint8_t>(record.family));
-  out.put<std::uint8_t>(static_cast<std::uint8_t>(record.transition));
-  out.put<std::int64_t>(record.tokens);
-  switch (record.family) {
-    case StateFamily::linear: {
-      const LinearRecord& linear = record.linear;
-      out.put<double>(linear.eps);
-      out.put<double>(linear.decay);
-      out.put<std::uint8_t>(linear.normalize ? 1 : 0);
-      out.put<double>(linear.scale);
-      write_fingerprint(out, linear.map);
-      out.put<double>(linear.log_scale);
-      break;
-    }
-    case StateFamily::delta_rule:
-      out.put<double>(record.delta.scale);
-      out.put<std::uint8_t>(record.delta.l2_normalize ? 1 : 0);
-      out.put<std::uint8_t>(record.delta.allow_negative_eigenvalues ? 1 : 0);
-      break;
-  }
+  write_record_settings(out, record);
   for (Eigen::Index r = 0; r < s.rows(); ++r) {
     for (Eigen::Index c = 0; c < s.cols(); ++c) out.put<Acc>(s(r, c));
   }
@@ -294,6 +301,39 @@ inline void check_delta(StateRecord& record, std::uint8_t l2, std::uint8_t negat
   }
 }
 
+/// The bytes of a record's settings that are checked once the whole record is read.
+struct SettingBytes {
+  std::uint8_t transition = 0, normalize = 0, l2 = 0, negative = 0;
+};
+
+/// The family byte (format 4), refused past the last family this build knows.
+inline StateFamily read_family(LittleEndianReader& in, const char* where) {
+  const auto family = in.get<std::uint8_t>("the state family");
+  if (family > kLastStateFamily) {
+    throw Error(std::string(where) + ": unknown state family " + std::to_string(family) +
+                " (a later linattn's?); this build reads 0 (RecurrentState) and 1 "
+                "(DeltaRuleState)");
+  }
+  return static_cast<StateFamily>(family);
+}
+
+/// What write_record_settings wrote after the family byte (record.family set), unchecked.
+inline void read_settings(LittleEndianReader& in, StateRecord& record, SettingBytes& bytes) {
+  bytes.transition = in.get<std::uint8_t>("the transition kind");
+  record.tokens = in.get<std::int64_t>("the token count");
+  switch (record.family) {
+    case StateFamily::linear:
+      read_linear_settings(in, Layout::current, record.linear, bytes.normalize);
+      record.linear.log_scale = in.get<double>("the log scale");
+      break;
+    case StateFamily::delta_rule:
+      record.delta.scale = in.get<double>("scale");
+      bytes.l2 = in.get<std::uint8_t>("l2_normalize");
+      bytes.negative = in.get<std::uint8_t>("allow_negative_eigenvalues");
+      break;
+  }
+}
+
 }  // namespace record
 
 /// Payload entry i of a record, widened to double (for checks; states decode in their Acc).
@@ -302,6 +342,36 @@ inline double payload_entry(const StateRecord& record, std::size_t i) {
   return record.scalar_bytes == 4 ? static_cast<double>(decode_little_endian<float>(at))
                                   : decode_little_endian<double>(at);
 }
+
+namespace record {
+
+/// The checks of a record read whole (after its checksum): the token count, the family's
+/// settings (canonical bytes, valid options, the transition against the tokens), a finite
+/// payload. Throws Error starting with `where`.
+inline void check_record(StateRecord& record, Layout layout, const SettingBytes& bytes,
+                         const char* where) {
+  if (record.tokens < 0 || record.tokens > kMaxStateTokens) {
+    throw Error(std::string(where) + ": invalid token count " + std::to_string(record.tokens));
+  }
+  switch (record.family) {
+    case StateFamily::linear:
+      check_linear(record, layout, bytes.normalize, bytes.transition, where);
+      break;
+    case StateFamily::delta_rule:
+      check_delta(record, bytes.l2, bytes.negative, bytes.transition, where);
+      break;
+  }
+  const std::size_t entries = static_cast<std::size_t>(
+      payload_entries(record.family, record.rows, record.cols));
+  for (std::size_t i = 0; i < entries; ++i) {
+    if (!std::isfinite(payload_entry(record, i))) {
+      throw Error(std::string(where) + (record.family == StateFamily::linear ? ": S or z" : ": S") +
+                  " holds a non-finite value");
+    }
+  }
+}
+
+}  // namespace record
 
 /// Reads one saved state of any format linattn wrote (format 4 of either family; LNATTNS 1-3,
 /// RecurrentState's before it; LNATTND 1, DeltaRuleState's before it) up to its last byte, and
@@ -352,13 +422,7 @@ inline StateRecord read_state_record(std::istream& is, const char* where,
                                    : Layout::linear_v3;
     record.family = StateFamily::linear;
   } else {
-    const auto family = in.get<std::uint8_t>("the state family");
-    if (family > kLastStateFamily) {
-      throw Error(std::string(where) + ": unknown state family " + std::to_string(family) +
-                  " (a later linattn's?); this build reads 0 (RecurrentState) and 1 "
-                  "(DeltaRuleState)");
-    }
-    record.family = static_cast<StateFamily>(family);
+    record.family = record::read_family(in, where);
   }
   if (expect.family && *expect.family != record.family) {
     throw Error(std::string(where) + ": the stream holds a " + state_family_class(record.family) +
@@ -372,30 +436,18 @@ inline StateRecord read_state_record(std::istream& is, const char* where,
                 " needs " + std::to_string(expect.scalar_bytes));
   }
 
-  std::uint8_t transition = 0, normalize = 0, l2 = 0, negative = 0;
+  record::SettingBytes bytes;
   if (layout == Layout::current) {
-    transition = in.get<std::uint8_t>("the transition kind");
-    record.tokens = in.get<std::int64_t>("the token count");
-    switch (record.family) {
-      case StateFamily::linear:
-        record::read_linear_settings(in, layout, record.linear, normalize);
-        record.linear.log_scale = in.get<double>("the log scale");
-        break;
-      case StateFamily::delta_rule:
-        record.delta.scale = in.get<double>("scale");
-        l2 = in.get<std::uint8_t>("l2_normalize");
-        negative = in.get<std::uint8_t>("allow_negative_eigenvalues");
-        break;
-    }
+    record::read_settings(in, record, bytes);
   } else if (layout == Layout::delta_legacy) {
     record.delta.scale = in.get<double>("scale");
-    l2 = in.get<std::uint8_t>("l2_normalize");
-    negative = in.get<std::uint8_t>("allow_negative_eigenvalues");
-    transition = in.get<std::uint8_t>("the transition kind");
+    bytes.l2 = in.get<std::uint8_t>("l2_normalize");
+    bytes.negative = in.get<std::uint8_t>("allow_negative_eigenvalues");
+    bytes.transition = in.get<std::uint8_t>("the transition kind");
     record.tokens = in.get<std::int64_t>("the token count");
   } else {
-    record::read_linear_settings(in, layout, record.linear, normalize);
-    if (layout == Layout::linear_v3) transition = in.get<std::uint8_t>("the transition kind");
+    record::read_linear_settings(in, layout, record.linear, bytes.normalize);
+    if (layout == Layout::linear_v3) bytes.transition = in.get<std::uint8_t>("the transition kind");
     record.tokens = in.get<std::int64_t>("the token count");
     record.linear.log_scale = in.get<double>("the log scale");
   }
@@ -414,23 +466,7 @@ inline StateRecord read_state_record(std::istream& is, const char* where,
     throw Error(std::string(where) + ": checksum mismatch, the state is corrupt");
   }
 
-  if (record.tokens < 0 || record.tokens > kMaxStateTokens) {
-    throw Error(std::string(where) + ": invalid token count " + std::to_string(record.tokens));
-  }
-  switch (record.family) {
-    case StateFamily::linear:
-      record::check_linear(record, layout, normalize, transition, where);
-      break;
-    case StateFamily::delta_rule:
-      record::check_delta(record, l2, negative, transition, where);
-      break;
-  }
-  for (std::size_t i = 0; i < entries; ++i) {
-    if (!std::isfinite(payload_entry(record, i))) {
-      throw Error(std::string(where) + (record.family == StateFamily::linear ? ": S or z" : ": S") +
-                  " holds a non-finite value");
-    }
-  }
+  record::check_record(record, layout, bytes, where);
   return record;
 }
 
