@@ -905,4 +905,119 @@ TEST_CASE("hybrid pool: every layer kind steps as each session alone, across add
   CHECK(other.save_bytes(40) == pool.save_bytes(40));
 }
 
+TEST_CASE("hybrid pool: a blob truncated, flipped or of another model is refused whole",
+          "[session_pool][hybrid][errors]") {
+  using Catch::Matchers::Contains;
+  const Hybrid model;
+  HybridPool pool = model.make_pool();
+  std::map<Key, Alone> alone;
+  pool.add(1);
+  alone.emplace(1, Alone(model));
+  for (int t = 0; t < 4; ++t) step_all(model, pool, alone);
+  for (SessionStorage storage : {SessionStorage::exact, SessionStorage::bf16, SessionStorage::int8}) {
+    CAPTURE(linattn::session_storage_name(storage));
+    const std::vector<std::uint8_t> blob = pool.save_bytes(1, storage);
+    HybridPool target = model.make_pool();
+    // Every cut and 200 single-bit flips: an Error each, and the pool as it was.
+    for (std::size_t cut = 0; cut < blob.size(); cut += 1 + cut / 16) {
+      CHECK_THROWS_AS(target.add_bytes(2, blob.data(), cut), linattn::Error);
+    }
+    std::mt19937_64 engine(7);
+    for (int flip = 0; flip < 200; ++flip) {
+      std::vector<std::uint8_t> bad = blob;
+      bad[engine() % bad.size()] ^= static_cast<std::uint8_t>(1u << (engine() % 8));
+      CHECK_THROWS_AS(target.add_bytes(2, bad), linattn::Error);
+    }
+    std::vector<std::uint8_t> longer = blob;
+    longer.push_back(0);
+    CHECK_THROWS_WITH(target.add_bytes(2, longer), Contains("1 bytes after the session"));
+    CHECK(target.size() == 0);
+    target.add_bytes(2, blob);
+    CHECK(target.size() == 1);
+  }
+  const std::vector<std::uint8_t> blob = pool.save_bytes(1);
+  // Another model shape: a pool whose Gated DeltaNet has more value heads, or layers in
+  // another order, or fewer of them.
+  linattn::GatedDeltaNetShape wider = Hybrid::gdn_shape();
+  wider.value_heads = 8;
+  linattn::GatedDeltaNetWeights<F> wider_weights = Hybrid::gdn_weights();
+  wider_weights.conv_weight = gaussian<F>(wider.conv_channels(), 4, 1, 0.5);
+  wider_weights.a_log = gaussian<F>(8, 1, 2, 0.5, 0.5);
+  wider_weights.dt_bias = gaussian<F>(8, 1, 3, 0.5, 1.0);
+  const linattn::GatedDeltaNet<F> wider_gdn(wider, wider_weights);
+  HybridPool other(wider_gdn, model.attention, model.mamba, model.conv, model.linear,
+                   model.delta);
+  CHECK_THROWS_WITH(other.add_bytes(1, blob), Contains("another model shape"));
+  HybridPool swapped(model.attention, model.gdn, model.mamba, model.conv, model.linear,
+                     model.delta);
+  CHECK_THROWS_WITH(swapped.add_bytes(1, blob), Contains("a session of another model"));
+  HybridPool shorter(model.gdn, model.attention);
+  CHECK_THROWS_WITH(shorter.add_bytes(1, blob), Contains("layer count is 6"));
+  // Another feature map's linear states: the map is recorded and checked.
+  const linattn::LinearAttentionLayer<F, linattn::Identity> identity(linattn::Identity{}, 2, 4,
+                                                                     4, Hybrid::decays());
+  HybridPool mapped(model.gdn, model.attention, model.mamba, model.conv, identity, model.delta);
+  CHECK_THROWS_WITH(mapped.add_bytes(1, blob), Contains("map"));
+  // A single state's bytes, a live key, a layer of another kind.
+  CHECK_THROWS_WITH(pool.add_bytes(3, linattn::save_bytes(pool.states<RecurrentStateBatch<F>>(1, 4)[0],
+                                                          linattn::EluPlusOne{})),
+                    Contains("one state, not a session blob"));
+  CHECK_THROWS_WITH(pool.add_bytes(1, blob), Contains("session 1 is already live"));
+  CHECK_THROWS_WITH(pool.lend_live<RecurrentStateBatch<F>>(0, [](auto&) {}),
+                    Contains("layer 0 holds GatedDeltaNetStates"));
+  CHECK_THROWS_WITH(pool.states<linattn::ConvWindows<F>>(1, 7), Contains("layer 7"));
+  CHECK_THROWS_WITH(pool.lend<linattn::ConvWindows<F>>(3, {1, 1}, [](auto&) {}),
+                    Contains("names session 1 twice"));
+  CHECK(pool.size() == 1);
+}
+
+TEST_CASE("hybrid pool: bf16 and int8 storage round each number once, within their bounds",
+          "[session_pool][hybrid][storage]") {
+  const Hybrid model;
+  HybridPool pool = model.make_pool();
+  std::map<Key, Alone> alone;
+  pool.add(1);
+  alone.emplace(1, Alone(model));
+  for (int t = 0; t < 6; ++t) step_all(model, pool, alone);
+  const std::size_t exact = pool.save_bytes(1).size();
+  // Rows of S: each number of a bf16 row within 2^-8 of it relative; of an int8 row within half
+  // a step, max |row| / 254.
+  const auto check_rows = [](const Matrix<F>& saved, const Matrix<F>& loaded, bool int8) {
+    for (Eigen::Index r = 0; r < saved.rows(); ++r) {
+      const double top = saved.row(r).cwiseAbs().maxCoeff();
+      for (Eigen::Index c = 0; c < saved.cols(); ++c) {
+        const double error = std::abs(double(loaded(r, c)) - double(saved(r, c)));
+        const double bound = int8 ? top / 254.0 * (1 + 1e-6) : std::abs(saved(r, c)) * 0x1p-8;
+        CHECK(error <= bound);
+      }
+    }
+  };
+  for (SessionStorage storage : {SessionStorage::bf16, SessionStorage::int8}) {
+    const bool int8 = storage == SessionStorage::int8;
+    const std::vector<std::uint8_t> blob = pool.save_bytes(1, storage);
+    // The numbers take 2 or 1 bytes in place of 4 (int8: plus a scale per row); this small
+    // model's settings and counts are a third of its exact blob.
+    CHECK(blob.size() < (int8 ? exact * 6 / 10 : exact * 7 / 10));
+    HybridPool loaded = model.make_pool();
+    loaded.add_bytes(1, blob);
+    const auto& gdn = pool.states<linattn::GatedDeltaNetStates<F>>(1, 0);
+    const auto& gdn_loaded = loaded.states<linattn::GatedDeltaNetStates<F>>(1, 0);
+    check_rows(gdn.conv.window(0), gdn_loaded.conv.window(0), int8);
+    for (Eigen::Index h = 0; h < gdn.recurrent.size(); ++h) {
+      check_rows(gdn.recurrent[h].s(), gdn_loaded.recurrent[h].s(), int8);
+      CHECK(gdn.recurrent[h].tokens() == gdn_loaded.recurrent[h].tokens());
+    }
+    const auto& kv = pool.states<linattn::KVCacheBatch<F>>(1, 1);
+    const auto& kv_loaded = loaded.states<linattn::KVCacheBatch<F>>(1, 1);
+    check_rows(kv.cache(0, 1).keys(), kv_loaded.cache(0, 1).keys(), int8);
+    check_rows(kv.cache(0, 1).values(), kv_loaded.cache(0, 1).values(), int8);
+    const auto& lin = pool.states<RecurrentStateBatch<F>>(1, 4);
+    const auto& lin_loaded = loaded.states<RecurrentStateBatch<F>>(1, 4);
+    check_rows(lin[1].s(), lin_loaded[1].s(), int8);
+    check_rows(lin[1].z().transpose(), lin_loaded[1].z().transpose(), int8);
+    // Saved again in the same storage: the rounded numbers are on the grid, the bytes equal.
+    CHECK(loaded.save_bytes(1, storage) == blob);
+  }
+}
+
 }  // namespace linattn_test_session_pool
