@@ -17,11 +17,18 @@
 // the same shape), Mamba-2 at Nemotron-H's 128 heads of 64 in 8 groups of 1,024 channels (the
 // gate before the norm), RWKV-7's 64 heads of 64 (GroupNorm, ungated); N = 4,096 tokens (DRAM)
 // and 64 (in cache); float, one thread, real time. bytes_per_s counts the bytes each pass moves.
+//
+// A session's blob (SessionPool<>::save_bytes, add_bytes): one Qwen3.5-9B Gated DeltaNet
+// layer's save and load in each storage (exact, bf16, int8), with the blob's bytes and those
+// of the model's 24 linear layers; and the drift of each storage against the states kept in
+// float: 10,000 decoding steps (1,000 with LINATTN_BENCH_QUICK) with a store and load after
+// every step, on Qwen3.5's heads of 128 (2 q/k over 4 v heads: every head runs alike).
 #include <algorithm>
 #include <cstdint>
 #include <linattn/draft_ring.hpp>
 #include <linattn/gated_delta_net.hpp>
 #include <linattn/output_norm.hpp>
+#include <linattn/session_pool.hpp>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -332,6 +339,109 @@ void BM_DraftRollback(benchmark::State& state) {
   });
 }
 
+/// A pool of one Gated DeltaNet layer and the session it holds after `tokens` steps.
+linattn::SessionPool<> pool_after(const linattn::GatedDeltaNet<float>& mixer,
+                                  const linattn::GatedDeltaNetShape& shape, Eigen::Index tokens) {
+  linattn::SessionPool<> pool(mixer);
+  pool.add(0);
+  const MixerInputs prompt(shape, tokens);
+  Matrix<float> y(tokens, shape.value_channels());
+  pool.prefill_into(
+      0, {0}, mixer, prompt.views(shape),
+      HeadsView<float>::bnhd(y.data(), BnhdShape(1, tokens, shape.value_heads, shape.value_dim)));
+  return pool;
+}
+
+/// One Qwen3.5-9B linear layer's session saved as a blob in storage range(0).
+void BM_SessionSave(benchmark::State& state) {
+  const auto storage = static_cast<linattn::SessionStorage>(state.range(0));
+  const linattn::GatedDeltaNetShape shape = mixer_shape(true);
+  const linattn::GatedDeltaNet<float> mixer = make_mixer(shape);
+  const linattn::SessionPool<> pool = pool_after(mixer, shape, 64);
+  std::size_t bytes = 0;
+  measure(state, [&] {
+    const std::vector<std::uint8_t> blob = pool.save_bytes(0, storage);
+    bytes = blob.size();
+    benchmark::DoNotOptimize(blob.data());
+  });
+  state.counters["blob_bytes"] = double(bytes);
+  state.counters["qwen35_9b_MiB"] = 24.0 * double(bytes) / (1 << 20);  // its 24 linear layers
+  state.counters["bytes_per_s"] =
+      benchmark::Counter(double(bytes) * double(state.iterations()), benchmark::Counter::kIsRate,
+                         benchmark::Counter::OneK::kIs1000);
+}
+
+/// The same blob added back (read, checked) and the session dropped again.
+void BM_SessionLoad(benchmark::State& state) {
+  const auto storage = static_cast<linattn::SessionStorage>(state.range(0));
+  const linattn::GatedDeltaNetShape shape = mixer_shape(true);
+  const linattn::GatedDeltaNet<float> mixer = make_mixer(shape);
+  linattn::SessionPool<> pool = pool_after(mixer, shape, 64);
+  const std::vector<std::uint8_t> blob = pool.save_bytes(0, storage);
+  measure(state, [&] {
+    pool.add_bytes(1, blob);
+    pool.drop(1);
+  });
+  state.counters["bytes_per_s"] =
+      benchmark::Counter(double(blob.size()) * double(state.iterations()),
+                         benchmark::Counter::kIsRate, benchmark::Counter::OneK::kIs1000);
+}
+
+/// Steps of one session in storage range(0), stored and loaded after every step, against the
+/// same steps kept in float: drift_y, the outputs' max |y - y_float| / max |y_float| over the
+/// last 100 steps; drift_S, the states' at the end, relative to max |S|.
+void BM_StorageDrift(benchmark::State& state) {
+  const auto storage = static_cast<linattn::SessionStorage>(state.range(0));
+  const Eigen::Index steps = linattn_bench::quick() ? 1000 : 10000;
+  linattn::GatedDeltaNetShape shape = mixer_shape(true);
+  shape.key_heads = 2;
+  shape.value_heads = 4;
+  const linattn::GatedDeltaNet<float> mixer = make_mixer(shape);
+  const MixerInputs tokens(shape, steps);
+  const Eigen::Index hv = shape.value_heads, dv = shape.value_dim;
+  const auto token = [&](const Matrix<float>& m, Eigen::Index t, Eigen::Index heads,
+                         Eigen::Index dim) {
+    return ConstHeadsView<float>::bnhd(m.data() + t * m.cols(), BnhdShape(1, 1, heads, dim));
+  };
+  double drift_y = 0, drift_s = 0;
+  for (auto _ : state) {
+    linattn::SessionPool<> kept(mixer), stored(mixer);
+    kept.add(0);
+    stored.add(0);
+    Matrix<float> y_kept(1, hv * dv), y_stored(1, hv * dv);
+    const auto out = [&](Matrix<float>& y) {
+      return HeadsView<float>::bnhd(y.data(), BnhdShape(1, 1, hv, dv));
+    };
+    double top_y = 0, error_y = 0;
+    for (Eigen::Index t = 0; t < steps; ++t) {
+      const linattn::GatedDeltaNetInputs<float> in{
+          token(tokens.qkv, t, 1, tokens.qkv.cols()), token(tokens.z, t, hv, dv),
+          token(tokens.b, t, hv, 1), token(tokens.a, t, hv, 1)};
+      kept.step_into(0, mixer, in, out(y_kept));
+      stored.step_into(0, mixer, in, out(y_stored));
+      const std::vector<std::uint8_t> blob = stored.save_bytes(0, storage);
+      stored.drop(0);
+      stored.add_bytes(0, blob);
+      if (t >= steps - 100) {
+        top_y = std::max(top_y, double(y_kept.cwiseAbs().maxCoeff()));
+        error_y = std::max(error_y, double((y_stored - y_kept).cwiseAbs().maxCoeff()));
+      }
+    }
+    drift_y = error_y / top_y;
+    const auto& a = kept.states<linattn::GatedDeltaNetStates<float>>(0, 0).recurrent;
+    const auto& b = stored.states<linattn::GatedDeltaNetStates<float>>(0, 0).recurrent;
+    double top_s = 0, error_s = 0;
+    for (Eigen::Index h = 0; h < a.size(); ++h) {
+      top_s = std::max(top_s, double(a[h].s().cwiseAbs().maxCoeff()));
+      error_s = std::max(error_s, double((b[h].s() - a[h].s()).cwiseAbs().maxCoeff()));
+    }
+    drift_s = error_s / top_s;
+  }
+  state.counters["steps"] = double(steps);
+  state.counters["drift_y"] = drift_y;
+  state.counters["drift_S"] = drift_s;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -392,6 +502,23 @@ int main(int argc, char** argv) {
         ->Args({qwen, 1})
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
+  }
+  for (const std::int64_t storage : {0, 1, 2}) {
+    benchmark::RegisterBenchmark("BM_SessionSave", BM_SessionSave)
+        ->Arg(storage)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("BM_SessionLoad", BM_SessionLoad)
+        ->Arg(storage)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (const std::int64_t storage : {0, 1, 2}) {
+    benchmark::RegisterBenchmark("BM_StorageDrift", BM_StorageDrift)
+        ->Arg(storage)
+        ->Iterations(1)
+        ->UseRealTime()
+        ->Unit(benchmark::kSecond);
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -716,8 +716,8 @@ struct Hybrid {
   linattn::KVCacheBatch<F> attention{1, kH, kD, kD};
   linattn::Mamba2<F> mamba{mamba_shape(), mamba_weights()};
   linattn::GatedShortConv<F> conv{gaussian<F>(8, 3, 11, 0.5), gaussian<F>(8, 1, 12, 0.2)};
-  linattn::LinearAttentionLayer<F, linattn::EluPlusOne> linear{
-      linattn::EluPlusOne{}, kH, kD, kD, decays()};
+  linattn::LinearAttentionLayer<F, linattn::EluPlusOne> linear{linattn::EluPlusOne{}, kH, kD, kD,
+                                                               decays()};
   linattn::DeltaRuleLayer<F> delta{kH, kD, kD, delta_options()};
 
   HybridPool make_pool() const { return HybridPool(gdn, attention, mamba, conv, linear, delta); }
@@ -727,8 +727,12 @@ struct Hybrid {
     const auto g = gdn_shape();
     const auto m = mamba_shape();
     const Eigen::Index widths[kLayers] = {
-        g.conv_channels() + g.value_channels() + 2 * g.value_heads, 3 * kH * kD,
-        m.inner() + m.conv_channels() + m.heads, 3 * 8, 3 * kH * kD, 3 * kH * kD + kH};
+        g.conv_channels() + g.value_channels() + 2 * g.value_heads,
+        3 * kH * kD,
+        m.inner() + m.conv_channels() + m.heads,
+        3 * 8,
+        3 * kH * kD,
+        3 * kH * kD + kH};
     return widths[l];
   }
   /// Session `key`'s row for layer l at token t: anyone can replay it.
@@ -736,30 +740,32 @@ struct Hybrid {
     return gaussian<F>(1, width(l), static_cast<std::uint64_t>(key * 100000 + t * 10 + l));
   }
 
-  /// One token of B sequences through layer l on `states` (rows: B x width(l)).
+  /// One token of B sequences through the layer of `states`' kind (rows: B x its width).
   template <class States>
-  Matrix<F> step(Eigen::Index l, States& states, const Matrix<F>& rows) const {
+  Matrix<F> step(States& states, const Matrix<F>& rows) const {
     const Eigen::Index b = rows.rows(), w = rows.cols();
     const auto view = [&](Eigen::Index column, Eigen::Index heads, Eigen::Index dim) {
       return ConstHeadsView<F>(rows.data() + column, b, heads, 1, dim, HeadStrides{w, dim, w, 1});
     };
     const auto out_view = [&](Matrix<F>& out, Eigen::Index heads, Eigen::Index dim) {
-      return HeadsView<F>(out.data(), b, heads, 1, dim, HeadStrides{heads * dim, dim, heads * dim, 1});
+      return HeadsView<F>(out.data(), b, heads, 1, dim,
+                          HeadStrides{heads * dim, dim, heads * dim, 1});
     };
     /// Rows b * H + h of head h's D columns starting at `column`.
     const auto heads_of = [&](Eigen::Index column) {
       Matrix<F> m(b * kH, kD);
       for (Eigen::Index s = 0; s < b; ++s)
-        for (Eigen::Index h = 0; h < kH; ++h) m.row(s * kH + h) = rows.block(s, column + h * kD, 1, kD);
+        for (Eigen::Index h = 0; h < kH; ++h)
+          m.row(s * kH + h) = rows.block(s, column + h * kD, 1, kD);
       return m;
     };
     if constexpr (std::is_same_v<States, linattn::GatedDeltaNetStates<F>>) {
       const auto g = gdn_shape();
       const Eigen::Index c = g.conv_channels(), hv = g.value_heads;
       Matrix<F> out(b, g.value_channels());
-      gdn.step_into(states, {view(0, 1, c), view(c, hv, g.value_dim),
-                             view(c + g.value_channels(), hv, 1),
-                             view(c + g.value_channels() + hv, hv, 1)},
+      gdn.step_into(states,
+                    {view(0, 1, c), view(c, hv, g.value_dim), view(c + g.value_channels(), hv, 1),
+                     view(c + g.value_channels() + hv, hv, 1)},
                     out_view(out, hv, g.value_dim));
       return out;
     } else if constexpr (std::is_same_v<States, linattn::KVCacheBatch<F>>) {
@@ -777,8 +783,9 @@ struct Hybrid {
     } else if constexpr (std::is_same_v<States, linattn::Mamba2States<F>>) {
       const auto m = mamba_shape();
       Matrix<F> out(b, m.inner());
-      mamba.step_into(states, {view(0, m.heads, m.head_dim), view(m.inner(), 1, m.conv_channels()),
-                               view(m.inner() + m.conv_channels(), m.heads, 1)},
+      mamba.step_into(states,
+                      {view(0, m.heads, m.head_dim), view(m.inner(), 1, m.conv_channels()),
+                       view(m.inner() + m.conv_channels(), m.heads, 1)},
                       out_view(out, m.heads, m.head_dim));
       return out;
     } else if constexpr (std::is_same_v<States, linattn::ConvWindows<F>>) {
@@ -850,9 +857,10 @@ void step_all(const Hybrid& model, HybridPool& pool, std::map<Key, Alone>& alone
   any.each([&](Eigen::Index l, auto& tag) {
     using States = std::decay_t<decltype(tag)>;
     Matrix<F> rows(b, model.width(l));
-    for (Eigen::Index s = 0; s < b; ++s) rows.row(s) = model.row(keys[s], l, alone.at(keys[s]).tokens);
+    for (Eigen::Index s = 0; s < b; ++s)
+      rows.row(s) = model.row(keys[s], l, alone.at(keys[s]).tokens);
     Matrix<F> pooled;
-    pool.lend_live<States>(l, [&](States& states) { pooled = model.step(l, states, rows); });
+    pool.lend_live<States>(l, [&](States& states) { pooled = model.step(states, rows); });
     const Eigen::Index per = pooled.rows() / b;
     for (Eigen::Index s = 0; s < b; ++s) {
       Alone& mine = alone.at(keys[s]);
@@ -862,7 +870,7 @@ void step_all(const Hybrid& model, HybridPool& pool, std::map<Key, Alone>& alone
           if (ll == l) own = &st;
         }
       });
-      const Matrix<F> want = model.step(l, *own, Matrix<F>(rows.row(s)));
+      const Matrix<F> want = model.step(*own, Matrix<F>(rows.row(s)));
       CAPTURE(l, keys[s]);
       CHECK(pooled.middleRows(s * per, per) == want);
     }
@@ -872,9 +880,10 @@ void step_all(const Hybrid& model, HybridPool& pool, std::map<Key, Alone>& alone
 
 }  // namespace
 
-TEST_CASE("hybrid pool: every layer kind steps as each session alone, across adds, drops, "
-          "reorders and blobs",
-          "[session_pool][hybrid]") {
+TEST_CASE(
+    "hybrid pool: every layer kind steps as each session alone, across adds, drops, "
+    "reorders and blobs",
+    "[session_pool][hybrid]") {
   const Hybrid model;
   HybridPool pool = model.make_pool();
   SessionPool deduced(model.gdn, model.attention, model.mamba);
@@ -914,7 +923,8 @@ TEST_CASE("hybrid pool: a blob truncated, flipped or of another model is refused
   pool.add(1);
   alone.emplace(1, Alone(model));
   for (int t = 0; t < 4; ++t) step_all(model, pool, alone);
-  for (SessionStorage storage : {SessionStorage::exact, SessionStorage::bf16, SessionStorage::int8}) {
+  for (SessionStorage storage :
+       {SessionStorage::exact, SessionStorage::bf16, SessionStorage::int8}) {
     CAPTURE(linattn::session_storage_name(storage));
     const std::vector<std::uint8_t> blob = pool.save_bytes(1, storage);
     HybridPool target = model.make_pool();
@@ -945,8 +955,7 @@ TEST_CASE("hybrid pool: a blob truncated, flipped or of another model is refused
   wider_weights.a_log = gaussian<F>(8, 1, 2, 0.5, 0.5);
   wider_weights.dt_bias = gaussian<F>(8, 1, 3, 0.5, 1.0);
   const linattn::GatedDeltaNet<F> wider_gdn(wider, wider_weights);
-  HybridPool other(wider_gdn, model.attention, model.mamba, model.conv, model.linear,
-                   model.delta);
+  HybridPool other(wider_gdn, model.attention, model.mamba, model.conv, model.linear, model.delta);
   CHECK_THROWS_WITH(other.add_bytes(1, blob), Contains("another model shape"));
   HybridPool swapped(model.attention, model.gdn, model.mamba, model.conv, model.linear,
                      model.delta);
@@ -954,14 +963,15 @@ TEST_CASE("hybrid pool: a blob truncated, flipped or of another model is refused
   HybridPool shorter(model.gdn, model.attention);
   CHECK_THROWS_WITH(shorter.add_bytes(1, blob), Contains("layer count is 6"));
   // Another feature map's linear states: the map is recorded and checked.
-  const linattn::LinearAttentionLayer<F, linattn::Identity> identity(linattn::Identity{}, 2, 4,
-                                                                     4, Hybrid::decays());
+  const linattn::LinearAttentionLayer<F, linattn::Identity> identity(linattn::Identity{}, 2, 4, 4,
+                                                                     Hybrid::decays());
   HybridPool mapped(model.gdn, model.attention, model.mamba, model.conv, identity, model.delta);
   CHECK_THROWS_WITH(mapped.add_bytes(1, blob), Contains("map"));
   // A single state's bytes, a live key, a layer of another kind.
-  CHECK_THROWS_WITH(pool.add_bytes(3, linattn::save_bytes(pool.states<RecurrentStateBatch<F>>(1, 4)[0],
-                                                          linattn::EluPlusOne{})),
-                    Contains("one state, not a session blob"));
+  CHECK_THROWS_WITH(
+      pool.add_bytes(3, linattn::save_bytes(pool.states<RecurrentStateBatch<F>>(1, 4)[0],
+                                            linattn::EluPlusOne{})),
+      Contains("one state, not a session blob"));
   CHECK_THROWS_WITH(pool.add_bytes(1, blob), Contains("session 1 is already live"));
   CHECK_THROWS_WITH(pool.lend_live<RecurrentStateBatch<F>>(0, [](auto&) {}),
                     Contains("layer 0 holds GatedDeltaNetStates"));

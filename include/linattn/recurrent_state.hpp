@@ -569,8 +569,7 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
                     "map, so the map cannot be checked; read it with load_unchecked(is), compare "
                     "its options() with yours and save it again with save(os, map)");
       }
-      return restore(stored,
-                     detail::fingerprint_of(map, static_cast<Eigen::Index>(stored.rows)),
+      return restore(stored, detail::fingerprint_of(map, static_cast<Eigen::Index>(stored.rows)),
                      options, where);
     } else {
       return load_unchecked(is);  // not reached: check_feature_map failed to compile

@@ -5,16 +5,16 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <istream>
 #include <cstring>
+#include <istream>
 #include <linattn/config.hpp>
 #include <linattn/detail/fingerprint.hpp>
 #include <linattn/detail/session_keys.hpp>
 #include <linattn/detail/session_parts.hpp>
 #include <linattn/detail/state_batch.hpp>
-#include <memory>
 #include <linattn/state_batch.hpp>
 #include <linattn/state_io.hpp>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -512,10 +512,10 @@ class SessionPool {
 namespace detail {
 /// SessionPool<Batch> for layers whose States are all one batch of states, else SessionPool<>.
 template <class First, class... Rest>
-using pool_of_layers_t = std::conditional_t<
-    (std::is_same_v<typename First::States, typename Rest::States> && ...) &&
-        is_state_batch<typename First::States>,
-    typename First::States, void>;
+using pool_of_layers_t =
+    std::conditional_t<(std::is_same_v<typename First::States, typename Rest::States> && ...) &&
+                           is_state_batch<typename First::States>,
+                       typename First::States, void>;
 }  // namespace detail
 
 /// SessionPool pool(layer_0, layer_1, ...) holds those layers' States: a SessionPool<Batch>
@@ -589,7 +589,8 @@ class TypedPoolLayer final : public PoolLayer {
     return std::make_unique<Staged>(Parts::load(in, storage, fresh_, print_, where));
   }
   void reserve_one() override {
-    if (ones_.capacity() < ones_.size() + 1) ones_.reserve(std::max<std::size_t>(4, 2 * ones_.size()));
+    if (ones_.capacity() < ones_.size() + 1)
+      ones_.reserve(std::max<std::size_t>(4, 2 * ones_.size()));
   }
   void push(StagedPart& part) noexcept override {
     ones_.push_back(std::move(static_cast<Staged&>(part).value));
@@ -626,18 +627,17 @@ class TypedPoolLayer final : public PoolLayer {
   const K& one(std::size_t at) const { return ones_[at]; }
 
  private:
-  K fresh_;                // a new session's part: the layer's make_states(1)
-  K lent_;                 // the batch lent for each call (its containers empty between calls)
-  MapFingerprint print_;   // the layer's feature map, recorded with linear states
-  std::vector<K> ones_;    // by position: each session's part, a batch of one
+  K fresh_;               // a new session's part: the layer's make_states(1)
+  K lent_;                // the batch lent for each call (its containers empty between calls)
+  MapFingerprint print_;  // the layer's feature map, recorded with linear states
+  std::vector<K> ones_;   // by position: each session's part, a batch of one
 };
 
 /// The pool layer of a model layer (anything whose make_states(1) is a kind SessionParts knows).
 template <class Layer>
 std::unique_ptr<PoolLayer> make_pool_layer(const Layer& layer) {
   using K = std::decay_t<decltype(layer.make_states(1))>;
-  return std::make_unique<TypedPoolLayer<K>>(layer.make_states(1),
-                                             LayerMapPrint<Layer>::of(layer));
+  return std::make_unique<TypedPoolLayer<K>>(layer.make_states(1), LayerMapPrint<Layer>::of(layer));
 }
 
 /// The magic of a session blob.
@@ -790,15 +790,15 @@ class SessionPool<void> {
   template <class States>
   States& states(Key key, Eigen::Index layer) {
     constexpr const char* where = "SessionPool::states";
-    return typed<States>(layer, where).one(
-        static_cast<std::size_t>(keys_.position_of(key, where)));
+    return typed<States>(layer, where).one(static_cast<std::size_t>(keys_.position_of(key, where)));
   }
   /// Read-only.
   template <class States>
   const States& states(Key key, Eigen::Index layer) const {
     constexpr const char* where = "SessionPool::states";
-    return const_cast<SessionPool&>(*this).typed<States>(layer, where).one(
-        static_cast<std::size_t>(keys_.position_of(key, where)));
+    return const_cast<SessionPool&>(*this)
+        .typed<States>(layer, where)
+        .one(static_cast<std::size_t>(keys_.position_of(key, where)));
   }
 
   /// body(states) with the sessions named as one batch of layer `layer`'s kind, session
@@ -877,8 +877,8 @@ class SessionPool<void> {
     if (storage > static_cast<std::uint8_t>(SessionStorage::int8)) {
       throw Error(std::string(where) + ": unknown storage " + std::to_string(storage));
     }
-    detail::require_count(in.get<std::uint32_t>("the layer count"), layers_.size(),
-                          "layer count", where);
+    detail::require_count(in.get<std::uint32_t>("the layer count"), layers_.size(), "layer count",
+                          where);
     std::vector<std::unique_ptr<detail::StagedPart>> parts;
     parts.reserve(layers_.size());
     for (std::size_t l = 0; l < layers_.size(); ++l) {

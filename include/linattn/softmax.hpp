@@ -608,12 +608,11 @@ class KVCacheBatch {
   /// @param key_dim    Dk
   /// @param value_dim  Dv
   /// @param scale      multiplies q . k; negative means 1/sqrt(Dk)
-  KVCacheBatch(Eigen::Index batch, Eigen::Index heads, Eigen::Index key_dim,
-               Eigen::Index value_dim, double scale = -1)
+  KVCacheBatch(Eigen::Index batch, Eigen::Index heads, Eigen::Index key_dim, Eigen::Index value_dim,
+               double scale = -1)
       : heads_(detail::require_positive_dim(heads, "KVCacheBatch", "heads")),
-        caches_(static_cast<std::size_t>(detail::require_positive_dim(batch, "KVCacheBatch",
-                                                                      "batch") *
-                                         heads),
+        caches_(static_cast<std::size_t>(
+                    detail::require_positive_dim(batch, "KVCacheBatch", "batch") * heads),
                 SoftmaxKVCache<T>(key_dim, value_dim, scale)) {}
 
   /// Caches for `batch` sequences of this layer's shape, empty (a SessionPool's layer).
@@ -626,9 +625,7 @@ class KVCacheBatch {
   /// H, caches per sequence.
   Eigen::Index heads() const { return heads_; }
   /// Head `head`'s cache of sequence `b`.
-  SoftmaxKVCache<T>& cache(Eigen::Index b, Eigen::Index head) {
-    return caches_[index(b, head)];
-  }
+  SoftmaxKVCache<T>& cache(Eigen::Index b, Eigen::Index head) { return caches_[index(b, head)]; }
   /// Read-only.
   const SoftmaxKVCache<T>& cache(Eigen::Index b, Eigen::Index head) const {
     return caches_[index(b, head)];

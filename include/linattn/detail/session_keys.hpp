@@ -67,7 +67,8 @@ class SessionKeys {
 
   /// Makes room for one more key (may throw); append then cannot.
   void reserve_one() {
-    if (keys_.capacity() < keys_.size() + 1) keys_.reserve(std::max<std::size_t>(4, 2 * keys_.size()));
+    if (keys_.capacity() < keys_.size() + 1)
+      keys_.reserve(std::max<std::size_t>(4, 2 * keys_.size()));
     positions_.reserve(keys_.size() + 1);
   }
   /// Appends `key` (new) at position size(), after reserve_one.

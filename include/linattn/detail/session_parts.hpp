@@ -206,8 +206,7 @@ struct SessionParts;
 /// Moves the parts of sessions ones[at[0]], ones[at[1]], ... (each of_one(ones[s]), a
 /// batch of one sequence) into `into`'s container, in that order.
 template <class Batch, class Ones, class OfOne>
-void lend_parts(Batch& into, Ones& ones, const std::vector<std::size_t>& at,
-                const OfOne& of_one) {
+void lend_parts(Batch& into, Ones& ones, const std::vector<std::size_t>& at, const OfOne& of_one) {
   auto& held = PoolAccess::parts(into);
   held.clear();
   held.reserve(at.size() * PoolAccess::parts(of_one(ones[at.front()])).size());
@@ -287,9 +286,8 @@ struct StateParts : VectorParts<Batch> {
       require_count(record.scalar_bytes, sizeof(Acc), "scalar size of S", where);
       record.family = record::read_family(in, where);
       if (record.family != Family) {
-        throw Error(std::string(where) + ": the blob holds a " +
-                    state_family_class(record.family) + " where this pool's layer keeps a " +
-                    state_family_class(Family));
+        throw Error(std::string(where) + ": the blob holds a " + state_family_class(record.family) +
+                    " where this pool's layer keeps a " + state_family_class(Family));
       }
       record::SettingBytes bytes;
       record::read_settings(in, record, bytes);
@@ -364,8 +362,7 @@ struct SessionParts<ConvWindows<T>> : VectorParts<ConvWindows<T>> {
                   static_cast<std::uint64_t>(fresh.rows()), "window rows", where);
     require_count(in.get<std::uint64_t>("the window's channels"),
                   static_cast<std::uint64_t>(fresh.channels()), "window channels", where);
-    require_count(in.get<std::uint8_t>("the scalar size"), sizeof(T), "window scalar size",
-                  where);
+    require_count(in.get<std::uint8_t>("the scalar size"), sizeof(T), "window scalar size", where);
     ConvWindows<T> one = fresh;
     Matrix<T>& window = PoolAccess::parts(one).front();
     get_rows(in, window.data(), window.rows(), window.cols(), storage, "a window", where);
@@ -404,8 +401,7 @@ struct SessionParts<KVCacheBatch<T>> : VectorParts<KVCacheBatch<T>> {
       const Eigen::Index dk = cache.key_dim(), dv = cache.value_dim();
       require_count(in.get<std::uint64_t>("Dk"), static_cast<std::uint64_t>(dk), "Dk", where);
       require_count(in.get<std::uint64_t>("Dv"), static_cast<std::uint64_t>(dv), "Dv", where);
-      require_count(in.get<std::uint8_t>("the scalar size"), sizeof(T), "cache scalar size",
-                    where);
+      require_count(in.get<std::uint8_t>("the scalar size"), sizeof(T), "cache scalar size", where);
       const double scale = in.get<double>("the scale");
       if (!(scale == static_cast<double>(cache.scale()))) {
         throw Error(std::string(where) + ": the blob's cache has scale " + format_double(scale) +
@@ -444,8 +440,8 @@ struct MixerParts {
 
   template <class Ones>
   static void lend(K& into, Ones& ones, const std::vector<std::size_t>& at) {
-    const auto conv = [](K& one) -> auto& { return one.conv; };
-    const auto recurrent = [](K& one) -> auto& { return one.recurrent; };
+    const auto conv = [](K & one) -> auto& { return one.conv; };
+    const auto recurrent = [](K & one) -> auto& { return one.recurrent; };
     lend_parts(into.conv, ones, at, conv);
     try {
       lend_parts(into.recurrent, ones, at, recurrent);
@@ -456,8 +452,10 @@ struct MixerParts {
   }
   template <class Ones>
   static void give_back(K& from, Ones& ones, const std::vector<std::size_t>& at) noexcept {
-    give_back_parts(from.conv, ones, at, [](K& one) -> auto& { return one.conv; });
-    give_back_parts(from.recurrent, ones, at, [](K& one) -> auto& { return one.recurrent; });
+    give_back_parts(
+        from.conv, ones, at, [](K & one) -> auto& { return one.conv; });
+    give_back_parts(
+        from.recurrent, ones, at, [](K & one) -> auto& { return one.recurrent; });
   }
   static void reset(K& one) {
     one.conv.reset();
@@ -475,7 +473,6 @@ struct MixerParts {
     one.recurrent = Recurrent::load(in, storage, fresh.recurrent, print, where);
     return one;
   }
-
 };
 
 }  // namespace linattn::detail

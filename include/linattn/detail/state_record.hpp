@@ -361,8 +361,8 @@ inline void check_record(StateRecord& record, Layout layout, const SettingBytes&
       check_delta(record, bytes.l2, bytes.negative, bytes.transition, where);
       break;
   }
-  const std::size_t entries = static_cast<std::size_t>(
-      payload_entries(record.family, record.rows, record.cols));
+  const std::size_t entries =
+      static_cast<std::size_t>(payload_entries(record.family, record.rows, record.cols));
   for (std::size_t i = 0; i < entries; ++i) {
     if (!std::isfinite(payload_entry(record, i))) {
       throw Error(std::string(where) + (record.family == StateFamily::linear ? ": S or z" : ": S") +
