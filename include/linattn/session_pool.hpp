@@ -18,7 +18,6 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -139,18 +138,18 @@ class SessionPool {
     return fresh_[checked_layer(layer, "SessionPool::heads")].size();
   }
   /// Number of live sessions.
-  Eigen::Index size() const { return static_cast<Eigen::Index>(keys_.size()); }
+  Eigen::Index size() const { return keys_.size(); }
   /// The live sessions' keys in position order (the order of a batch call's rows).
-  const std::vector<Key>& keys() const { return keys_; }
+  const std::vector<Key>& keys() const { return keys_.keys(); }
   /// Whether a session named `key` is live.
-  bool contains(Key key) const { return positions_.count(key) != 0; }
+  bool contains(Key key) const { return keys_.contains(key); }
   /// The position of session `key` (its rows in a batch call); throws if it is not live.
   Eigen::Index position(Key key) const { return position_of(key, "SessionPool::position"); }
 
   /// Adds a new session at the end, with each layer's fresh states; throws if `key` is live.
   /// @return its position, size() - 1
   Eigen::Index add(Key key) {
-    require_new(key, "SessionPool::add");
+    keys_.require_new(key, "SessionPool::add");
     std::vector<std::vector<State>> states;
     states.reserve(fresh_.size());
     for (const Batch& layer : fresh_) states.push_back(states_of(layer));
@@ -166,7 +165,7 @@ class SessionPool {
   template <class... Args>
   Eigen::Index add(Key key, std::istream& is, const Args&... args) {
     constexpr const char* where = "SessionPool::add";
-    require_new(key, where);
+    keys_.require_new(key, where);
     std::vector<std::vector<State>> states = read_session(is, args...);
     return insert(key, states);
   }
@@ -178,7 +177,7 @@ class SessionPool {
   template <class... Args>
   Eigen::Index add_bytes(Key key, const void* data, std::size_t size, const Args&... args) {
     constexpr const char* where = "SessionPool::add_bytes";
-    require_new(key, where);
+    keys_.require_new(key, where);
     detail::ByteSource source(data, size);
     std::istream is(&source);
     std::vector<std::vector<State>> states = read_session(is, args...);
@@ -199,21 +198,13 @@ class SessionPool {
       live_[l].erase(live_[l].begin() + static_cast<std::ptrdiff_t>(at * h),
                      live_[l].begin() + static_cast<std::ptrdiff_t>((at + 1) * h));
     }
-    keys_.erase(keys_.begin() + static_cast<std::ptrdiff_t>(at));
-    positions_.erase(key);
-    for (std::size_t s = at; s < keys_.size(); ++s)
-      positions_[keys_[s]] = static_cast<Eigen::Index>(s);
+    keys_.erase(at);
   }
 
   /// Puts the sessions in the order of `order`, a permutation of keys(); the states stay
   /// where they are in memory.
   void reorder(const std::vector<Key>& order) {
-    const std::vector<std::size_t> from = positions_of(order, "SessionPool::reorder", "order");
-    if (order.size() != keys_.size()) {
-      throw Error("SessionPool::reorder: order names " + std::to_string(order.size()) +
-                  " sessions but " + std::to_string(keys_.size()) +
-                  " are live; it must name each live session once");
-    }
+    const std::vector<std::size_t> from = keys_.permutation_of(order, "SessionPool::reorder");
     std::vector<std::vector<State>> next(live_.size());
     for (std::size_t l = 0; l < live_.size(); ++l) next[l].reserve(live_[l].size());
     // Nothing below allocates or throws: the moves take the handles only.
@@ -224,9 +215,7 @@ class SessionPool {
       }
       live_[l].swap(next[l]);
     }
-    keys_ = order;
-    for (std::size_t s = 0; s < keys_.size(); ++s)
-      positions_[keys_[s]] = static_cast<Eigen::Index>(s);
+    keys_.reorder(order);
   }
 
   /// Clears every state of session `key` (a new conversation under the same key).
@@ -370,19 +359,11 @@ class SessionPool {
   std::size_t heads_of(std::size_t layer) const { return states_of(fresh_[layer]).size(); }
 
   std::size_t checked_layer(Eigen::Index layer, const char* where) const {
-    if (layer < 0 || layer >= layers()) {
-      throw Error(std::string(where) + ": layer " + std::to_string(layer) + " but the pool has " +
-                  std::to_string(layers()) + " layers");
-    }
-    return static_cast<std::size_t>(layer);
+    return detail::checked_layer(layer, layers(), where);
   }
 
   Eigen::Index position_of(Key key, const char* where) const {
-    const auto found = positions_.find(key);
-    if (found == positions_.end()) {
-      throw Error(std::string(where) + ": no live session " + std::to_string(key));
-    }
-    return found->second;
+    return keys_.position_of(key, where);
   }
 
   std::size_t state_index(Key key, Eigen::Index layer, Eigen::Index head) const {
@@ -394,30 +375,6 @@ class SessionPool {
     }
     return static_cast<std::size_t>(position_of(key, where)) * heads_of(l) +
            static_cast<std::size_t>(head);
-  }
-
-  /// The positions of `keys`, each live and named once.
-  std::vector<std::size_t> positions_of(const std::vector<Key>& keys, const char* where,
-                                        const char* name) const {
-    std::vector<std::size_t> at;
-    at.reserve(keys.size());
-    std::vector<bool> named(keys_.size(), false);
-    for (Key key : keys) {
-      const std::size_t s = static_cast<std::size_t>(position_of(key, where));
-      if (named[s]) {
-        throw Error(std::string(where) + ": " + name + " names session " + std::to_string(key) +
-                    " twice");
-      }
-      named[s] = true;
-      at.push_back(s);
-    }
-    return at;
-  }
-
-  void require_new(Key key, const char* where) const {
-    if (contains(key)) {
-      throw Error(std::string(where) + ": session " + std::to_string(key) + " is already live");
-    }
   }
 
   /// Every layer's heads of one session as save(key, os, args...) wrote them, each loaded with
@@ -437,20 +394,19 @@ class SessionPool {
   /// Appends session `key` with `states` (per layer, its H states), moved in. Everything that
   /// can throw (allocations) happens before the first change.
   Eigen::Index insert(Key key, std::vector<std::vector<State>>& states) {
-    const std::size_t count = keys_.size();
     // Room grows geometrically; a reallocation moves the states' handles, never S or z.
-    const auto make_room = [](auto& v, std::size_t more) {
+    for (std::size_t l = 0; l < live_.size(); ++l) {
+      std::vector<State>& v = live_[l];
+      const std::size_t more = heads_of(l);
       if (v.capacity() < v.size() + more) v.reserve(std::max(v.size() + more, 2 * v.capacity()));
-    };
-    for (std::size_t l = 0; l < live_.size(); ++l) make_room(live_[l], heads_of(l));
-    make_room(keys_, 1);
-    positions_.emplace(key, static_cast<Eigen::Index>(count));
+    }
+    keys_.reserve_one();
+    keys_.append(key);
     // Nothing below throws: moves into reserved room.
     for (std::size_t l = 0; l < live_.size(); ++l) {
       for (State& state : states[l]) live_[l].push_back(std::move(state));
     }
-    keys_.push_back(key);
-    return static_cast<Eigen::Index>(count);
+    return size() - 1;
   }
 
   /// Swaps `states` into layer `layer`'s batch for body(batch), and back whatever happens.
@@ -470,7 +426,7 @@ class SessionPool {
   template <class Body>
   void lend_live(Eigen::Index layer, const char* where, const Body& body) {
     const std::size_t l = checked_layer(layer, where);
-    if (keys_.empty()) throw Error(std::string(where) + ": the pool has no live session");
+    if (keys_.size() == 0) throw Error(std::string(where) + ": the pool has no live session");
     lend(l, live_[l], body);
   }
 
@@ -481,7 +437,7 @@ class SessionPool {
                  const Body& body) {
     const std::size_t l = checked_layer(layer, where);
     if (sessions.empty()) throw Error(std::string(where) + ": sessions is empty");
-    const std::vector<std::size_t> at = positions_of(sessions, where, "sessions");
+    const std::vector<std::size_t> at = keys_.positions_of(sessions, where, "sessions");
     const std::size_t h = heads_of(l);
     std::vector<State> some;
     some.reserve(at.size() * h);
@@ -505,8 +461,7 @@ class SessionPool {
 
   std::vector<Batch> fresh_;  // per layer: a new session's states; lent the live ones per call
   std::vector<std::vector<State>> live_;  // per layer: size() * H states, session-major
-  std::vector<Key> keys_;                 // by position
-  std::unordered_map<Key, Eigen::Index> positions_;
+  detail::SessionKeys keys_;
 };
 
 namespace detail {
@@ -838,11 +793,7 @@ class SessionPool<void> {
 
  private:
   std::size_t checked_layer(Eigen::Index layer, const char* where) const {
-    if (layer < 0 || layer >= layers()) {
-      throw Error(std::string(where) + ": layer " + std::to_string(layer) + " but the pool has " +
-                  std::to_string(layers()) + " layers");
-    }
-    return static_cast<std::size_t>(layer);
+    return detail::checked_layer(layer, layers(), where);
   }
 
   template <class States>

@@ -98,4 +98,13 @@ class SessionKeys {
   std::unordered_map<Key, Eigen::Index> positions_;
 };
 
+/// `layer` as an index into a pool's `layers` layers; throws (starting with `where`) outside.
+inline std::size_t checked_layer(Eigen::Index layer, Eigen::Index layers, const char* where) {
+  if (layer < 0 || layer >= layers) {
+    throw Error(std::string(where) + ": layer " + std::to_string(layer) + " but the pool has " +
+                std::to_string(layers) + " layers");
+  }
+  return static_cast<std::size_t>(layer);
+}
+
 }  // namespace linattn::detail
