@@ -17,6 +17,10 @@
 //     accepted stream is what save writes for the loaded state (rearranged into the layout of
 //     the delta rule's LNATTND 1 for an input of that format), load with its own options
 //     accepts it, and a step that throws leaves it as it was;
+//   * SessionPool<>::add_bytes over a small hybrid model (fuzz/session_model.hpp: one layer of
+//     every kind a pool holds): only linattn::Error escapes, a refused blob leaves the pool
+//     empty, an accepted one saves again, in its own storage, to exactly its bytes, and the
+//     session then takes a few tokens through every layer (or Error, at the token limit);
 //   * a loaded state is usable: a step, a gated step and a short prefill either work or throw
 //     linattn::Error leaving the state as it was (a state keeps its transition kind, so some
 //     must throw), and the state then saves and loads again.
@@ -32,6 +36,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "session_model.hpp"
 
 namespace {
 
@@ -445,6 +451,28 @@ void try_load_delta(const std::string& input) {
   }
 }
 
+/// A hybrid model's session blob: SessionPool<>::add_bytes, then the properties above.
+void try_session(const std::string& input) {
+  static const linattn_fuzz::SessionModel model;
+  linattn::SessionPool<> pool = model.pool();
+  try {
+    pool.add_bytes(1, input.data(), input.size());
+  } catch (const linattn::Error&) {
+    if (pool.size() != 0) fail("a refused session blob joined the pool", input.size());
+    return;
+  }
+  const auto storage = static_cast<linattn::SessionStorage>(static_cast<unsigned char>(input[12]));
+  const std::vector<std::uint8_t> again = pool.save_bytes(1, storage);
+  if (std::string(again.begin(), again.end()) != input) {
+    fail("an accepted session blob saves to other bytes", input.size());
+  }
+  try {
+    model.advance(pool, 1, 2, 99);
+  } catch (const linattn::Error&) {
+    // A session at the token limit refuses more: legitimate, and nothing else is checked.
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -454,5 +482,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try_load<float, double>(input);  // float inputs, double state: reads the double format
   try_load_delta<float>(input);
   try_load_delta<double>(input);
+  try_session(input);
   return 0;
 }

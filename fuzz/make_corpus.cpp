@@ -7,7 +7,8 @@
 //           fingerprint()) and with scalar and per-feature gates, with options off their
 //           defaults; one followed by trailing bytes, a truncated one, a corrupted one, one
 //           whose W hash is wrong under a valid checksum, and two with token
-//           counts at and past the limit (regressions); delta-rule states (delta4_*). The v1_*
+//           counts at and past the limit (regressions); delta-rule states (delta4_*); hybrid
+//           session blobs (session_*: fuzz/session_model.hpp, fresh and in each storage). The v1_*
 //           files are format 1, written by linattn 0.1.0; the v2_* files (format 2), v3_* (format
 //           3) and delta1_* (the delta rule's LNATTND 1) were written by this program while those
 //           formats were current (the same states): they must keep loading, and are never
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "kernel_input.hpp"
+#include "session_model.hpp"
 
 namespace {
 
@@ -248,6 +250,22 @@ int main(int argc, char** argv) {
     ok &= write_file(load + "delta4_float_fresh", fresh.str());
     ok &= write_file(load + "delta4_float_truncated",
                      gdn_bytes.str().substr(0, gdn_bytes.str().size() - 3));
+  }
+
+  // Hybrid sessions (fuzz/session_model.hpp) in each storage: fresh, and after 5 tokens.
+  {
+    const linattn_fuzz::SessionModel model;
+    linattn::SessionPool<> pool = model.pool();
+    pool.add(1);
+    const auto blob = [&](linattn::SessionStorage storage) {
+      const std::vector<std::uint8_t> bytes = pool.save_bytes(1, storage);
+      return std::string(bytes.begin(), bytes.end());
+    };
+    ok &= write_file(load + "session_fresh", blob(linattn::SessionStorage::exact));
+    model.advance(pool, 1, 5, 7);
+    ok &= write_file(load + "session_exact", blob(linattn::SessionStorage::exact));
+    ok &= write_file(load + "session_bf16", blob(linattn::SessionStorage::bf16));
+    ok &= write_file(load + "session_int8", blob(linattn::SessionStorage::int8));
   }
 
   // The kernels/ files were written after the 185 draws of 0.1.0's load/ section; replaying

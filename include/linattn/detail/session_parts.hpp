@@ -120,8 +120,11 @@ void put_rows(LittleEndianWriter& out, const S* data, Eigen::Index rows, Eigen::
       case SessionStorage::int8: {
         double top = 0.0;
         for (Eigen::Index c = 0; c < cols; ++c) top = std::max(top, std::abs(double(row[c])));
-        const float scale = static_cast<float>(top / 127.0);
+        float scale = static_cast<float>(top / 127.0);
         if (!std::isfinite(scale)) throw too_large(top);
+        // A row below 127 x the smallest normal float (1.5e-36) is stored as zeros: a
+        // subnormal scale would not give its largest number 127.
+        if (scale < std::numeric_limits<float>::min()) scale = 0.0f;
         out.put<float>(scale);
         for (Eigen::Index c = 0; c < cols; ++c) {
           const double q = scale > 0.0f ? std::nearbyint(double(row[c]) / double(scale)) : 0.0;
@@ -151,16 +154,25 @@ void get_rows(LittleEndianReader& in, S* data, Eigen::Index rows, Eigen::Index c
         break;
       case SessionStorage::int8: {
         const float scale = in.get<float>(what);
-        if (!(scale >= 0.0f) || !std::isfinite(scale)) {
+        if (!(scale >= 0.0f) || !std::isfinite(scale) || std::signbit(scale)) {
           throw Error(std::string(where) + ": " + what + " has an invalid int8 scale " +
                       format_double(scale));
         }
+        int top = 0;
         for (Eigen::Index c = 0; c < cols; ++c) {
           const auto q = in.get<std::int8_t>(what);
           if (q == std::numeric_limits<std::int8_t>::min()) {
             throw Error(std::string(where) + ": " + what + " holds int8 -128 (not written)");
           }
+          top = std::max(top, std::abs(int(q)));
           row[c] = static_cast<S>(static_cast<float>(q) * scale);
+        }
+        // Canonical rows only (as put_rows writes them): a row's largest |q| is 127, or the
+        // row is zero with scale 0, so that equal sessions are equal bytes.
+        if ((scale > 0.0f) != (top == 127) || (scale == 0.0f && top != 0)) {
+          throw Error(std::string(where) + ": " + what + " holds an int8 row not as written " +
+                      "(scale " + format_double(scale) + ", largest |q| " + std::to_string(top) +
+                      ")");
         }
         break;
       }
