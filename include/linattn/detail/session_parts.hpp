@@ -103,19 +103,24 @@ void put_rows(LittleEndianWriter& out, const S* data, Eigen::Index rows, Eigen::
     return Error(std::string(where) + ": a number (" + format_double(x) + ") is beyond " +
                  session_storage_name(storage) + "'s range; save this session exact");
   };
+  std::vector<unsigned char> bytes;  // one row's encoding: one checksum pass, one write
   for (Eigen::Index r = 0; r < rows; ++r) {
     const S* row = data + r * cols;
     switch (storage) {
       case SessionStorage::exact:
-        for (Eigen::Index c = 0; c < cols; ++c) out.put<S>(row[c]);
+        bytes.resize(static_cast<std::size_t>(cols) * sizeof(S));
+        for (Eigen::Index c = 0; c < cols; ++c)
+          encode_little_endian(row[c], bytes.data() + c * sizeof(S));
+        out.put_bytes(bytes.data(), bytes.size());
         break;
       case SessionStorage::bf16:
+        bytes.resize(static_cast<std::size_t>(cols) * 2);
         for (Eigen::Index c = 0; c < cols; ++c) {
-          const float x = static_cast<float>(row[c]);
-          const std::uint16_t half = to_bf16(x);
+          const std::uint16_t half = to_bf16(static_cast<float>(row[c]));
           if (!std::isfinite(from_bf16(half))) throw too_large(static_cast<double>(row[c]));
-          out.put<std::uint16_t>(half);
+          encode_little_endian(half, bytes.data() + c * 2);
         }
+        out.put_bytes(bytes.data(), bytes.size());
         break;
       case SessionStorage::int8: {
         double top = 0.0;
@@ -126,10 +131,13 @@ void put_rows(LittleEndianWriter& out, const S* data, Eigen::Index rows, Eigen::
         // subnormal scale would not give its largest number 127.
         if (scale < std::numeric_limits<float>::min()) scale = 0.0f;
         out.put<float>(scale);
+        bytes.resize(static_cast<std::size_t>(cols));
         for (Eigen::Index c = 0; c < cols; ++c) {
           const double q = scale > 0.0f ? std::nearbyint(double(row[c]) / double(scale)) : 0.0;
-          out.put<std::int8_t>(static_cast<std::int8_t>(std::clamp(q, -127.0, 127.0)));
+          bytes[static_cast<std::size_t>(c)] =
+              static_cast<unsigned char>(static_cast<std::int8_t>(std::clamp(q, -127.0, 127.0)));
         }
+        out.put_bytes(bytes.data(), bytes.size());
         break;
       }
     }
@@ -141,15 +149,22 @@ void put_rows(LittleEndianWriter& out, const S* data, Eigen::Index rows, Eigen::
 template <class S>
 void get_rows(LittleEndianReader& in, S* data, Eigen::Index rows, Eigen::Index cols,
               SessionStorage storage, const char* what, const char* where) {
+  std::vector<unsigned char> bytes;  // one row's encoding, read at once
   for (Eigen::Index r = 0; r < rows; ++r) {
     S* row = data + r * cols;
     switch (storage) {
       case SessionStorage::exact:
-        for (Eigen::Index c = 0; c < cols; ++c) row[c] = in.get<S>(what);
+        bytes.resize(static_cast<std::size_t>(cols) * sizeof(S));
+        in.get_bytes(bytes.data(), bytes.size(), what);
+        for (Eigen::Index c = 0; c < cols; ++c)
+          row[c] = decode_little_endian<S>(bytes.data() + c * sizeof(S));
         break;
       case SessionStorage::bf16:
+        bytes.resize(static_cast<std::size_t>(cols) * 2);
+        in.get_bytes(bytes.data(), bytes.size(), what);
         for (Eigen::Index c = 0; c < cols; ++c) {
-          row[c] = static_cast<S>(from_bf16(in.get<std::uint16_t>(what)));
+          row[c] =
+              static_cast<S>(from_bf16(decode_little_endian<std::uint16_t>(bytes.data() + c * 2)));
         }
         break;
       case SessionStorage::int8: {
@@ -158,9 +173,11 @@ void get_rows(LittleEndianReader& in, S* data, Eigen::Index rows, Eigen::Index c
           throw Error(std::string(where) + ": " + what + " has an invalid int8 scale " +
                       format_double(scale));
         }
+        bytes.resize(static_cast<std::size_t>(cols));
+        in.get_bytes(bytes.data(), bytes.size(), what);
         int top = 0;
         for (Eigen::Index c = 0; c < cols; ++c) {
-          const auto q = in.get<std::int8_t>(what);
+          const auto q = static_cast<std::int8_t>(bytes[static_cast<std::size_t>(c)]);
           if (q == std::numeric_limits<std::int8_t>::min()) {
             throw Error(std::string(where) + ": " + what + " holds int8 -128 (not written)");
           }
@@ -314,13 +331,9 @@ struct StateParts : VectorParts<Batch> {
       }
       record.payload.resize(static_cast<std::size_t>(s.size() + z.size()) * sizeof(Acc));
       unsigned char* at = record.payload.data();
-      const auto encode = [&at](Acc x) {
-        bits_of<Acc> bits;
-        std::memcpy(&bits, &x, sizeof(Acc));
-        for (std::size_t i = 0; i < sizeof(Acc); ++i) *at++ = (bits >> (8 * i)) & 0xFFu;
-      };
-      for (Eigen::Index i = 0; i < s.size(); ++i) encode(s.data()[i]);
-      for (Eigen::Index i = 0; i < z.size(); ++i) encode(z(i));
+      for (Eigen::Index i = 0; i < s.size(); ++i, at += sizeof(Acc))
+        encode_little_endian(s.data()[i], at);
+      for (Eigen::Index i = 0; i < z.size(); ++i, at += sizeof(Acc)) encode_little_endian(z(i), at);
       record::check_record(record, record::Layout::current, bytes, where);
       if constexpr (linear) {
         loaded[h] = StateAccess::restore<State>(record, print, model.options(), where);
