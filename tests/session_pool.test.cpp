@@ -1030,4 +1030,48 @@ TEST_CASE("hybrid pool: bf16 and int8 storage round each number once, within the
   }
 }
 
+TEST_CASE(
+    "hybrid pool: snapshots roll every layer back to m accepted drafts and start new "
+    "sessions, bit for bit",
+    "[session_pool][hybrid]") {
+  using Catch::Matchers::Contains;
+  const Hybrid model;
+  HybridPool pool = model.make_pool();
+  std::map<Key, Alone> alone;
+  for (Key key : {1, 2}) {
+    pool.add(key);
+    alone.emplace(key, Alone(model));
+  }
+  for (int t = 0; t < 3; ++t) step_all(model, pool, alone);
+  for (int m : {0, 2, 4}) {
+    CAPTURE(m);
+    // A speculative round: snapshot, 4 drafts, back to the snapshot, the m accepted tokens
+    // again: every layer (KV caches and windows too) as decoding the m tokens alone.
+    const linattn::SessionSnapshot one = pool.snapshot(1), two = pool.snapshot(2);
+    const std::map<Key, Alone> before = alone;
+    for (int t = 0; t < 4; ++t) step_all(model, pool, alone);
+    pool.restore(1, one);
+    pool.restore(2, two);
+    alone = before;
+    for (int t = 0; t < m; ++t) step_all(model, pool, alone);
+    CHECK(pool.save_bytes(1) != pool.save_bytes(2));
+  }
+  // A checkpoint starts a new session: session 3 from session 1's state.
+  const linattn::SessionSnapshot checkpoint = pool.snapshot(1);
+  pool.add(3, checkpoint);
+  alone.emplace(3, alone.at(1));
+  CHECK(pool.save_bytes(3) == pool.save_bytes(1));
+  step_all(model, pool, alone);
+  // Only the pool that took a snapshot restores it, whole or not at all.
+  HybridPool other = model.make_pool();
+  other.add(1);
+  const std::vector<std::uint8_t> other_before = other.save_bytes(1);
+  CHECK_THROWS_WITH(other.restore(1, checkpoint), Contains("taken by another pool"));
+  CHECK_THROWS_WITH(other.add(2, checkpoint), Contains("taken by another pool"));
+  CHECK_THROWS_WITH(other.restore(1, linattn::SessionSnapshot{}), Contains("never taken"));
+  CHECK(other.save_bytes(1) == other_before);
+  CHECK(other.size() == 1);
+  CHECK_THROWS_WITH(pool.restore(9, checkpoint), Contains("no live session 9"));
+}
+
 }  // namespace linattn_test_session_pool

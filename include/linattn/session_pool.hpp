@@ -520,6 +520,12 @@ class PoolLayer {
   virtual void reset(std::size_t at) = 0;
   virtual void save(LittleEndianWriter& out, std::size_t at, SessionStorage storage,
                     const char* where) const = 0;
+  /// A copy of session `at`'s part (may throw; nothing changes).
+  virtual std::unique_ptr<StagedPart> copy(std::size_t at) const = 0;
+  /// A copy of a staged part of this layer (may throw).
+  virtual std::unique_ptr<StagedPart> clone(const StagedPart& part) const = 0;
+  /// Session `at`'s part replaced by a staged one of this layer, moved in.
+  virtual void replace(std::size_t at, StagedPart& part) noexcept = 0;
 };
 
 /// A pool layer of kind K: one K of batch 1 per session, lent as one K of B for a call.
@@ -565,6 +571,16 @@ class TypedPoolLayer final : public PoolLayer {
     Parts::save(out, ones_[at], storage, print_, where);
   }
 
+  std::unique_ptr<StagedPart> copy(std::size_t at) const override {
+    return std::make_unique<Staged>(ones_[at]);
+  }
+  std::unique_ptr<StagedPart> clone(const StagedPart& part) const override {
+    return std::make_unique<Staged>(static_cast<const Staged&>(part).value);
+  }
+  void replace(std::size_t at, StagedPart& part) noexcept override {
+    ones_[at] = std::move(static_cast<Staged&>(part).value);
+  }
+
   /// Session at[i]'s part as sequence i of one K for body(K&), and back whatever happens.
   template <class Body>
   void lend(const std::vector<std::size_t>& at, const Body& body) {
@@ -601,6 +617,21 @@ inline constexpr char kSessionMagic[8] = {'L', 'N', 'A', 'T', 'T', 'N', 'P', '\0
 inline constexpr std::uint32_t kSessionFormatVersion = 1;
 
 }  // namespace detail
+
+/// A copy of one session of a SessionPool<>, every layer: a checkpoint to start sessions from
+/// (a shared prompt's prefix), or the state before speculative drafts to go back to. Only the
+/// pool that took it restores it.
+class SessionSnapshot {
+ public:
+  /// Empty: restores nothing (a pool refuses it).
+  SessionSnapshot() = default;
+
+ private:
+  template <class>
+  friend class SessionPool;
+  std::vector<std::shared_ptr<const detail::StagedPart>> parts_;  // per layer, immutable
+  std::shared_ptr<const char> pool_;  // the identity of the pool that took it
+};
 
 /// The sessions of a whole hybrid model: for each layer, whatever that layer carries from one
 /// call to the next, of any kind: a linear-attention or delta-rule layer's states, a mixer's
@@ -727,6 +758,37 @@ class SessionPool<void> {
     keys_.erase(at);
   }
 
+  /// A copy of session `key`, every layer: restore(key, snapshot) goes back to it (before
+  /// speculative drafts), add(new_key, snapshot) starts a session from it (a shared prefix).
+  SessionSnapshot snapshot(Key key) const {
+    const std::size_t at =
+        static_cast<std::size_t>(keys_.position_of(key, "SessionPool::snapshot"));
+    SessionSnapshot snapshot;
+    snapshot.parts_.reserve(layers_.size());
+    for (const auto& layer : layers_) snapshot.parts_.push_back(layer->copy(at));
+    snapshot.pool_ = identity_;
+    return snapshot;
+  }
+
+  /// Session `key`, every layer, back to `snapshot` (this pool's, of any of its sessions):
+  /// copied whole before the first layer changes.
+  void restore(Key key, const SessionSnapshot& snapshot) {
+    constexpr const char* where = "SessionPool::restore";
+    const std::size_t at = static_cast<std::size_t>(keys_.position_of(key, where));
+    std::vector<std::unique_ptr<detail::StagedPart>> parts = copy_of(snapshot, where);
+    // Nothing below throws: moves.
+    for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l]->replace(at, *parts[l]);
+  }
+
+  /// Adds session `key` at the end as a copy of `snapshot` (this pool's).
+  /// @return its position, size() - 1
+  Eigen::Index add(Key key, const SessionSnapshot& snapshot) {
+    constexpr const char* where = "SessionPool::add";
+    keys_.require_new(key, where);
+    std::vector<std::unique_ptr<detail::StagedPart>> parts = copy_of(snapshot, where);
+    return insert(key, parts);
+  }
+
   /// Puts the sessions in the order of `order`, a permutation of keys().
   void reorder(const std::vector<Key>& order) {
     const std::vector<std::size_t> from = keys_.permutation_of(order, "SessionPool::reorder");
@@ -807,6 +869,22 @@ class SessionPool<void> {
     return static_cast<detail::TypedPoolLayer<States>&>(held);
   }
 
+  /// A copy of every layer's part in `snapshot`, refused unless this pool took it.
+  std::vector<std::unique_ptr<detail::StagedPart>> copy_of(const SessionSnapshot& snapshot,
+                                                           const char* where) const {
+    if (snapshot.pool_ != identity_) {
+      throw Error(std::string(where) + ": the snapshot was " +
+                  (snapshot.pool_ ? "taken by another pool" : "never taken (empty)") +
+                  ": a pool restores only its own snapshots (another pool's layers may differ; "
+                  "move sessions between pools as blobs)");
+    }
+    std::vector<std::unique_ptr<detail::StagedPart>> parts;
+    parts.reserve(layers_.size());
+    for (std::size_t l = 0; l < layers_.size(); ++l)
+      parts.push_back(layers_[l]->clone(*snapshot.parts_[l]));
+    return parts;
+  }
+
   /// Every layer's part of one session from a blob, checked.
   std::vector<std::unique_ptr<detail::StagedPart>> read_session(std::istream& is,
                                                                 const char* where) const {
@@ -860,6 +938,7 @@ class SessionPool<void> {
 
   std::vector<std::unique_ptr<detail::PoolLayer>> layers_;
   detail::SessionKeys keys_;
+  std::shared_ptr<const char> identity_ = std::make_shared<const char>('\0');  // snapshots' owner
 };
 
 }  // namespace linattn
