@@ -22,7 +22,8 @@
 // layer's save and load in each storage (exact, bf16, int8), with the blob's bytes and those
 // of the model's 24 linear layers; and the drift of each storage against the states kept in
 // float: 10,000 decoding steps (1,000 with LINATTN_BENCH_QUICK) with a store and load after
-// every step, on Qwen3.5's heads of 128 (2 q/k over 4 v heads: every head runs alike).
+// every step, on Qwen3.5's heads of 128 (2 q/k over 4 v heads: every head runs alike); and
+// a speculative round's rollback through the pool (restore from a snapshot) beside one step.
 #include <algorithm>
 #include <cstdint>
 #include <linattn/draft_ring.hpp>
@@ -387,6 +388,30 @@ void BM_SessionLoad(benchmark::State& state) {
                          benchmark::Counter::kIsRate, benchmark::Counter::OneK::kIs1000);
 }
 
+/// A speculative round's rollback through the pool: restore(key, snapshot) of one Qwen3.5-9B
+/// linear layer's session (mode 0), against one decoding step of it (mode 1): issue 34's
+/// target, the rollback at most one step.
+void BM_PoolRollback(benchmark::State& state) {
+  const linattn::GatedDeltaNetShape shape = mixer_shape(state.range(0) != 0);
+  const bool rollback = state.range(1) == 0;
+  const linattn::GatedDeltaNet<float> mixer = make_mixer(shape);
+  linattn::SessionPool<> pool = pool_after(mixer, shape, 64);
+  const linattn::SessionSnapshot snapshot = pool.snapshot(0);
+  const MixerInputs token(shape, 1);
+  const auto in = token.views(shape);
+  Matrix<float> y(1, shape.value_channels());
+  const auto out = HeadsView<float>::bnhd(y.data(), BnhdShape(1, 1, shape.value_heads,
+                                                              shape.value_dim));
+  measure(state, [&] {
+    if (rollback) {
+      pool.restore(0, snapshot);
+    } else {
+      pool.step_into(0, mixer, in, out);
+    }
+    benchmark::DoNotOptimize(y.data());
+  });
+}
+
 /// Steps of one session in storage range(0), stored and loaded after every step, against the
 /// same steps kept in float: drift_y, the outputs' max |y - y_float| / max |y_float| over the
 /// last 100 steps; drift_S, the states' at the end, relative to max |S|.
@@ -512,6 +537,14 @@ int main(int argc, char** argv) {
         ->Arg(storage)
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
+  }
+  for (const std::int64_t qwen : {0, 1}) {
+    for (const std::int64_t mode : {0, 1}) {
+      benchmark::RegisterBenchmark("BM_PoolRollback<float>", BM_PoolRollback)
+          ->Args({qwen, mode})
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
   }
   for (const std::int64_t storage : {0, 1, 2}) {
     benchmark::RegisterBenchmark("BM_StorageDrift", BM_StorageDrift)
