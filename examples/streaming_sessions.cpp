@@ -27,7 +27,8 @@
 // the previous layer's outputs through fixed matrices.
 //   layer 0: RetNet-style retention, elu(x) + 1 features, a fixed decay per head
 //            (1 - 2^(-5-h)), unnormalised
-//   layer 1: softmax attention over every token of the session (a KV cache per head)
+//   layer 1: softmax attention over every token of the session: 2 heads of 8 (a KV cache
+//            each, 64 bytes a token in all), its output projected back to 64
 //   layer 2: Qwen3.5's Gated DeltaNet mixer (2 q/k heads over 4 v heads of 16, a causal
 //            convolution of 4 taps whose last 3 inputs are part of the session's state)
 // Token t of session s comes from a seed made of (s, t), and request i (which session, how
@@ -85,10 +86,12 @@ using Clock = std::chrono::steady_clock;
 constexpr Eigen::Index kHeads = 4;
 constexpr Eigen::Index kDim = 16;               // Dk = C (elu(x) + 1 keeps the size) = Dv
 constexpr Eigen::Index kWidth = kHeads * kDim;  // a token's row: its H heads side by side
-constexpr Key kSessions = 12;                   // conversations in the traffic
-constexpr Eigen::Index kMaxTokens = 8;          // tokens per request: 1 to 8
-constexpr Eigen::Index kLiveSessions = 4;       // sessions the server keeps in its pool
-constexpr std::int64_t kFormat = 2;             // the model's layers, see Blob below
+constexpr Eigen::Index kAttentionHeads = 2, kAttentionDim = 8;  // the softmax layer's
+constexpr Eigen::Index kAttentionWidth = kAttentionHeads * kAttentionDim;
+constexpr Key kSessions = 12;              // conversations in the traffic
+constexpr Eigen::Index kMaxTokens = 8;     // tokens per request: 1 to 8
+constexpr Eigen::Index kLiveSessions = 4;  // sessions the server keeps in its pool
+constexpr std::int64_t kFormat = 2;        // the model's layers, see Blob below
 constexpr std::int64_t kCrashTestRequests = 1200;
 
 // --- Deterministic inputs: a session is replayable from its number alone ---
@@ -130,11 +133,12 @@ class Model {
   Model()
       : retention_(linattn::EluPlusOne{}, kHeads, kDim, kDim, retention_decays(),
                    retention_options()),
-        attention_(1, kHeads, kDim, kDim),
+        attention_(1, kAttentionHeads, kAttentionDim, kAttentionDim),
         mixer_(mixer_shape(), mixer_weights(), mixer_options()),
-        w_q_(projection(1, kWidth)),
-        w_k_(projection(2, kWidth)),
-        w_v_(projection(3, kWidth)),
+        w_q_(projection(1, kAttentionWidth)),
+        w_k_(projection(2, kAttentionWidth)),
+        w_v_(projection(3, kAttentionWidth)),
+        w_o_(projection(6, kWidth).topRows(kAttentionWidth)),
         w_mixer_(projection(4, mixer_width())) {}
 
   /// A pool for this model: each session holds what its three layers make (layer 0's H
@@ -165,7 +169,9 @@ class Model {
     pool.prefill_into(0, {key}, retention_, View::bnhd(q.data(), heads),
                       View::bnhd(k.data(), heads), View::bnhd(v.data(), heads),
                       OutView::bnhd(retained.data(), heads));
-    softmax(pool, key, retained * w_q_, retained * w_k_, retained * w_v_, attended);
+    Mat heads_out(n, kAttentionWidth);
+    softmax(pool, key, retained * w_q_, retained * w_k_, retained * w_v_, heads_out);
+    attended.noalias() = heads_out * w_o_;
     // The mixer's four projections as one GEMM, read in place: [qkv | z | b | a] per token.
     const Mat fused = attended * w_mixer_;
     const linattn::GatedDeltaNetShape shape = mixer_shape();
@@ -234,13 +240,14 @@ class Model {
 
   /// The softmax layer for session `key`: each token attends over every token cached for it.
   void softmax(Pool& pool, Key key, const Mat& q, const Mat& k, const Mat& v, Mat& out) const {
+    constexpr Eigen::Index d = kAttentionDim;
     pool.lend<Caches>(1, {key}, [&](Caches& caches) {
-      linattn::Vector<float> head(kDim);
+      linattn::Vector<float> head(d);
       for (Eigen::Index t = 0; t < q.rows(); ++t) {
-        for (Eigen::Index h = 0; h < kHeads; ++h) {
-          caches.cache(0, h).step_into(q.block(t, h * kDim, 1, kDim), k.block(t, h * kDim, 1, kDim),
-                                       v.block(t, h * kDim, 1, kDim), head);
-          out.block(t, h * kDim, 1, kDim) = head.transpose();
+        for (Eigen::Index h = 0; h < kAttentionHeads; ++h) {
+          caches.cache(0, h).step_into(q.block(t, h * d, 1, d), k.block(t, h * d, 1, d),
+                                       v.block(t, h * d, 1, d), head);
+          out.block(t, h * d, 1, d) = head.transpose();
         }
       }
     });
@@ -259,6 +266,7 @@ class Model {
   Caches attention_;  // layer 1: softmax attention's KV caches (one session's shape)
   linattn::GatedDeltaNet<float> mixer_;  // layer 2
   Mat w_q_, w_k_, w_v_;                  // layer 1's q, k, v from layer 0's outputs
+  Mat w_o_;                              // layer 1's heads back to 64
   Mat w_mixer_;                          // layer 2's projections from layer 1's outputs
 };
 
