@@ -100,6 +100,7 @@ template <class T>
 struct GatedDeltaNetStates {
   ConvWindows<T> conv;               ///< one window per sequence
   DeltaRuleStateBatch<T> recurrent;  ///< state b * Hv + h: value head h of sequence b
+  detail::StepScratch<T> scratch;    ///< the step's buffers (not copied with the states)
   /// B, sequences.
   Eigen::Index batch() const { return conv.batch(); }
 };
@@ -164,7 +165,7 @@ class GatedDeltaNet {
   /// Zero states for `batch` sequences.
   /// @param batch  B >= 1
   States make_states(Eigen::Index batch) const {
-    return States{conv_.make_windows(batch), delta_.make_states(batch)};
+    return States{conv_.make_windows(batch), delta_.make_states(batch), {}};
   }
 
   /// Whole sequences, each from zero states (training, or prompts whose state is not kept).
@@ -231,16 +232,15 @@ class GatedDeltaNet {
     const Eigen::Index channels = shape_.conv_channels();
     // [B, Hv] and [B, Hv * gate_dim] (N = 1): row b * Hv + h once reshaped, as the states.
     const Gates gates = gate_values(in, where);
-    Matrix<T> mixed(batch, channels);
+    Matrix<T>& mixed = states.scratch.take(0, batch, channels);
     detail::with_step_rows(in.qkv,
                            [&](const auto& rows) { conv_.step_into(states.conv, rows, mixed); });
     // Row b * H + h of each: head h of sequence b, as the state batch's step reads them. One
     // sequence's row already is q's, k's and v's rows end to end; more are gathered.
     using HeadRows = Eigen::Map<const Matrix<T>>;
-    Matrix<T> gathered;
     const T* source = mixed.data();
     if (batch > 1) {
-      gathered.resize(batch, channels);
+      Matrix<T>& gathered = states.scratch.take(1, batch, channels);
       for (Eigen::Index b = 0; b < batch; ++b) {
         const T* row = mixed.row(b).data();
         std::copy(row, row + hk * dk, gathered.data() + b * hk * dk);
@@ -253,7 +253,7 @@ class GatedDeltaNet {
     const HeadRows q(source, batch * hk, dk);
     const HeadRows k(source + batch * hk * dk, batch * hk, dk);
     const HeadRows v(source + 2 * batch * hk * dk, batch * hv, dv);
-    Matrix<T> o(batch * hv, dv);
+    Matrix<T>& o = states.scratch.take(2, batch * hv, dv);
     // The gates as B * Hv rows, one per state.
     const Eigen::Map<const Matrix<T>> log_gate(gates.log_gate.data(), batch * hv,
                                                shape_.gate_dim());

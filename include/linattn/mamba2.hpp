@@ -80,6 +80,7 @@ template <class T>
 struct Mamba2States {
   ConvWindows<T> conv;               ///< one window per sequence
   RecurrentStateBatch<T> recurrent;  ///< state b * H + h: head h of sequence b
+  detail::StepScratch<T> scratch;    ///< the step's buffers (not copied with the states)
   /// B, sequences.
   Eigen::Index batch() const { return conv.batch(); }
 };
@@ -144,7 +145,7 @@ class Mamba2 {
   /// Zero states for `batch` sequences.
   /// @param batch  B >= 1
   States make_states(Eigen::Index batch) const {
-    return States{conv_.make_windows(batch), ssm_.make_states(batch)};
+    return States{conv_.make_windows(batch), ssm_.make_states(batch), {}};
   }
 
   /// Whole sequences, each from zero states.
@@ -202,11 +203,15 @@ class Mamba2 {
     const Eigen::Index batch = in.xbc.batch(), h = shape_.heads, p = shape_.head_dim;
     const Eigen::Index g = shape_.groups, n = shape_.state_dim, c = shape_.conv_channels();
     const Matrix<T> dt = step_sizes(in, where);  // [B, H]
-    Matrix<T> mixed(batch, c);
+    detail::StepScratch<T>& scratch = states.scratch;
+    Matrix<T>& mixed = scratch.take(0, batch, c);
     detail::with_step_rows(in.xbc,
                            [&](const auto& rows) { conv_.step_into(states.conv, rows, mixed); });
     // Rows b * heads + head, as the state batch reads them.
-    Matrix<T> k(batch * g, n), q(batch * g, n), v(batch * h, p), log_gate(batch * h, 1);
+    Matrix<T>& k = scratch.take(1, batch * g, n);
+    Matrix<T>& q = scratch.take(2, batch * g, n);
+    Matrix<T>& v = scratch.take(3, batch * h, p);
+    Matrix<T>& log_gate = scratch.take(4, batch * h, 1);
     for (Eigen::Index b = 0; b < batch; ++b) {
       const T* row = mixed.row(b).data();
       k.middleRows(b * g, g) = Eigen::Map<const Matrix<T>>(row + h * p, g, n);
@@ -217,7 +222,7 @@ class Mamba2 {
         log_gate(b * h + head, 0) = dt(b, head) * rates_(head);
       }
     }
-    Matrix<T> y(batch * h, p);
+    Matrix<T>& y = scratch.take(5, batch * h, p);
     ssm_.step_into(states.recurrent, q, k, v, log_gates(log_gate), y);
     for (Eigen::Index b = 0; b < batch; ++b) {
       for (Eigen::Index head = 0; head < h; ++head) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <linattn/config.hpp>
 #include <linattn/detail/view_checks.hpp>
@@ -77,6 +78,30 @@ void with_step_rows(const HeadsView<const T>& view, const Step& step) {
   }
   step(rows);
 }
+
+/// Buffers a mixer's step reuses from one call to the next, kept in its States: a decoding
+/// step allocates nothing once the first has run. A copy of the states (a DraftRing's record,
+/// a pool's snapshot) starts without them, so copies stay the size of the state.
+template <class T>
+class StepScratch {
+ public:
+  StepScratch() = default;
+  StepScratch(const StepScratch&) {}
+  StepScratch& operator=(const StepScratch&) { return *this; }
+  StepScratch(StepScratch&&) noexcept = default;
+  StepScratch& operator=(StepScratch&&) noexcept = default;
+  ~StepScratch() = default;
+
+  /// Buffer `i` (< 6) as rows x cols; its contents are whatever the last step left.
+  Matrix<T>& take(std::size_t i, Eigen::Index rows, Eigen::Index cols) {
+    Matrix<T>& buffer = buffers_[i];
+    if (buffer.rows() != rows || buffer.cols() != cols) buffer.resize(rows, cols);
+    return buffer;
+  }
+
+ private:
+  std::array<Matrix<T>, 6> buffers_;
+};
 
 /// PyTorch's softplus (beta 1, threshold 20): log(1 + exp(x)), x itself past 20.
 template <class T>
