@@ -888,6 +888,17 @@ TEST_CASE(
   HybridPool pool = model.make_pool();
   SessionPool deduced(model.gdn, model.attention, model.mamba);
   static_assert(std::is_same_v<decltype(deduced), HybridPool>);
+  // Layer by layer (a model held in vectors): the same pool.
+  HybridPool built;
+  CHECK_THROWS_WITH(built.add(1), Catch::Matchers::Contains("no layers"));
+  built.add_layer(model.gdn);
+  built.add_layer(model.attention);
+  built.add_layer(model.mamba);
+  built.add_layer(model.conv);
+  built.add_layer(model.linear);
+  CHECK(built.add_layer(model.delta) == 5);
+  built.add(1);
+  CHECK_THROWS_WITH(built.add_layer(model.conv), Catch::Matchers::Contains("1 sessions are live"));
   REQUIRE(pool.layers() == Hybrid::kLayers);
   std::map<Key, Alone> alone;
   for (Key key : {5, 9, 2}) {
@@ -904,6 +915,8 @@ TEST_CASE(
 
   // Session 5 as one blob: added back under a new key it continues bit for bit, in place.
   const std::vector<std::uint8_t> blob = pool.save_bytes(5);
+  built.add_bytes(5, blob);
+  CHECK(built.save_bytes(5) == blob);
   pool.add_bytes(40, blob);
   alone.emplace(40, alone.at(5));  // session 40 starts where 5 is: from its copy
   for (int t = 0; t < 3; ++t) step_all(model, pool, alone);

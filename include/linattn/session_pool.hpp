@@ -655,11 +655,28 @@ class SessionPool<void> {
   /// @param layers  LinearAttentionLayer, DeltaRuleLayer, GatedDeltaNet, Mamba2,
   ///                GatedShortConv, or a KVCacheBatch (a softmax layer's caches:
   ///                its heads, Dk, Dv and scale); at least one
-  template <class... Layers>
-  explicit SessionPool(const Layers&... layers) {
-    static_assert(sizeof...(Layers) >= 1, "linattn: SessionPool<> needs the model's layers");
-    layers_.reserve(sizeof...(Layers));
-    (layers_.push_back(detail::make_pool_layer(layers)), ...);
+  template <class First, class... Rest>
+  explicit SessionPool(const First& first, const Rest&... rest) {
+    layers_.reserve(1 + sizeof...(Rest));
+    layers_.push_back(detail::make_pool_layer(first));
+    (layers_.push_back(detail::make_pool_layer(rest)), ...);
+  }
+
+  /// A pool without layers yet: add_layer each of the model's layers in order (a model of
+  /// many layers held in vectors), then add sessions.
+  SessionPool() = default;
+
+  /// Appends `layer` as the pool's next layer (as the constructor takes it); throws once a
+  /// session is live (its states would lack the layer).
+  /// @return the layer's index
+  template <class Layer>
+  Eigen::Index add_layer(const Layer& layer) {
+    if (keys_.size() != 0) {
+      throw Error("SessionPool::add_layer: " + std::to_string(keys_.size()) +
+                  " sessions are live; add every layer before the first session");
+    }
+    layers_.push_back(detail::make_pool_layer(layer));
+    return layers() - 1;
   }
 
   /// Number of layers.
@@ -928,6 +945,9 @@ class SessionPool<void> {
 
   /// Appends session `key` with its staged parts. Everything that can throw happens first.
   Eigen::Index insert(Key key, std::vector<std::unique_ptr<detail::StagedPart>>& parts) {
+    if (layers_.empty()) {
+      throw Error("SessionPool::add: the pool has no layers; add_layer the model's layers first");
+    }
     for (const auto& layer : layers_) layer->reserve_one();
     keys_.reserve_one();
     keys_.append(key);
