@@ -12,6 +12,7 @@
 #include <map>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -906,6 +907,8 @@ TEST_CASE(
     alone.emplace(key, Alone(model));
   }
   for (int t = 0; t < 3; ++t) step_all(model, pool, alone);
+  pool.reorder({9, 2, 5});  // a 3-cycle: every part moves in place
+  step_all(model, pool, alone);
   pool.drop(9);
   alone.erase(9);
   pool.reorder({2, 5});
@@ -1085,6 +1088,74 @@ TEST_CASE(
   CHECK(other.save_bytes(1) == other_before);
   CHECK(other.size() == 1);
   CHECK_THROWS_WITH(pool.restore(9, checkpoint), Contains("no live session 9"));
+}
+
+TEST_CASE("hybrid pool: canonical blobs, calls from inside a lend, replaced batches",
+          "[session_pool][hybrid][errors]") {
+  using Catch::Matchers::Contains;
+  // An int8 scale survives a load and a save: 127 * scale in float, over 127, is itself (one
+  // row in about 128 needs an ulp more than top / 127).
+  std::mt19937_64 engine(11);
+  std::uniform_real_distribution<double> exponent(-30.0, 30.0);
+  int nudged = 0, moved = 0, off = 0;
+  for (int i = 0; i < 20000; ++i) {
+    const double top = std::exp2(exponent(engine));
+    const float scale = linattn::detail::int8_scale(top);
+    moved += linattn::detail::int8_rescale(scale) != scale;
+    off += !(std::abs(double(scale) * 127.0 - top) <= top * 1e-6);
+    nudged += scale != static_cast<float>(top / 127.0);
+  }
+  CHECK(moved == 0);
+  CHECK(off == 0);
+  CHECK(nudged > 20);  // the ties exist: without the nudge these rows would not round-trip
+
+  const Hybrid model;
+  HybridPool pool = model.make_pool();
+  std::map<Key, Alone> alone;
+  pool.add(1);
+  alone.emplace(1, Alone(model));
+  step_all(model, pool, alone);
+  const std::vector<std::uint8_t> blob = pool.save_bytes(1);
+  // Settings that load would take as equal but this pool does not write: DeltaNet's scale
+  // 0.5 is Dk^-1/2 for Dk = 4, as the pool's -1 resolves.
+  DeltaOptions explicit_scale = Hybrid::delta_options();
+  explicit_scale.scale = 0.5;
+  const linattn::DeltaRuleLayer<F> scaled(Hybrid::kH, Hybrid::kD, Hybrid::kD, explicit_scale);
+  HybridPool other(model.gdn, model.attention, model.mamba, model.conv, model.linear, scaled);
+  CHECK_THROWS_WITH(other.add_bytes(1, blob), Contains("not written as this pool's layer"));
+
+  // Inside a lend's body the pool refuses every call that reads or moves parts.
+  pool.lend<linattn::ConvWindows<F>>(3, {1}, [&](linattn::ConvWindows<F>&) {
+    CHECK_THROWS_WITH(pool.save_bytes(1), Contains("inside a lend's body"));
+    CHECK_THROWS_WITH(pool.snapshot(1), Contains("inside a lend's body"));
+    CHECK_THROWS_WITH(pool.add(2), Contains("inside a lend's body"));
+    CHECK_THROWS_WITH(pool.drop(1), Contains("inside a lend's body"));
+    CHECK_THROWS_WITH(pool.lend<linattn::ConvWindows<F>>(3, {1}, [](auto&) {}),
+                      Contains("inside a lend's body"));
+  });
+  CHECK(pool.save_bytes(1) == blob);
+  // A body that throws gives the parts back.
+  CHECK_THROWS_AS(
+      pool.lend<linattn::ConvWindows<F>>(3, {1}, [](auto&) { throw std::runtime_error("x"); }),
+      std::runtime_error);
+  CHECK(pool.save_bytes(1) == blob);
+  // A body that assigns another batch of the same size gives its parts to the sessions; one of
+  // another size leaves the sessions fresh (their parts went with the old batch).
+  const linattn::ConvWindows<F> window = pool.states<linattn::ConvWindows<F>>(1, 3);
+  pool.lend<linattn::ConvWindows<F>>(
+      3, {1}, [&](linattn::ConvWindows<F>& w) { w = model.conv.make_states(2); });
+  CHECK(pool.states<linattn::ConvWindows<F>>(1, 3).window(0).isZero());
+  pool.lend<linattn::ConvWindows<F>>(3, {1}, [&](linattn::ConvWindows<F>& w) { w = window; });
+  CHECK(pool.save_bytes(1) == blob);
+
+  // A snapshot taken before add_layer belongs to another pool.
+  HybridPool growing(model.gdn);
+  growing.add(1);
+  const linattn::SessionSnapshot before = growing.snapshot(1);
+  growing.drop(1);
+  growing.add_layer(model.conv);
+  CHECK_THROWS_WITH(growing.add(2, before), Contains("another pool"));
+  CHECK(growing.size() == 0);
 }
 
 }  // namespace linattn_test_session_pool

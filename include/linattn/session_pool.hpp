@@ -205,6 +205,7 @@ class SessionPool {
   /// where they are in memory.
   void reorder(const std::vector<Key>& order) {
     const std::vector<std::size_t> from = keys_.permutation_of(order, "SessionPool::reorder");
+    std::vector<Key> keys = order;
     std::vector<std::vector<State>> next(live_.size());
     for (std::size_t l = 0; l < live_.size(); ++l) next[l].reserve(live_[l].size());
     // Nothing below allocates or throws: the moves take the handles only.
@@ -215,7 +216,7 @@ class SessionPool {
       }
       live_[l].swap(next[l]);
     }
-    keys_.reorder(order);
+    keys_.reorder(keys);
   }
 
   /// Clears every state of session `key` (a new conversation under the same key).
@@ -515,8 +516,9 @@ class PoolLayer {
   virtual void reserve_one() = 0;
   virtual void push(StagedPart& part) noexcept = 0;
   virtual void erase(std::size_t at) = 0;
-  /// Session from[s] moves to position s (no part's memory moves).
-  virtual void permute(const std::vector<std::size_t>& from) = 0;
+  /// Session from[s] moves to position s (no part's memory moves), in place: `done` is the
+  /// caller's room of size() flags, so nothing here allocates or throws.
+  virtual void permute(const std::vector<std::size_t>& from, std::vector<char>& done) noexcept = 0;
   virtual void reset(std::size_t at) = 0;
   virtual void save(LittleEndianWriter& out, std::size_t at, SessionStorage storage,
                     const char* where) const = 0;
@@ -559,11 +561,21 @@ class TypedPoolLayer final : public PoolLayer {
   void erase(std::size_t at) override {
     ones_.erase(ones_.begin() + static_cast<std::ptrdiff_t>(at));
   }
-  void permute(const std::vector<std::size_t>& from) override {
-    std::vector<K> next;
-    next.reserve(ones_.size());
-    for (std::size_t s : from) next.push_back(std::move(ones_[s]));
-    ones_.swap(next);
+  void permute(const std::vector<std::size_t>& from, std::vector<char>& done) noexcept override {
+    // Cycle by cycle: position s takes from[s]'s part, one move each.
+    std::fill(done.begin(), done.end(), char(0));
+    for (std::size_t start = 0; start < ones_.size(); ++start) {
+      if (done[start] || from[start] == start) continue;
+      K held = std::move(ones_[start]);
+      std::size_t s = start;
+      while (from[s] != start) {
+        ones_[s] = std::move(ones_[from[s]]);
+        done[s] = 1;
+        s = from[s];
+      }
+      ones_[s] = std::move(held);
+      done[s] = 1;
+    }
   }
   void reset(std::size_t at) override { Parts::reset(ones_[at]); }
   void save(LittleEndianWriter& out, std::size_t at, SessionStorage storage,
@@ -588,9 +600,20 @@ class TypedPoolLayer final : public PoolLayer {
     struct GiveBack {
       TypedPoolLayer& layer;
       const std::vector<std::size_t>& at;
-      ~GiveBack() { Parts::give_back(layer.lent_, layer.ones_, at); }
+      std::size_t parts;  // what the lent batch holds: a body that replaced it changes this
+      ~GiveBack() {
+        if (Parts::count(layer.lent_) == parts) {
+          Parts::give_back(layer.lent_, layer.ones_, at);
+          return;
+        }
+        // The body assigned another batch to the one it was lent: the sessions' parts left
+        // with the old one. They start afresh rather than keep moved-from parts.
+        for (std::size_t s : at) layer.ones_[s] = layer.fresh_;
+        layer.lent_ = layer.fresh_;
+        Parts::empty(layer.lent_);
+      }
     };
-    const GiveBack give_back{*this, at};
+    const GiveBack give_back{*this, at, Parts::count(lent_)};
     body(lent_);
   }
 
@@ -671,11 +694,14 @@ class SessionPool<void> {
   /// @return the layer's index
   template <class Layer>
   Eigen::Index add_layer(const Layer& layer) {
+    require_not_lending("SessionPool::add_layer");
     if (keys_.size() != 0) {
       throw Error("SessionPool::add_layer: " + std::to_string(keys_.size()) +
                   " sessions are live; add every layer before the first session");
     }
+    std::shared_ptr<const char> identity = std::make_shared<const char>('\0');
     layers_.push_back(detail::make_pool_layer(layer));
+    identity_.swap(identity);  // snapshots taken before lack this layer: another pool's
     return layers() - 1;
   }
 
@@ -697,6 +723,7 @@ class SessionPool<void> {
   /// Adds a new session at the end, every layer fresh; throws if `key` is live.
   /// @return its position, size() - 1
   Eigen::Index add(Key key) {
+    require_not_lending("SessionPool::add");
     keys_.require_new(key, "SessionPool::add");
     std::vector<std::unique_ptr<detail::StagedPart>> parts;
     parts.reserve(layers_.size());
@@ -712,6 +739,7 @@ class SessionPool<void> {
   /// @return      its position, size() - 1
   Eigen::Index add_bytes(Key key, const void* data, std::size_t size) {
     constexpr const char* where = "SessionPool::add_bytes";
+    require_not_lending(where);
     keys_.require_new(key, where);
     detail::ByteSource source(data, size);
     std::istream is(&source);
@@ -729,6 +757,7 @@ class SessionPool<void> {
   /// As add_bytes from a stream positioned at a blob, read up to its last byte.
   Eigen::Index add(Key key, std::istream& is) {
     constexpr const char* where = "SessionPool::add";
+    require_not_lending(where);
     keys_.require_new(key, where);
     std::vector<std::unique_ptr<detail::StagedPart>> parts = read_session(is, where);
     return insert(key, parts);
@@ -738,6 +767,7 @@ class SessionPool<void> {
   /// @param storage  exact (bit for bit), bf16 or int8: the numbers' bytes in the blob
   void save(Key key, std::ostream& os, SessionStorage storage = SessionStorage::exact) const {
     constexpr const char* where = "SessionPool::save";
+    require_not_lending(where);
     const std::size_t at = static_cast<std::size_t>(keys_.position_of(key, where));
     if (storage != SessionStorage::exact && storage != SessionStorage::bf16 &&
         storage != SessionStorage::int8) {
@@ -770,6 +800,7 @@ class SessionPool<void> {
 
   /// Removes session `key`; the sessions after it move up one position.
   void drop(Key key) {
+    require_not_lending("SessionPool::drop");
     const std::size_t at = static_cast<std::size_t>(keys_.position_of(key, "SessionPool::drop"));
     for (const auto& layer : layers_) layer->erase(at);
     keys_.erase(at);
@@ -778,6 +809,7 @@ class SessionPool<void> {
   /// A copy of session `key`, every layer: restore(key, snapshot) goes back to it (before
   /// speculative drafts), add(new_key, snapshot) starts a session from it (a shared prefix).
   SessionSnapshot snapshot(Key key) const {
+    require_not_lending("SessionPool::snapshot");
     const std::size_t at =
         static_cast<std::size_t>(keys_.position_of(key, "SessionPool::snapshot"));
     SessionSnapshot snapshot;
@@ -791,6 +823,7 @@ class SessionPool<void> {
   /// copied whole before the first layer changes.
   void restore(Key key, const SessionSnapshot& snapshot) {
     constexpr const char* where = "SessionPool::restore";
+    require_not_lending(where);
     const std::size_t at = static_cast<std::size_t>(keys_.position_of(key, where));
     std::vector<std::unique_ptr<detail::StagedPart>> parts = copy_of(snapshot, where);
     // Nothing below throws: moves.
@@ -801,6 +834,7 @@ class SessionPool<void> {
   /// @return its position, size() - 1
   Eigen::Index add(Key key, const SessionSnapshot& snapshot) {
     constexpr const char* where = "SessionPool::add";
+    require_not_lending(where);
     keys_.require_new(key, where);
     std::vector<std::unique_ptr<detail::StagedPart>> parts = copy_of(snapshot, where);
     return insert(key, parts);
@@ -808,13 +842,19 @@ class SessionPool<void> {
 
   /// Puts the sessions in the order of `order`, a permutation of keys().
   void reorder(const std::vector<Key>& order) {
-    const std::vector<std::size_t> from = keys_.permutation_of(order, "SessionPool::reorder");
-    for (const auto& layer : layers_) layer->permute(from);
-    keys_.reorder(order);
+    constexpr const char* where = "SessionPool::reorder";
+    require_not_lending(where);
+    const std::vector<std::size_t> from = keys_.permutation_of(order, where);
+    std::vector<char> done(from.size());
+    std::vector<Key> keys = order;
+    // Nothing below allocates or throws: every layer moves its parts in place.
+    for (const auto& layer : layers_) layer->permute(from, done);
+    keys_.reorder(keys);
   }
 
   /// Clears every layer of session `key` (a new conversation under the same key).
   void reset(Key key) {
+    require_not_lending("SessionPool::reset");
     const std::size_t at = static_cast<std::size_t>(keys_.position_of(key, "SessionPool::reset"));
     for (const auto& layer : layers_) layer->reset(at);
   }
@@ -824,12 +864,14 @@ class SessionPool<void> {
   template <class States>
   States& states(Key key, Eigen::Index layer) {
     constexpr const char* where = "SessionPool::states";
+    require_not_lending(where);
     return typed<States>(layer, where).one(static_cast<std::size_t>(keys_.position_of(key, where)));
   }
   /// Read-only.
   template <class States>
   const States& states(Key key, Eigen::Index layer) const {
     constexpr const char* where = "SessionPool::states";
+    require_not_lending(where);
     return const_cast<SessionPool&>(*this)
         .typed<States>(layer, where)
         .one(static_cast<std::size_t>(keys_.position_of(key, where)));
@@ -842,9 +884,17 @@ class SessionPool<void> {
   template <class States, class Body>
   void lend(Eigen::Index layer, const std::vector<Key>& sessions, const Body& body) {
     constexpr const char* where = "SessionPool::lend";
+    require_not_lending(where);
     auto& typed_layer = typed<States>(layer, where);
     if (sessions.empty()) throw Error(std::string(where) + ": sessions is empty");
-    typed_layer.lend(keys_.positions_of(sessions, where, "sessions"), body);
+    const std::vector<std::size_t> at = keys_.positions_of(sessions, where, "sessions");
+    struct Lending {
+      bool& flag;
+      ~Lending() { flag = false; }
+    };
+    lending_ = true;
+    const Lending lending{lending_};
+    typed_layer.lend(at, body);
   }
   /// As lend over every live session in position order.
   template <class States, class Body>
@@ -886,10 +936,19 @@ class SessionPool<void> {
     return static_cast<detail::TypedPoolLayer<States>&>(held);
   }
 
+  /// Throws while a lend's body runs: the sessions' parts are lent out then, and positions
+  /// must not move under the body.
+  void require_not_lending(const char* where) const {
+    if (lending_) {
+      throw Error(std::string(where) + ": called from inside a lend's body, while the layer's " +
+                  "parts are lent out; call it after lend returns");
+    }
+  }
+
   /// A copy of every layer's part in `snapshot`, refused unless this pool took it.
   std::vector<std::unique_ptr<detail::StagedPart>> copy_of(const SessionSnapshot& snapshot,
                                                            const char* where) const {
-    if (snapshot.pool_ != identity_) {
+    if (snapshot.pool_ != identity_ || snapshot.parts_.size() != layers_.size()) {
       throw Error(std::string(where) + ": the snapshot was " +
                   (snapshot.pool_ ? "taken by another pool" : "never taken (empty)") +
                   ": a pool restores only its own snapshots (another pool's layers may differ; "
@@ -959,6 +1018,7 @@ class SessionPool<void> {
   std::vector<std::unique_ptr<detail::PoolLayer>> layers_;
   detail::SessionKeys keys_;
   std::shared_ptr<const char> identity_ = std::make_shared<const char>('\0');  // snapshots' owner
+  bool lending_ = false;  // a lend's body is running
 };
 
 }  // namespace linattn

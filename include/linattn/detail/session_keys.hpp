@@ -82,9 +82,10 @@ class SessionKeys {
     keys_.erase(keys_.begin() + static_cast<std::ptrdiff_t>(at));
     renumber(at);
   }
-  /// Takes `order` (checked by permutation_of) as the new position order.
-  void reorder(const std::vector<Key>& order) {
-    keys_ = order;
+  /// Takes `order` (checked by permutation_of, a copy the caller made) as the new position
+  /// order; allocates nothing.
+  void reorder(std::vector<Key>& order) noexcept {
+    keys_.swap(order);
     renumber(0);
   }
 

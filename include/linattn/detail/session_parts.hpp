@@ -16,6 +16,8 @@
 #include <linattn/short_conv.hpp>
 #include <linattn/softmax.hpp>
 #include <linattn/state_batch.hpp>
+#include <linattn/state_io.hpp>
+#include <ostream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -94,6 +96,25 @@ inline float from_bf16(std::uint16_t half) {
   return x;
 }
 
+/// The scale a row whose largest |q| is 127 gets back when it is loaded (its largest number
+/// is the float 127 * scale) and saved again: an int8 scale is canonical when this is itself.
+inline float int8_rescale(float scale) {
+  const float largest = 127.0f * scale;  // as get_rows decodes q = 127
+  return static_cast<float>(static_cast<double>(largest) / 127.0);
+}
+
+/// The canonical int8 scale of a row whose largest |number| is `top`: top / 127 in float,
+/// nudged up by an ulp or two where loading and saving again would move it (1 row in about
+/// 128: 127 * scale a tie in float), 0 below 127 x the smallest normal float.
+inline float int8_scale(double top) {
+  float scale = static_cast<float>(top / 127.0);
+  if (!(scale >= std::numeric_limits<float>::min())) return 0.0f;
+  for (int nudge = 0; nudge < 8 && int8_rescale(scale) != scale; ++nudge) {
+    scale = std::nextafter(scale, std::numeric_limits<float>::infinity());
+  }
+  return scale;
+}
+
 /// Writes rows x cols numbers (row-major at `data`) in `storage`. Throws, having written part
 /// of them, when a number does not fit the storage (the caller's bytes are then dropped).
 template <class S>
@@ -103,6 +124,13 @@ void put_rows(LittleEndianWriter& out, const S* data, Eigen::Index rows, Eigen::
     return Error(std::string(where) + ": a number (" + format_double(x) + ") is beyond " +
                  session_storage_name(storage) + "'s range; save this session exact");
   };
+  for (Eigen::Index i = 0; i < rows * cols; ++i) {
+    if (!std::isfinite(static_cast<double>(data[i]))) {
+      throw Error(std::string(where) + ": the session holds a non-finite number (" +
+                  format_double(static_cast<double>(data[i])) +
+                  "), which no load would accept; it cannot be saved");
+    }
+  }
   std::vector<unsigned char> bytes;  // one row's encoding: one checksum pass, one write
   for (Eigen::Index r = 0; r < rows; ++r) {
     const S* row = data + r * cols;
@@ -125,11 +153,9 @@ void put_rows(LittleEndianWriter& out, const S* data, Eigen::Index rows, Eigen::
       case SessionStorage::int8: {
         double top = 0.0;
         for (Eigen::Index c = 0; c < cols; ++c) top = std::max(top, std::abs(double(row[c])));
-        float scale = static_cast<float>(top / 127.0);
-        if (!std::isfinite(scale)) throw too_large(top);
-        // A row below 127 x the smallest normal float (1.5e-36) is stored as zeros: a
-        // subnormal scale would not give its largest number 127.
-        if (scale < std::numeric_limits<float>::min()) scale = 0.0f;
+        if (!std::isfinite(static_cast<float>(top / 127.0))) throw too_large(top);
+        const float scale = int8_scale(top);
+        if (!std::isfinite(127.0f * scale)) throw too_large(top);
         out.put<float>(scale);
         bytes.resize(static_cast<std::size_t>(cols));
         for (Eigen::Index c = 0; c < cols; ++c) {
@@ -184,9 +210,14 @@ void get_rows(LittleEndianReader& in, S* data, Eigen::Index rows, Eigen::Index c
           top = std::max(top, std::abs(int(q)));
           row[c] = static_cast<S>(static_cast<float>(q) * scale);
         }
-        // Canonical rows only (as put_rows writes them): a row's largest |q| is 127, or the
-        // row is zero with scale 0, so that equal sessions are equal bytes.
-        if ((scale > 0.0f) != (top == 127) || (scale == 0.0f && top != 0)) {
+        // Canonical rows only (as put_rows writes them): a row's largest |q| is 127 under a
+        // normal scale that survives a load and a save, or the row is zero with scale 0, so
+        // that equal sessions are equal bytes.
+        const bool canonical =
+            scale == 0.0f ? top == 0
+                          : top == 127 && scale >= std::numeric_limits<float>::min() &&
+                                std::isfinite(127.0f * scale) && int8_rescale(scale) == scale;
+        if (!canonical) {
           throw Error(std::string(where) + ": " + what + " holds an int8 row not as written " +
                       "(scale " + format_double(scale) + ", largest |q| " + std::to_string(top) +
                       ")");
@@ -269,6 +300,10 @@ struct VectorParts {
     give_back_parts(from, ones, at, [](K& one) -> K& { return one; });
   }
   static void reset(K& one) { one.reset(); }
+  /// The parts a batch holds (a lent batch's sessions x parts per session).
+  static std::size_t count(K& batch) { return PoolAccess::parts(batch).size(); }
+  /// Drops them (a lent batch between calls holds none).
+  static void empty(K& batch) { PoolAccess::parts(batch).clear(); }
 };
 
 /// A linear or delta-rule state as its record (settings as format 4 writes them) and payload.
@@ -337,14 +372,36 @@ struct StateParts : VectorParts<Batch> {
       record::check_record(record, record::Layout::current, bytes, where);
       if constexpr (linear) {
         loaded[h] = StateAccess::restore<State>(record, print, model.options(), where);
+        require_own_settings(record, StateAccess::record(loaded[h], print), where);
       } else {
         loaded[h] = StateAccess::restore<State>(record, model.options(), where);
+        require_own_settings(record, StateAccess::record(loaded[h]), where);
       }
     }
     return one;
   }
 
  private:
+  /// Throws unless the blob's settings are, byte for byte, those this pool's layer writes
+  /// (load accepts equivalent ones: a negative scale for any other, a random map's seed): a
+  /// session's bytes are canonical.
+  static void require_own_settings(const StateRecord& read, const StateRecord& own,
+                                   const char* where) {
+    const auto bytes_of = [](const StateRecord& record) {
+      std::vector<std::uint8_t> bytes;
+      ByteSink sink(bytes);
+      std::ostream os(&sink);
+      LittleEndianWriter out(os);
+      write_record_settings(out, record);
+      return bytes;
+    };
+    if (bytes_of(read) != bytes_of(own)) {
+      throw Error(std::string(where) + ": a state's settings are not written as this pool's " +
+                  "layer writes them (its options or feature map record differ in a field " +
+                  "that does not change results): not a blob this pool saved");
+    }
+  }
+
   static void put_header(LittleEndianWriter& out, const StateRecord& record) {
     out.put<std::uint64_t>(record.rows);
     out.put<std::uint64_t>(record.cols);
@@ -485,6 +542,13 @@ struct MixerParts {
   static void reset(K& one) {
     one.conv.reset();
     one.recurrent.reset();
+  }
+  static std::size_t count(K& batch) {
+    return Conv::count(batch.conv) + Recurrent::count(batch.recurrent);
+  }
+  static void empty(K& batch) {
+    Conv::empty(batch.conv);
+    Recurrent::empty(batch.recurrent);
   }
   static void save(LittleEndianWriter& out, const K& one, SessionStorage storage,
                    const MapFingerprint& print, const char* where) {
