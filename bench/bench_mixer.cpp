@@ -400,8 +400,8 @@ void BM_PoolRollback(benchmark::State& state) {
   const MixerInputs token(shape, 1);
   const auto in = token.views(shape);
   Matrix<float> y(1, shape.value_channels());
-  const auto out = HeadsView<float>::bnhd(y.data(), BnhdShape(1, 1, shape.value_heads,
-                                                              shape.value_dim));
+  const auto out =
+      HeadsView<float>::bnhd(y.data(), BnhdShape(1, 1, shape.value_heads, shape.value_dim));
   measure(state, [&] {
     if (rollback) {
       pool.restore(0, snapshot);
