@@ -5,6 +5,7 @@
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
+#include <linattn/detail/dplr_delta_rule.hpp>
 #include <linattn/detail/gradient_stream.hpp>
 #include <linattn/multi_head.hpp>
 #include <linattn/short_conv.hpp>
@@ -25,6 +26,7 @@ LINATTN_INPUT_CHECK_INSTANCES(template, Eigen::bfloat16)
 // thread split), the softmax baseline's tiles and the short convolution.
 LINATTN_STREAM_INSTANCES(template, float)
 LINATTN_DELTA_STEP_INSTANCES(template, float)
+LINATTN_DPLR_STEP_INSTANCES(template, float)
 LINATTN_DELTA_BACKWARD_INSTANCES(template, float)
 LINATTN_GRADIENT_INSTANCES(template, float)
 LINATTN_SOFTMAX_INSTANCES(template, float)

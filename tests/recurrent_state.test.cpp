@@ -904,7 +904,7 @@ TEMPLATE_TEST_CASE("format 4: the layout, and records save could not have writte
   CHECK_THAT(edited(94, 0xFF), Contains("temperature that is not positive and finite"));
   CHECK_THAT(edited(58, 2), Contains("invalid normalize byte 2"));
   CHECK_THAT(edited(33, 4), Contains("invalid transition record: unknown kind 4"));
-  CHECK_THAT(edited(32, 2), Contains("unknown state family 2"));
+  CHECK_THAT(edited(32, 3), Contains("unknown state family 3"));
   CHECK_THAT(edited(32, 1), Contains("the stream holds a DeltaRuleState, not a RecurrentState"));
   CHECK(edited(33, 0).empty());  // none: not known (a format-2 state saved again), loads
   CHECK(edited(33, 2).empty());  // scalar gates: a state of that kind loads

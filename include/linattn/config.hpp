@@ -150,6 +150,17 @@ struct DeltaOptions : KernelOptions {
   DeltaForm form = DeltaForm::automatic;
 };
 
+/// Settings of the generalized (diagonal-plus-low-rank) delta rule's kernels (RWKV-7; FLA's
+/// chunk_dplr_delta_rule), with the shared chunk, check_finite (of q, k, v, a and b: the gates
+/// are always checked), threads and head_grouping of KernelOptions.
+struct DplrOptions : KernelOptions {
+  /// s, multiplying q: out_t = S_t^T (s q_t). Negative (the default) takes Dk^-1/2, FLA's
+  /// default for chunk_dplr_delta_rule; RWKV-7's layer passes 1. Otherwise finite and > 0.
+  double scale = -1.0;
+  /// The form prefill and the matrix calls run in (DeltaForm::automatic: the faster).
+  DeltaForm form = DeltaForm::automatic;
+};
+
 /// Thrown for bad input at the API boundary; the message names the argument and the shapes.
 class Error : public std::invalid_argument {
  public:

@@ -87,10 +87,6 @@ void validate_delta_gates(const Gates& gates, Eigen::Index rows, Eigen::Index ke
   require_gates_in_range<Traits::log_space>(Traits::values(gates), where, "gates");
 }
 
-/// Value columns below this per thread are not split further (each part repeats the
-/// key-side work: K K^T, the solve for W, Q K^T).
-inline constexpr Eigen::Index kDeltaMinColumnsPerThread = 32;
-
 /// True when a call runs the streamed recurrence: asked for, or (automatic) everywhere
 /// bench_delta measured it faster than the chunked form (Dk = Dv = 64 and 128), except rows of
 /// S a multiple of 4 KiB long, where its strips stall on 4K aliasing.

@@ -46,6 +46,15 @@
   prefix void linattn::detail::delta_step<T>(   \
       linattn::Matrix<T>&, linattn::detail::DeltaStepBuffers<T>&, T, Eigen::Index);
 
+/// The generalized delta rule's chunked and streamed kernels of one pair and its one-token
+/// step of one accumulation type (declared in detail/dplr_delta_rule.hpp).
+#define LINATTN_DPLR_INSTANCES(prefix, T, O)      \
+  prefix class linattn::detail::DplrKernel<T, O>; \
+  prefix class linattn::detail::DplrStream<T, O>;
+#define LINATTN_DPLR_STEP_INSTANCES(prefix, T) \
+  prefix void linattn::detail::dplr_step<T>(   \
+      linattn::Matrix<T>&, const linattn::detail::DplrTokenRefs<T>&, linattn::Vector<T>&);
+
 /// The delta rule's backward workspace of one accumulation type T: the members that do not
 /// depend on the inputs' types (declared in detail/delta_rule_backward.hpp).
 #define LINATTN_DELTA_BACKWARD_INSTANCES(prefix, T) prefix class linattn::detail::DeltaBackward<T>;
@@ -57,6 +66,7 @@
 #define LINATTN_PAIR_INSTANCES(prefix, T, O) \
   LINATTN_KERNEL_INSTANCES(prefix, T, O)     \
   LINATTN_DELTA_INSTANCES(prefix, T, O)      \
+  LINATTN_DPLR_INSTANCES(prefix, T, O)       \
   LINATTN_HEADS_INSTANCES(prefix, T, O)      \
   LINATTN_DELTA_HEADS_INSTANCES(prefix, T, O)
 

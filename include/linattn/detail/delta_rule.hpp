@@ -33,6 +33,10 @@ inline constexpr Eigen::Index kDeltaSubBlock = 16;
 /// precision of a direct exp.
 inline constexpr double kDeltaSpread = 20.0;
 
+/// Value columns below this per thread are not split further (each part repeats the
+/// key-side work: K K^T, the solve for W, Q K^T; the generalized rule's pairs alike).
+inline constexpr Eigen::Index kDeltaMinColumnsPerThread = 32;
+
 /// s: DeltaOptions::scale, or Dk^-1/2 when it is negative.
 inline double delta_scale(const DeltaOptions& options, Eigen::Index key_dim) {
   return options.scale < 0.0 ? 1.0 / std::sqrt(static_cast<double>(key_dim)) : options.scale;

@@ -25,8 +25,9 @@ namespace linattn {
 /// The recurrence family of a saved state: format 4 records it (byte 32), earlier formats
 /// imply it by their magic.
 enum class StateFamily : std::uint8_t {
-  linear = 0,      ///< RecurrentState: linear attention with a feature map, decays and gates
-  delta_rule = 1,  ///< DeltaRuleState: DeltaNet, Gated DeltaNet, KDA
+  linear = 0,           ///< RecurrentState: linear attention with a feature map, decays and gates
+  delta_rule = 1,       ///< DeltaRuleState: DeltaNet, Gated DeltaNet, KDA
+  dplr_delta_rule = 2,  ///< DplrDeltaRuleState: the generalized delta rule (RWKV-7)
 };
 
 /// The state class that saves and loads a family, for messages: "RecurrentState".
@@ -36,6 +37,8 @@ inline const char* state_family_class(StateFamily family) {
       return "RecurrentState";
     case StateFamily::delta_rule:
       return "DeltaRuleState";
+    case StateFamily::dplr_delta_rule:
+      return "DplrDeltaRuleState";
   }
   return "?";
 }
@@ -45,7 +48,8 @@ inline const char* state_family_class(StateFamily family) {
 namespace linattn::detail {
 
 /// The highest StateFamily value this build reads.
-inline constexpr std::uint8_t kLastStateFamily = static_cast<std::uint8_t>(StateFamily::delta_rule);
+inline constexpr std::uint8_t kLastStateFamily =
+    static_cast<std::uint8_t>(StateFamily::dplr_delta_rule);
 /// The format every state writes; the reader takes 1 to this.
 inline constexpr std::uint32_t kStateFormatVersion = 4;
 /// The magic of every format but the delta rule's first.
@@ -77,6 +81,11 @@ struct DeltaRecord {
   bool allow_negative_eigenvalues = false;
 };
 
+/// What a generalized delta-rule state records beyond the common fields.
+struct DplrRecord {
+  double scale = -1.0;  ///< as given: negative means Dk^-1/2
+};
+
 /// A saved state, read and verified (checksum, ranges, canonical bytes), not yet a state.
 struct StateRecord {
   std::uint32_t version = kStateFormatVersion;
@@ -88,6 +97,7 @@ struct StateRecord {
   std::int64_t tokens = 0;
   LinearRecord linear;  ///< family linear only
   DeltaRecord delta;    ///< family delta_rule only
+  DplrRecord dplr;      ///< family dplr_delta_rule only
   /// S row-major (rows x cols), then for the linear family z (rows): the stream's
   /// little-endian bytes of scalar_bytes each, decoded by record_s / record_z (bit for bit).
   std::vector<unsigned char> payload;
@@ -105,6 +115,7 @@ inline std::uint64_t payload_entries(StateFamily family, std::uint64_t rows, std
     case StateFamily::linear:
       return rows * cols + rows;
     case StateFamily::delta_rule:
+    case StateFamily::dplr_delta_rule:
       return rows * cols;
   }
   return 0;
@@ -137,6 +148,9 @@ inline void write_record_settings(LittleEndianWriter& out, const StateRecord& re
       out.put<std::uint8_t>(record.delta.l2_normalize ? 1 : 0);
       out.put<std::uint8_t>(record.delta.allow_negative_eigenvalues ? 1 : 0);
       break;
+    case StateFamily::dplr_delta_rule:
+      out.put<double>(record.dplr.scale);
+      break;
   }
 }
 
@@ -149,6 +163,7 @@ inline void write_record_settings(LittleEndianWriter& out, const StateRecord& re
 ///             Acc) | z (C, Acc)
 /// delta_rule: 42 scale f64 (as given: negative means Dk^-1/2) | 50 l2_normalize u8 |
 ///             51 allow_negative_eigenvalues u8 | 52 S (Dk x Dv, row-major, Acc)
+/// dplr_delta_rule: 42 scale f64 (as given) | 50 S (Dk x Dv, row-major, Acc)
 /// The encoding is canonical (one byte value per setting): equal states save equal bytes.
 ///
 /// The formats before it, which read_state_record still reads (each ends with the CRC-32):
@@ -197,6 +212,13 @@ inline Options saved_options(const LinearRecord& saved) {
     options.check_finite = saved.check_finite;
     options.chunk = static_cast<Eigen::Index>(saved.chunk);
   }
+  return options;
+}
+
+/// The options a generalized delta-rule record was saved with (the rest default).
+inline DplrOptions saved_options(const DplrRecord& saved) {
+  DplrOptions options;
+  options.scale = saved.scale;
   return options;
 }
 
@@ -301,6 +323,22 @@ inline void check_delta(StateRecord& record, std::uint8_t l2, std::uint8_t negat
   }
 }
 
+/// Throws unless a verified generalized delta-rule record is one a DplrDeltaRuleState could
+/// have saved: a valid scale, and per-feature decays once a token was seen (a scalar gate is
+/// one broadcast over the features).
+inline void check_dplr(StateRecord& record, std::uint8_t transition, const char* where) {
+  const double scale = record.dplr.scale;
+  if (std::isnan(scale) || std::isinf(scale) || scale == 0.0) {
+    throw Error(std::string(where) + ": invalid scale " + format_double(scale));
+  }
+  const auto expected = record.tokens == 0 ? TransitionKind::none : TransitionKind::feature_gates;
+  if (transition != static_cast<std::uint8_t>(expected)) {
+    throw Error(std::string(where) + ": invalid transition record " + std::to_string(transition) +
+                " for " + std::to_string(record.tokens) + " tokens of the generalized delta rule");
+  }
+  record.transition = expected;
+}
+
 /// The bytes of a record's settings that are checked once the whole record is read.
 struct SettingBytes {
   std::uint8_t transition = 0, normalize = 0, l2 = 0, negative = 0;
@@ -311,8 +349,8 @@ inline StateFamily read_family(LittleEndianReader& in, const char* where) {
   const auto family = in.get<std::uint8_t>("the state family");
   if (family > kLastStateFamily) {
     throw Error(std::string(where) + ": unknown state family " + std::to_string(family) +
-                " (a later linattn's?); this build reads 0 (RecurrentState) and 1 "
-                "(DeltaRuleState)");
+                " (a later linattn's?); this build reads 0 (RecurrentState), 1 "
+                "(DeltaRuleState) and 2 (DplrDeltaRuleState)");
   }
   return static_cast<StateFamily>(family);
 }
@@ -330,6 +368,9 @@ inline void read_settings(LittleEndianReader& in, StateRecord& record, SettingBy
       record.delta.scale = in.get<double>("scale");
       bytes.l2 = in.get<std::uint8_t>("l2_normalize");
       bytes.negative = in.get<std::uint8_t>("allow_negative_eigenvalues");
+      break;
+    case StateFamily::dplr_delta_rule:
+      record.dplr.scale = in.get<double>("scale");
       break;
   }
 }
@@ -359,6 +400,9 @@ inline void check_record(StateRecord& record, Layout layout, const SettingBytes&
       break;
     case StateFamily::delta_rule:
       check_delta(record, bytes.l2, bytes.negative, bytes.transition, where);
+      break;
+    case StateFamily::dplr_delta_rule:
+      check_dplr(record, bytes.transition, where);
       break;
   }
   const std::size_t entries =
