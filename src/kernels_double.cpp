@@ -2,6 +2,7 @@
 // linattn::compiled: the kernels (chunked, streamed, stepped, backward; both families) that
 // accumulate in double.
 #include <linattn/delta_rule.hpp>
+#include <linattn/dplr_delta_rule.hpp>
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 
+#include "heads_support.hpp"
 #include "support.hpp"
 
 // Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
@@ -376,6 +377,87 @@ TEST_CASE("the generalized delta rule on 16-bit inputs and in double", "[dplr][h
             .transpose();
   }
   CHECK(relative_error(stepped, expected) <= 8e-3);
+}
+
+TEMPLATE_TEST_CASE("the generalized delta rule on views: layouts, grouped q/k heads, varlen",
+                   "[dplr][heads]", float, double) {
+  using T = TestType;
+  using linattn_test::Heads;
+  using linattn_test::Layout;
+  const Eigen::Index batch = 2, heads = 4, qk_heads = 2, n = 70, dk = 16, dv = 12;
+  const T gap = T(-7);
+  for (const Layout layout : {Layout::bhnd, Layout::bnhd, Layout::padded}) {
+    CAPTURE(linattn_test::layout_name(layout));
+    Heads<T> q(layout, batch, qk_heads, n, dk, gap), k(layout, batch, qk_heads, n, dk, gap);
+    Heads<T> v(layout, batch, heads, n, dv, gap), a(layout, batch, heads, n, dk, gap);
+    Heads<T> b(layout, batch, heads, n, dk, gap), g(layout, batch, heads, n, dk, gap);
+    Heads<T> out(layout, batch, heads, n, dv, gap);
+    std::vector<Sequence> seqs;
+    for (Eigen::Index i = 0; i < batch * heads; ++i) {
+      seqs.emplace_back(n, dk, dv, dk, 200 + static_cast<std::uint64_t>(i) * 10);
+      const Sequence& s = seqs.back();
+      const Eigen::Index bi = i / heads, h = i % heads;
+      if (h % 2 == 0) {  // q/k head h / 2 is read by value heads h and h + 1 (interleaved)
+        q.set_head(bi, h / 2, s.q.cast<T>());
+        k.set_head(bi, h / 2, s.k.cast<T>());
+      }
+      v.set_head(bi, h, s.v.cast<T>());
+      a.set_head(bi, h, s.a.cast<T>());
+      b.set_head(bi, h, s.b.cast<T>());
+      g.set_head(bi, h, s.log_gates.cast<T>());
+    }
+    const auto expected = [&](Eigen::Index bi, Eigen::Index h, Eigen::Index begin,
+                              Eigen::Index len) {
+      const Sequence& own = seqs[static_cast<std::size_t>(bi * heads + h)];
+      const Sequence& lead = seqs[static_cast<std::size_t>(bi * heads + h - h % 2)];
+      return naive_dplr(lead.q.middleRows(begin, len), lead.k.middleRows(begin, len),
+                        own.v.middleRows(begin, len), own.a.middleRows(begin, len),
+                        own.b.middleRows(begin, len), own.log_gates.middleRows(begin, len), 0.25);
+    };
+    for (const DeltaForm form : {DeltaForm::chunked, DeltaForm::streamed}) {
+      CAPTURE(static_cast<int>(form));
+      DplrOptions options = with_form(form, 32);
+      linattn::causal_dplr_delta_rule_into(q.cview(), k.cview(), v.cview(), a.cview(), b.cview(),
+                                           linattn::log_gates(g.cview()), out.view(), options);
+      CHECK(out.gaps_hold(gap));
+      for (Eigen::Index bi = 0; bi < batch; ++bi) {
+        for (Eigen::Index h = 0; h < heads; ++h) {
+          CAPTURE(bi, h);
+          CHECK(relative_error(out.head(bi, h), expected(bi, h, 0, n)) <= bound<T>());
+        }
+      }
+      // Batch entry 0 packed as three sequences (one empty), each from a zero state.
+      const std::vector<std::int64_t> offsets = {0, 25, 25, n};
+      const auto first = [](const Heads<T>& x) {
+        const auto view = x.cview();
+        return linattn::ConstHeadsView<T>(view.data(), 1, view.heads(), view.tokens(), view.dim(),
+                                          view.strides());
+      };
+      const auto first_out = [&]() {
+        const auto view = out.view();
+        return linattn::HeadsView<T>(view.data(), 1, view.heads(), view.tokens(), view.dim(),
+                                     view.strides());
+      };
+      linattn::causal_dplr_delta_rule_varlen_into(first(q), first(k), first(v), first(a), first(b),
+                                                  linattn::log_gates(first(g)), offsets,
+                                                  first_out(), options);
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        for (std::size_t part = 0; part + 1 < offsets.size(); ++part) {
+          const Eigen::Index begin = offsets[part], len = offsets[part + 1] - begin;
+          if (len == 0) continue;
+          CAPTURE(h, part);
+          CHECK(relative_error(out.head(0, h).middleRows(begin, len), expected(0, h, begin, len)) <=
+                bound<T>());
+        }
+      }
+    }
+    // a with another head count is refused before anything is written.
+    Heads<T> short_a(layout, batch, qk_heads, n, dk, gap);
+    CHECK_THROWS_WITH(
+        linattn::causal_dplr_delta_rule_into(q.cview(), k.cview(), v.cview(), short_a.cview(),
+                                             b.cview(), linattn::log_gates(g.cview()), out.view()),
+        Catch::Contains("a needs one head per value head"));
+  }
 }
 
 TEST_CASE("DplrDeltaRuleState saves and loads bit for bit and refuses what does not fit",

@@ -4,8 +4,10 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <istream>
 #include <linattn/config.hpp>
+#include <linattn/delta_rule.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/dplr_delta_rule.hpp>
 #include <linattn/detail/openmp.hpp>
@@ -19,6 +21,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 /// The recurrence, with q, k, a, b: N x Dk, v: N x Dv and log decays g: N x Dk (or N x 1,
 /// one per token), w_t = exp(g_t):
@@ -150,6 +153,129 @@ void run_dplr_rule(const DQ& q, const DK& k, const DV& v, const DA& a, const DB&
   });
 }
 
+/// Checks a view call of the generalized delta rule (one sequence per batch entry, or the
+/// packed sequences of `offsets`) before anything is written, and returns its sequences: q, k,
+/// v as the delta rule's (grouped heads allowed), a and b [B, H, N, Dk] and the gates
+/// [B, H, N, Dk or 1], one head per output head. Compiled once per input type in the compiled
+/// mode.
+template <class S>
+SequenceRows check_dplr_heads(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
+                              const ConstHeadsView<S>& v, const ConstHeadsView<S>& a,
+                              const ConstHeadsView<S>& b, const AnyHeadTransition<S>& transition,
+                              const ConstHeadsView<S>& out,
+                              const std::vector<std::int64_t>* offsets, const DplrOptions& options,
+                              const char* where) {
+  validate_dplr_options(options, where);
+  const Options engine = engine_options(options);
+  validate_heads(q, k, v, out, v.dim(), engine, where, "q", "k");
+  require_head_view(a, out, q.dim(), "Dk", where, "a");
+  require_head_view(b, out, q.dim(), "Dk", where, "b");
+  LINATTN_ASSERT(transition.gates() != nullptr);
+  const ConstHeadsView<S>& gates = *transition.gates();
+  if (gates.dim() != 1) {
+    require_head_view(gates, out, q.dim(), "Dk (one decay per key feature) or 1", where, "gates");
+  } else {
+    require_head_view(gates, out, 1, "1 (one decay per token) or Dk", where, "gates");
+  }
+  const SequenceRows sequences = sequence_rows(q, offsets, where, "q");
+  const int threads = resolve_threads(engine);
+  scan_transition(transition, threads, where);
+  scan_heads(q, k, v, engine, where, "q", "k");
+  if (options.check_finite) {
+    for (const auto* view : {&a, &b}) {
+      const char* name = view == &a ? "a" : "b";
+      scan_view(
+          *view, threads, [](const auto& rows) { return all_finite(rows); },
+          [&](const auto& head, Eigen::Index batch, Eigen::Index h) {
+            if (!all_finite(head)) require_finite(head, where, head_name(name, batch, h).c_str());
+          });
+    }
+  }
+  return sequences;
+}
+
+/// Runs the generalized delta rule over every sequence and head of checked views, threads over
+/// sequences x heads, each head from the state with_state gives it (DeltaWithState), which the
+/// head leaves after its last token. Compiled once per (T, S) in the compiled mode.
+template <class T, class S>
+void run_dplr_heads(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
+                    const ConstHeadsView<S>& v, const ConstHeadsView<S>& a,
+                    const ConstHeadsView<S>& b, const AnyHeadTransition<S>& transition,
+                    const HeadsView<S>& out, const SequenceRows& sequences,
+                    const DplrOptions& options, const char* where, DeltaWithState<T> with_state) {
+  for_each_sequence_head(
+      q, k, v, out, sequences, engine_options(options),
+      [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
+          int inner_threads) {
+        const Eigen::Index batch = sequences.batch_of(s), begin = sequences.begin(s);
+        const auto as = a.head(batch, h).middleRows(begin, qs.rows());
+        const auto bs = b.head(batch, h).middleRows(begin, qs.rows());
+        with_state(s, h, [&](Matrix<T>& state) {
+          OutRows<S> rows(os);
+          with_gate_rows(transition, transition.gates()->head(batch, h), begin,
+                         [&](const GateRows* gate_rows) {
+                           run_dplr_rule<T, S>(qs, ks, vs, as, bs, *gate_rows, options, state,
+                                               &rows, where, inner_threads);
+                         });
+        });
+      });
+}
+
+/// check_dplr_heads for views of any constness and gates of either form.
+template <class Acc, class Q, class K, class V, class A, class B, class O, class Gates>
+SequenceRows check_heads_dplr_rule(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                   const HeadsView<V>& v, const HeadsView<A>& a,
+                                   const HeadsView<B>& b, const Gates& gates,
+                                   const HeadsView<O>& out,
+                                   const std::vector<std::int64_t>* offsets,
+                                   const DplrOptions& options, const char* where) {
+  using Scalar = std::remove_const_t<O>;
+  static_assert(is_input_scalar<Scalar>,
+                "the generalized delta rule takes float, double, Eigen::half or Eigen::bfloat16 "
+                "inputs");
+  static_assert(is_supported_scalar<accumulator_t<Acc, Scalar>>,
+                "the generalized delta rule accumulates in float or double (Acc = float or "
+                "double)");
+  static_assert(std::is_same_v<std::remove_const_t<A>, Scalar> &&
+                    std::is_same_v<std::remove_const_t<B>, Scalar>,
+                "a and b must have the inputs' scalar type: cast them first");
+  const auto transition = delta_head_gates<Gates, Scalar>::read(gates);
+  return check_dplr_heads<Scalar>(q, k, v, a, b, any_transition<Scalar>(transition), out, offsets,
+                                  options, where);
+}
+
+/// The generalized delta rule over every sequence and head of the views, each from the state
+/// with_state(s, h, run) gives (a zero state for the matrix-free calls).
+template <class Acc, class Q, class K, class V, class A, class B, class O, class Gates,
+          class WithState>
+void run_heads_dplr_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                         const HeadsView<A>& a, const HeadsView<B>& b, const Gates& gates,
+                         const HeadsView<O>& out, const SequenceRows& sequences,
+                         const DplrOptions& options, const char* where,
+                         const WithState& with_state) {
+  using T = accumulator_t<Acc, O>;
+  const auto transition = delta_head_gates<Gates, O>::read(gates);
+  run_dplr_heads<T, O>(
+      q, k, v, a, b, any_transition<O>(transition), out, sequences, options, where,
+      [&](Eigen::Index s, Eigen::Index h, DeltaStateRun<T> run) { with_state(s, h, run); });
+}
+
+/// Every check, then every sequence and head from a zero state.
+template <class Acc, class Q, class K, class V, class A, class B, class O, class Gates>
+void heads_dplr_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                     const HeadsView<A>& a, const HeadsView<B>& b, const Gates& gates,
+                     const HeadsView<O>& out, const std::vector<std::int64_t>* offsets,
+                     const DplrOptions& options, const char* where) {
+  using T = accumulator_t<Acc, O>;
+  const SequenceRows sequences =
+      check_heads_dplr_rule<Acc>(q, k, v, a, b, gates, out, offsets, options, where);
+  run_heads_dplr_rule<Acc>(q, k, v, a, b, gates, out, sequences, options, where,
+                           [&](Eigen::Index, Eigen::Index, const auto& run) {
+                             Matrix<T> state = Matrix<T>::Zero(q.dim(), v.dim());
+                             run(state);
+                           });
+}
+
 /// How messages name a generalized delta-rule state's transition.
 inline const char* dplr_transition_name(TransitionKind kind) {
   return kind == TransitionKind::none ? "no transition yet" : "diagonal plus low rank";
@@ -206,6 +332,55 @@ Matrix<typename DQ::Scalar> causal_dplr_delta_rule(
   Matrix<typename DQ::Scalar> out(q.rows(), v.cols());
   causal_dplr_delta_rule_into<Acc>(q, k, v, a, b, gates, out, options);
   return out;
+}
+
+/// The generalized delta rule for every head of every sequence on caller memory ([B, H, N, D]
+/// or [B, N, H, D], any strides), written into `out`, each head from a zero state; threads
+/// over B x H (DplrOptions::threads). Head (b, h) gives causal_dplr_delta_rule on its heads up
+/// to rounding; q, k and v may have fewer heads (a divisor of H, shared by
+/// DplrOptions::head_grouping), a, b and the gates have one head per output head. Every check
+/// runs before anything is written.
+/// @param q        B x Hq x N x Dk queries (Hq divides H)
+/// @param k        B x Hk x N x Dk keys (Hk divides H)
+/// @param v        B x Hv x N x Dv values (Hv divides H)
+/// @param a        B x H x N x Dk (FLA's alpha)
+/// @param b        B x H x N x Dk (FLA's beta)
+/// @param gates    B x H x N x Dk (or x 1) decays: a view of w_t, or log_gates(view)
+/// @param out      B x H x N x Dv result; its heads may not overlap each other or the inputs
+/// @param options  scale, chunk, form, check_finite, threads, head_grouping
+template <class Acc = void, class Q, class K, class V, class A, class B, class Gates, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>,
+          class = detail::enable_if_delta_head_gates<Gates, O>>
+void causal_dplr_delta_rule_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                 const HeadsView<V>& v, const HeadsView<A>& a,
+                                 const HeadsView<B>& b, const Gates& gates, const HeadsView<O>& out,
+                                 const DplrOptions& options = {}) {
+  detail::heads_dplr_rule<Acc>(q, k, v, a, b, gates, out, nullptr, options,
+                               "causal_dplr_delta_rule");
+}
+
+/// The generalized delta rule over a packed batch of sequences of different lengths: sequence
+/// s is tokens [offsets[s], offsets[s+1]) of every view (FLA's cu_seqlens) and starts from a
+/// zero state. See the view call above.
+/// @param q        1 x Hq x total x Dk queries
+/// @param k        1 x Hk x total x Dk keys
+/// @param v        1 x Hv x total x Dv values
+/// @param a        1 x H x total x Dk
+/// @param b        1 x H x total x Dk
+/// @param gates    1 x H x total x Dk (or x 1): a view of w_t, or log_gates(view)
+/// @param offsets  S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
+/// @param out      1 x H x total x Dv result
+/// @param options  as the view call
+template <class Acc = void, class Q, class K, class V, class A, class B, class Gates, class O,
+          class = detail::enable_if_heads_scalars<Q, K, V, O>,
+          class = detail::enable_if_delta_head_gates<Gates, O>>
+void causal_dplr_delta_rule_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                        const HeadsView<V>& v, const HeadsView<A>& a,
+                                        const HeadsView<B>& b, const Gates& gates,
+                                        const std::vector<std::int64_t>& offsets,
+                                        const HeadsView<O>& out, const DplrOptions& options = {}) {
+  detail::heads_dplr_rule<Acc>(q, k, v, a, b, gates, out, &offsets, options,
+                               "causal_dplr_delta_rule_varlen");
 }
 
 /// The generalized delta rule's recurrent form: the state S (Dk x Dv) of one sequence and its
@@ -451,3 +626,30 @@ class DplrDeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, Dpl
 };
 
 }  // namespace linattn
+
+/// The compiled mode's instances of the generalized delta rule's view drivers:
+/// LINATTN_DPLR_HEADS_INSTANCES for each (accumulation T, input S) pair of
+/// LINATTN_KERNEL_TYPES, LINATTN_DPLR_HEADS_CHECK_INSTANCES for each input type S.
+#define LINATTN_DPLR_HEADS_INSTANCES(prefix, T, S)                                     \
+  prefix void linattn::detail::run_dplr_heads<T, S>(                                   \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,            \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,            \
+      const linattn::ConstHeadsView<S>&, const linattn::detail::AnyHeadTransition<S>&, \
+      const linattn::HeadsView<S>&, const linattn::detail::SequenceRows&,              \
+      const linattn::DplrOptions&, const char*, linattn::detail::DeltaWithState<T>);
+#define LINATTN_DPLR_HEADS_CHECK_INSTANCES(prefix, S)                                  \
+  prefix linattn::detail::SequenceRows linattn::detail::check_dplr_heads<S>(           \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,            \
+      const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,            \
+      const linattn::ConstHeadsView<S>&, const linattn::detail::AnyHeadTransition<S>&, \
+      const linattn::ConstHeadsView<S>&, const std::vector<std::int64_t>*,             \
+      const linattn::DplrOptions&, const char*);
+
+#ifdef LINATTN_COMPILED
+#define LINATTN_DECLARE_DPLR_HEADS(T, S) LINATTN_DPLR_HEADS_INSTANCES(extern template, T, S)
+LINATTN_KERNEL_TYPES(LINATTN_DECLARE_DPLR_HEADS)
+#undef LINATTN_DECLARE_DPLR_HEADS
+#define LINATTN_DECLARE_DPLR_HEADS_CHECKS(S) LINATTN_DPLR_HEADS_CHECK_INSTANCES(extern template, S)
+LINATTN_INPUT_TYPES(LINATTN_DECLARE_DPLR_HEADS_CHECKS)
+#undef LINATTN_DECLARE_DPLR_HEADS_CHECKS
+#endif

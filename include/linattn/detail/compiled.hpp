@@ -63,17 +63,19 @@
 /// chunked drivers, the delta rule's chunked and streamed kernels, and both families' view
 /// drivers (the last two macros come from multi_head.hpp and delta_rule.hpp, which a file that
 /// expands this includes).
-#define LINATTN_PAIR_INSTANCES(prefix, T, O) \
-  LINATTN_KERNEL_INSTANCES(prefix, T, O)     \
-  LINATTN_DELTA_INSTANCES(prefix, T, O)      \
-  LINATTN_DPLR_INSTANCES(prefix, T, O)       \
-  LINATTN_HEADS_INSTANCES(prefix, T, O)      \
-  LINATTN_DELTA_HEADS_INSTANCES(prefix, T, O)
+#define LINATTN_PAIR_INSTANCES(prefix, T, O)  \
+  LINATTN_KERNEL_INSTANCES(prefix, T, O)      \
+  LINATTN_DELTA_INSTANCES(prefix, T, O)       \
+  LINATTN_DPLR_INSTANCES(prefix, T, O)        \
+  LINATTN_HEADS_INSTANCES(prefix, T, O)       \
+  LINATTN_DELTA_HEADS_INSTANCES(prefix, T, O) \
+  LINATTN_DPLR_HEADS_INSTANCES(prefix, T, O)
 
 /// What they define for one input type of LINATTN_INPUT_TYPES: both families' view checks.
 #define LINATTN_INPUT_CHECK_INSTANCES(prefix, S) \
   LINATTN_HEADS_CHECK_INSTANCES(prefix, S)       \
-  LINATTN_DELTA_HEADS_CHECK_INSTANCES(prefix, S)
+  LINATTN_DELTA_HEADS_CHECK_INSTANCES(prefix, S) \
+  LINATTN_DPLR_HEADS_CHECK_INSTANCES(prefix, S)
 
 #ifdef LINATTN_COMPILED
 #define LINATTN_DECLARE_KERNELS(T, O) LINATTN_KERNEL_INSTANCES(extern template, T, O)
