@@ -5,6 +5,8 @@
 #include <limits>
 #include <linattn/delta_rule.hpp>
 #include <linattn/dplr_delta_rule.hpp>
+#include <linattn/layer.hpp>
+#include <linattn/session_pool.hpp>
 #include <linattn/state_io.hpp>
 #include <sstream>
 #include <string>
@@ -458,6 +460,170 @@ TEMPLATE_TEST_CASE("the generalized delta rule on views: layouts, grouped q/k he
                                              b.cview(), linattn::log_gates(g.cview()), out.view()),
         Catch::Contains("a needs one head per value head"));
   }
+}
+
+TEST_CASE("DplrDeltaRuleLayer: prefill on views, steps on rows, and the session pools",
+          "[dplr][layer]") {
+  using linattn_test::Heads;
+  using linattn_test::Layout;
+  using T = float;
+  // RWKV-7 has as many q/k heads as value heads; two q/k heads over four test the grouping.
+  const Eigen::Index batch = 2, heads = 4, qk_heads = 2, n = 40, split = 30, dk = 16, dv = 12;
+  DplrOptions options;
+  options.scale = 1.0;
+  options.chunk = 16;
+  const linattn::DplrDeltaRuleLayer<T> layer(
+      linattn::LayerHeads::grouped_query_key(heads, qk_heads), dk, dv, options);
+  std::vector<Sequence> seqs;
+  for (Eigen::Index i = 0; i < batch * heads; ++i) {
+    seqs.emplace_back(n, dk, dv, i % 2 == 0 ? dk : 1, 300 + static_cast<std::uint64_t>(i) * 10);
+    // Gates of one width in a call: the odd heads' scalar gates broadcast to Dk columns.
+    Sequence& s = seqs.back();
+    if (s.log_gates.cols() == 1) s.log_gates = s.log_gates.replicate(1, dk).eval();
+  }
+  const auto own = [&](Eigen::Index bi, Eigen::Index h) -> const Sequence& {
+    return seqs[static_cast<std::size_t>(bi * heads + h)];
+  };
+  Matrix<double> expected[2][4];
+  for (Eigen::Index bi = 0; bi < batch; ++bi) {
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      const Sequence& lead = own(bi, h - h % 2);
+      expected[bi][h] = naive_dplr(lead.q, lead.k, own(bi, h).v, own(bi, h).a, own(bi, h).b,
+                                   own(bi, h).log_gates, 1.0);
+    }
+  }
+  // The prompt: tokens [0, split) as [B, N, H, D] views.
+  const T gap = T(0);
+  Heads<T> q(Layout::bnhd, batch, qk_heads, split, dk, gap),
+      k(Layout::bnhd, batch, qk_heads, split, dk, gap);
+  Heads<T> v(Layout::bnhd, batch, heads, split, dv, gap),
+      a(Layout::bnhd, batch, heads, split, dk, gap);
+  Heads<T> b(Layout::bnhd, batch, heads, split, dk, gap),
+      g(Layout::bnhd, batch, heads, split, dk, gap);
+  Heads<T> out(Layout::bnhd, batch, heads, split, dv, gap);
+  for (Eigen::Index bi = 0; bi < batch; ++bi) {
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      const Sequence& s = own(bi, h);
+      if (h % 2 == 0) {
+        q.set_head(bi, h / 2, s.q.topRows(split).cast<T>());
+        k.set_head(bi, h / 2, s.k.topRows(split).cast<T>());
+      }
+      v.set_head(bi, h, s.v.topRows(split).cast<T>());
+      a.set_head(bi, h, s.a.topRows(split).cast<T>());
+      b.set_head(bi, h, s.b.topRows(split).cast<T>());
+      g.set_head(bi, h, s.log_gates.topRows(split).cast<T>());
+    }
+  }
+  // A step's rows: (B * H_qk) x Dk for q and k, (B * H) x ... for the rest.
+  const auto step_rows = [&](Eigen::Index t, Matrix<T>& qt, Matrix<T>& kt, Matrix<T>& vt,
+                             Matrix<T>& at, Matrix<T>& bt, Matrix<T>& gt) {
+    qt.resize(batch * qk_heads, dk);
+    kt.resize(batch * qk_heads, dk);
+    vt.resize(batch * heads, dv);
+    at.resize(batch * heads, dk);
+    bt.resize(batch * heads, dk);
+    gt.resize(batch * heads, dk);
+    for (Eigen::Index bi = 0; bi < batch; ++bi) {
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        const Sequence& s = own(bi, h);
+        const Eigen::Index r = bi * heads + h;
+        if (h % 2 == 0) {
+          qt.row(bi * qk_heads + h / 2) = s.q.row(t).cast<T>();
+          kt.row(bi * qk_heads + h / 2) = s.k.row(t).cast<T>();
+        }
+        vt.row(r) = s.v.row(t).cast<T>();
+        at.row(r) = s.a.row(t).cast<T>();
+        bt.row(r) = s.b.row(t).cast<T>();
+        gt.row(r) = s.log_gates.row(t).cast<T>();
+      }
+    }
+  };
+  const auto check_prompt = [&]() {
+    for (Eigen::Index bi = 0; bi < batch; ++bi) {
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        CAPTURE(bi, h);
+        CHECK(relative_error(out.head(bi, h), expected[bi][h].topRows(split)) <= bound<T>());
+      }
+    }
+  };
+  const auto check_step = [&](Eigen::Index t, const Matrix<T>& step_out) {
+    for (Eigen::Index bi = 0; bi < batch; ++bi) {
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        CAPTURE(t, bi, h);
+        CHECK(relative_error(step_out.row(bi * heads + h), expected[bi][h].row(t)) <= bound<T>());
+      }
+    }
+  };
+  Matrix<T> qt, kt, vt, at, bt, gt, step_out(batch * heads, dv);
+
+  auto states = layer.make_states(batch);
+  layer.prefill_into(states, q.cview(), k.cview(), v.cview(), a.cview(), b.cview(),
+                     linattn::log_gates(g.cview()), out.view());
+  check_prompt();
+  for (Eigen::Index t = split; t < n; ++t) {
+    step_rows(t, qt, kt, vt, at, bt, gt);
+    layer.step_into(states, qt, kt, vt, at, bt, linattn::log_gates(gt), step_out);
+    check_step(t, step_out);
+  }
+  // The forward over the prompt gives the prefill's outputs.
+  Heads<T> forward(Layout::bnhd, batch, heads, split, dv, gap);
+  layer.forward_into(q.cview(), k.cview(), v.cview(), a.cview(), b.cview(),
+                     linattn::log_gates(g.cview()), forward.view());
+  CHECK(forward.head(1, 3) == out.head(1, 3));
+
+  // A pool of the layer's sessions: the same numbers; a session saved and added again steps
+  // bit for bit as its original.
+  linattn::SessionPool pool(layer);
+  pool.add(10);
+  pool.add(11);
+  pool.prefill_into(0, {10, 11}, q.cview(), k.cview(), v.cview(), a.cview(), b.cview(),
+                    linattn::log_gates(g.cview()), out.view());
+  check_prompt();
+  std::stringstream saved;
+  pool.save(10, saved);
+  pool.drop(11);
+  pool.add(12, saved);  // session 12 is session 10 again: rows as two copies of sequence 0
+  linattn::SessionPool<> hybrid(layer);
+  hybrid.add(20);
+  hybrid.add(21);
+  hybrid.prefill_into(0, {20, 21}, layer, q.cview(), k.cview(), v.cview(), a.cview(), b.cview(),
+                      linattn::log_gates(g.cview()), out.view());
+  check_prompt();
+  const std::vector<std::uint8_t> blob = hybrid.save_bytes(21, linattn::SessionStorage::exact);
+  hybrid.add_bytes(22, blob);
+  for (Eigen::Index t = split; t < n; ++t) {
+    step_rows(t, qt, kt, vt, at, bt, gt);
+    // Sequence 0's rows twice for the plain pool (sessions 10 and 12).
+    Matrix<T> q0 = qt.topRows(qk_heads).replicate(2, 1), k0 = kt.topRows(qk_heads).replicate(2, 1);
+    Matrix<T> v0 = vt.topRows(heads).replicate(2, 1), a0 = at.topRows(heads).replicate(2, 1);
+    Matrix<T> b0 = bt.topRows(heads).replicate(2, 1), g0 = gt.topRows(heads).replicate(2, 1);
+    pool.step_into(0, q0, k0, v0, a0, b0, linattn::log_gates(g0), step_out);
+    CHECK(step_out.topRows(heads) == step_out.bottomRows(heads));
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      CHECK(relative_error(step_out.row(h), expected[0][h].row(t)) <= bound<T>());
+    }
+    // Sessions 20, 21, 22 of the hybrid pool: 22 is 21 loaded from its blob.
+    Matrix<T> q3(3 * qk_heads, dk), k3(3 * qk_heads, dk), v3(3 * heads, dv), a3(3 * heads, dk),
+        b3(3 * heads, dk), g3(3 * heads, dk), out3(3 * heads, dv);
+    q3 << qt, qt.bottomRows(qk_heads);
+    k3 << kt, kt.bottomRows(qk_heads);
+    v3 << vt, vt.bottomRows(heads);
+    a3 << at, at.bottomRows(heads);
+    b3 << bt, bt.bottomRows(heads);
+    g3 << gt, gt.bottomRows(heads);
+    hybrid.step_into(0, layer, q3, k3, v3, a3, b3, linattn::log_gates(g3), out3);
+    check_step(t, out3.topRows(batch * heads));
+    CHECK(out3.middleRows(heads, heads) == out3.bottomRows(heads));
+  }
+  // States made with another scale are not the layer's.
+  DplrOptions other = options;
+  other.scale = 0.5;
+  auto foreign = linattn::DplrDeltaRuleLayer<T>(
+                     linattn::LayerHeads::grouped_query_key(heads, qk_heads), dk, dv, other)
+                     .make_states(batch);
+  step_rows(0, qt, kt, vt, at, bt, gt);
+  CHECK_THROWS_WITH(layer.step_into(foreign, qt, kt, vt, at, bt, linattn::log_gates(gt), step_out),
+                    Catch::Contains("are not this layer's"));
 }
 
 TEST_CASE("DplrDeltaRuleState saves and loads bit for bit and refuses what does not fit",

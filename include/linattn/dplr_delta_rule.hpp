@@ -383,6 +383,10 @@ void causal_dplr_delta_rule_varlen_into(const HeadsView<Q>& q, const HeadsView<K
                                "causal_dplr_delta_rule_varlen");
 }
 
+/// Many DplrDeltaRuleStates stepped together (state_batch.hpp).
+template <class T, class Acc>
+class DplrDeltaRuleStateBatch;
+
 /// The generalized delta rule's recurrent form: the state S (Dk x Dv) of one sequence and its
 /// tokens. `step` adds one token in two passes over S, allocating nothing; `prefill` adds many
 /// through the automatic form; both give the outputs of one causal_dplr_delta_rule call over
@@ -464,8 +468,6 @@ class DplrDeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, Dpl
     detail::require_vector(q, key_dim(), where, "q");
     detail::require_vector(k, key_dim(), where, "k");
     detail::require_vector(v, value_dim(), where, "v");
-    detail::require_vector(a, key_dim(), where, "a");
-    detail::require_vector(b, key_dim(), where, "b");
     detail::require_output_size(out, value_dim(), where);
     const auto& values = Traits::values(gate);
     if ((values.rows() != 1 && values.cols() != 1) ||
@@ -473,28 +475,16 @@ class DplrDeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, Dpl
       throw Error(std::string(where) + ": gate is " + detail::shape_string(values) + ", expected " +
                   std::to_string(key_dim()) + " decays (one per key feature) or 1 (one for all)");
     }
-    detail::require_gates_in_range<Traits::log_space>(values, where, "gate");
+    check_pairs<Traits::log_space>(a, b, values, where);
     if (options_.check_finite) {
       detail::require_finite(q, where, "q");
       detail::require_finite(k, where, "k");
       detail::require_finite(v, where, "v");
-      detail::require_finite(a, where, "a");
-      detail::require_finite(b, where, "b");
     }
     require_advance(1, where);
-    detail::load_vector(q, token_.q);
-    detail::load_vector(k, token_.k);
-    detail::load_vector(v, token_.v);
-    detail::load_vector(a, token_.a);
-    detail::load_vector(b, token_.b);
-    for (Eigen::Index i = 0; i < key_dim(); ++i) {
-      const double g = static_cast<double>(values.reshaped()(values.size() == 1 ? 0 : i));
-      token_.w(i) = static_cast<Acc>(Traits::log_space ? std::exp(g) : g);
-    }
-    token_.q *= static_cast<Acc>(detail::dplr_scale(options_, key_dim()));
-    detail::dplr_step(carried_.s, token_.refs(), token_.u);
-    out = token_.out.template cast<T>();
-    progress_.advance(1, TransitionKind::feature_gates);
+    load_token(q, k, v);
+    load_pairs<Traits::log_space>(a, b, values);
+    advance(out);
   }
 
   /// Adds many tokens (the automatic form) and returns their outputs (N x Dv), the same as
@@ -614,8 +604,53 @@ class DplrDeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, Dpl
     return state;
   }
 
+  template <class, class>
+  friend class DplrDeltaRuleStateBatch;
   friend struct detail::StateAccess;
   using Core::held_s;
+
+  /// Throws unless a and b are Dk vectors (finite with check_finite) and the decays, 1 or Dk
+  /// of them, in range.
+  template <bool LogSpace, class DA, class DB, class DG>
+  void check_pairs(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b,
+                   const Eigen::MatrixBase<DG>& values, const char* where) const {
+    detail::require_vector(a, key_dim(), where, "a");
+    detail::require_vector(b, key_dim(), where, "b");
+    detail::require_gates_in_range<LogSpace>(values, where, "gate");
+    if (options_.check_finite) {
+      detail::require_finite(a, where, "a");
+      detail::require_finite(b, where, "b");
+    }
+  }
+
+  /// Copies a checked token's q, k and v into the step's buffers, in Acc.
+  template <class DQ, class DK, class DV>
+  void load_token(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                  const Eigen::MatrixBase<DV>& v) {
+    detail::load_vector(q, token_.q);
+    detail::load_vector(k, token_.k);
+    detail::load_vector(v, token_.v);
+  }
+
+  /// Copies a checked token's a, b and decays w (from 1 or Dk gates, log gates when LogSpace).
+  template <bool LogSpace, class DA, class DB, class DG>
+  void load_pairs(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b,
+                  const Eigen::MatrixBase<DG>& values) {
+    detail::load_vector(a, token_.a);
+    detail::load_vector(b, token_.b);
+    for (Eigen::Index i = 0; i < key_dim(); ++i) {
+      const double g = static_cast<double>(values.reshaped()(values.size() == 1 ? 0 : i));
+      token_.w(i) = static_cast<Acc>(LogSpace ? std::exp(g) : g);
+    }
+  }
+
+  /// The loaded token through the recurrence; out = its output.
+  void advance(Eigen::Ref<Vector<T>> out) {
+    token_.q *= static_cast<Acc>(detail::dplr_scale(options_, key_dim()));
+    detail::dplr_step(carried_.s, token_.refs(), token_.u);
+    out = token_.out.template cast<T>();
+    progress_.advance(1, TransitionKind::feature_gates);
+  }
 
   void require_advance(Eigen::Index count, const char* where) const {
     Core::require_advance(TransitionKind::feature_gates, count, where,

@@ -7,6 +7,7 @@
 #include <linattn/config.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/dplr_delta_rule.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/gates.hpp>
 #include <linattn/heads_view.hpp>
@@ -80,6 +81,9 @@ inline void validate_layer_options(const Options& options, const char* owner) {
 }
 inline void validate_layer_options(const DeltaOptions& options, const char* owner) {
   validate_delta_options(options, owner);
+}
+inline void validate_layer_options(const DplrOptions& options, const char* owner) {
+  validate_dplr_options(options, owner);
 }
 
 /// What every layer holds and checks alike, whatever its family: H with q's, k's and v's head
@@ -609,6 +613,122 @@ class DeltaRuleLayer : public detail::LayerShape<DeltaOptions> {
     constexpr const char* where = "DeltaRuleLayer::step";
     require_states(states, where);
     this->require_step_rows(states.size(), q_rows, k_rows, v_rows, where);
+  }
+};
+
+/// A generalized delta-rule layer (RWKV-7's time mixing core): H heads of Dk x Dv states and
+/// its options. `forward_into` runs whole sequences from zero states; `make_states`,
+/// `prefill_into` (views, or packed varlen) and `step_into` carry states across calls (a
+/// server's sessions: SessionPool). q, k and v may have fewer heads (LayerHeads); a, b and the
+/// gates have one head per output head.
+/// @tparam T    float, double, Eigen::half or Eigen::bfloat16: the inputs' and outputs' type
+/// @tparam Acc  accumulation type of the states, float or double
+template <class T, class Acc = detail::default_accumulator_t<T>>
+class DplrDeltaRuleLayer : public detail::LayerShape<DplrOptions> {
+  using Shape = detail::LayerShape<DplrOptions>;
+  using Shape::heads_;
+  using Shape::key_dim_;
+  using Shape::options_;
+  using Shape::value_dim_;
+
+ public:
+  /// The states make_states returns, one per (sequence, head).
+  using States = DplrDeltaRuleStateBatch<T, Acc>;
+
+  /// @param heads      H, heads per sequence (or LayerHeads with fewer q/k/v heads)
+  /// @param key_dim    Dk, width of each head's q, k, a and b
+  /// @param value_dim  Dv, width of each head's v and output
+  /// @param options    scale (RWKV-7: 1), chunk, form, check_finite, threads, head_grouping
+  DplrDeltaRuleLayer(LayerHeads heads, Eigen::Index key_dim, Eigen::Index value_dim,
+                     const DplrOptions& options = {})
+      : Shape(heads, key_dim, value_dim, options, "DplrDeltaRuleLayer") {}
+
+  /// Whole sequences, each from a zero state.
+  /// @param q      B x H_in x N x Dk queries; k likewise; v B x H_in x N x Dv
+  /// @param a      B x H x N x Dk
+  /// @param b      B x H x N x Dk
+  /// @param gates  B x H x N x Dk (or x 1) views of w_t, or log_gates(view)
+  /// @param out    B x H x N x Dv outputs
+  template <class Q, class K, class V, class A, class B, class Gates, class O,
+            class = detail::enable_if_delta_head_gates<Gates, O>>
+  void forward_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const HeadsView<A>& a, const HeadsView<B>& b, const Gates& gates,
+                    const HeadsView<O>& out) const {
+    this->require_views(q, k, v, out, "DplrDeltaRuleLayer::forward");
+    causal_dplr_delta_rule_into<Acc>(q, k, v, a, b, gates, out, options_);
+  }
+
+  /// Fresh (zero) states for `batch` sequences: state b * H + h for head h of sequence b.
+  States make_states(Eigen::Index batch) const {
+    return this->with_layer_heads(
+        States(this->state_count(batch, "DplrDeltaRuleLayer"), key_dim_, value_dim_, options_));
+  }
+
+  /// A prompt through the automatic form that also leaves each sequence's states ready to
+  /// step (continuing from where they were). Arguments as forward_into.
+  /// @param states  from make_states(B)
+  template <class Q, class K, class V, class A, class B, class Gates, class O,
+            class = detail::enable_if_delta_head_gates<Gates, O>>
+  void prefill_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
+                    const HeadsView<V>& v, const HeadsView<A>& a, const HeadsView<B>& b,
+                    const Gates& gates, const HeadsView<O>& out) const {
+    constexpr const char* where = "DplrDeltaRuleLayer::prefill";
+    this->require_views(q, k, v, out, where);
+    require_states(states, where);
+    states.prefill_into(q, k, v, a, b, gates, out);
+  }
+
+  /// Prompts of different lengths packed along N (FLA's cu_seqlens), leaving the states of
+  /// sequence s (s * H + h) ready to step.
+  /// @param states   from make_states(S) for S sequences
+  /// @param offsets  S + 1 nondecreasing offsets from 0 to T
+  template <class Q, class K, class V, class A, class B, class Gates, class O,
+            class = detail::enable_if_delta_head_gates<Gates, O>>
+  void prefill_varlen_into(States& states, const HeadsView<Q>& q, const HeadsView<K>& k,
+                           const HeadsView<V>& v, const HeadsView<A>& a, const HeadsView<B>& b,
+                           const Gates& gates, const std::vector<std::int64_t>& offsets,
+                           const HeadsView<O>& out) const {
+    constexpr const char* where = "DplrDeltaRuleLayer::prefill_varlen";
+    this->require_views(q, k, v, out, where);
+    require_states(states, where);
+    states.prefill_varlen_into(q, k, v, a, b, gates, offsets, out);
+  }
+
+  /// One token for each of B sequences; row b * H + h holds head h of sequence b.
+  /// @param states  from make_states(B)
+  /// @param q       (B * H_q) x Dk queries; k likewise; v (B * H_v) x Dv
+  /// @param a       (B * H) x Dk
+  /// @param b       (B * H) x Dk
+  /// @param gates   (B * H) x Dk (or x 1): log_gates(g) or w_t
+  /// @param out     (B * H) x Dv outputs
+  template <class DQ, class DK, class DV, class DA, class DB, class Gates,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  void step_into(States& states, const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DA>& a,
+                 const Eigen::MatrixBase<DB>& b, const Gates& gates,
+                 Eigen::Ref<Matrix<T>> out) const {
+    constexpr const char* where = "DplrDeltaRuleLayer::step";
+    require_states(states, where);
+    this->require_step_rows(states.size(), q.rows(), k.rows(), v.rows(), where);
+    states.step_into(q, k, v, a, b, gates, out);
+  }
+
+ private:
+  /// Throws unless `states` could come from make_states: H states per sequence of the layer's
+  /// Dk x Dv, with its scale and check_finite.
+  void require_states(const States& states, const char* where) const {
+    detail::require_layer_states(states, heads_, options_.head_grouping, where);
+    const DplrOptions& own = states.options();
+    if (states.key_dim() != key_dim_ || states.value_dim() != value_dim_ ||
+        !detail::same_dplr_results(own, options_, key_dim_) ||
+        own.check_finite != options_.check_finite) {
+      throw Error(
+          std::string(where) + ": the states (" + std::to_string(states.size()) + " of " +
+          detail::shape_string(states.key_dim(), states.value_dim()) +
+          ") are not this layer's: make them with make_states (H = " + std::to_string(heads_.out) +
+          " per sequence, Dk x Dv = " + detail::shape_string(key_dim_, value_dim_) +
+          ", the same scale and check_finite)");
+    }
   }
 };
 

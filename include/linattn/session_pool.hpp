@@ -28,8 +28,8 @@ namespace detail {
 template <class Batch>
 struct batch_traits {
   static_assert(always_false<Batch>,
-                "linattn: SessionPool<Batch> needs Batch = RecurrentStateBatch<T, Acc> or "
-                "DeltaRuleStateBatch<T, Acc>");
+                "linattn: SessionPool<Batch> needs Batch = RecurrentStateBatch<T, Acc>, "
+                "DeltaRuleStateBatch<T, Acc> or DplrDeltaRuleStateBatch<T, Acc>");
   using Scalar = float;
 };
 template <class T, class Acc>
@@ -40,6 +40,10 @@ template <class T, class Acc>
 struct batch_traits<DeltaRuleStateBatch<T, Acc>> {
   using Scalar = T;
 };
+template <class T, class Acc>
+struct batch_traits<DplrDeltaRuleStateBatch<T, Acc>> {
+  using Scalar = T;
+};
 
 /// Whether K is a batch of states (what a SessionPool<Batch> holds).
 template <class K>
@@ -48,6 +52,8 @@ template <class T, class Acc>
 inline constexpr bool is_state_batch<RecurrentStateBatch<T, Acc>> = true;
 template <class T, class Acc>
 inline constexpr bool is_state_batch<DeltaRuleStateBatch<T, Acc>> = true;
+template <class T, class Acc>
+inline constexpr bool is_state_batch<DplrDeltaRuleStateBatch<T, Acc>> = true;
 
 /// Whether Layer is a layer whose make_states gives a Batch (the layers of a SessionPool).
 template <class Layer, class Batch, class = void>

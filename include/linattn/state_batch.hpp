@@ -10,6 +10,7 @@
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/state_batch.hpp>
 #include <linattn/detail/validate.hpp>
+#include <linattn/dplr_delta_rule.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/heads_view.hpp>
 #include <linattn/multi_head.hpp>
@@ -751,6 +752,194 @@ class DeltaRuleStateBatch : public detail::StateBatch<DeltaRuleState<T, Acc>> {
                                         run(state.carried_.s);
                                         state.progress_.advance(sequences.rows(s), kind);
                                       });
+    states_ = std::move(next);
+  }
+};
+
+/// A batch of DplrDeltaRuleStates (the generalized delta rule, RWKV-7): one state per sequence
+/// and head (state b * H + h), stepped together (one token each) or prefilled from multi-head
+/// views; every state is checked before the first one moves. Threads split the states
+/// (DplrOptions::threads).
+template <class T, class Acc = detail::default_accumulator_t<T>>
+class DplrDeltaRuleStateBatch : public detail::StateBatch<DplrDeltaRuleState<T, Acc>> {
+  using Base = detail::StateBatch<DplrDeltaRuleState<T, Acc>>;
+  using Base::input_row;
+  using Base::require_rows;
+  using Base::states_;
+
+ public:
+  /// The type of each state.
+  using State = DplrDeltaRuleState<T, Acc>;
+  using Base::size;
+  using Base::value_dim;
+
+  /// @param count      number of states, >= 1
+  /// @param key_dim    Dk of every state
+  /// @param value_dim  Dv of every state
+  /// @param options    shared by every state (and DplrOptions::threads for the batch calls)
+  DplrDeltaRuleStateBatch(Eigen::Index count, Eigen::Index key_dim, Eigen::Index value_dim,
+                          const DplrOptions& options = {})
+      : Base(count, State(key_dim, value_dim, options), "DplrDeltaRuleStateBatch") {}
+
+  /// Dk of every state.
+  Eigen::Index key_dim() const { return states_.front().key_dim(); }
+  /// The options shared by every state (state 0's).
+  const DplrOptions& options() const { return states_.front().options(); }
+
+  /// One token for every state, row i of a, b and gates moving state i.
+  /// @param q      size() x Dk queries, row i for state i (or (B * H_in) x Dk, grouped)
+  /// @param k      size() x Dk keys (or (B * H_in) x Dk, grouped)
+  /// @param v      size() x Dv values (or (B * H_in) x Dv, grouped)
+  /// @param a      size() x Dk (FLA's alpha), one row per state
+  /// @param b      size() x Dk (FLA's beta), one row per state
+  /// @param gates  size() x Dk (or x 1) decays: log_gates(g) or w_t
+  /// @param out    size() x Dv outputs, row-major
+  template <class DQ, class DK, class DV, class DA, class DB, class Gates,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  void step_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DA>& a,
+                 const Eigen::MatrixBase<DB>& b, const Gates& gates, Eigen::Ref<Matrix<T>> out) {
+    constexpr const char* where = "DplrDeltaRuleStateBatch::step";
+    using Traits = detail::gate_traits<Gates>;
+    detail::check_dplr_call_scalars<Acc, DQ, DK, DV, DA, DB, Gates>();
+    static_assert(std::is_same_v<typename DQ::Scalar, T>,
+                  "DplrDeltaRuleStateBatch<T>: inputs must have scalar type T");
+    require_rows(q.rows(), q.cols(), key_dim(), detail::shape_string(q), "q", &LayerHeads::query,
+                 where);
+    require_rows(k.rows(), k.cols(), key_dim(), detail::shape_string(k), "k", &LayerHeads::key,
+                 where);
+    require_rows(v.rows(), v.cols(), value_dim(), detail::shape_string(v), "v", &LayerHeads::value,
+                 where);
+    require_rows(a.rows(), a.cols(), key_dim(), detail::shape_string(a), "a", nullptr, where);
+    require_rows(b.rows(), b.cols(), key_dim(), detail::shape_string(b), "b", nullptr, where);
+    require_rows(out.rows(), out.cols(), value_dim(), detail::shape_string(out), "out", nullptr,
+                 where);
+    const auto& values = Traits::values(gates);
+    detail::require_gate_shape(values, size(), key_dim(), where, "a");
+    detail::require_gates_in_range<Traits::log_space>(values, where, "gates");
+    if (checks_finite()) {
+      detail::require_finite(q, where, "q");
+      detail::require_finite(k, where, "k");
+      detail::require_finite(v, where, "v");
+      detail::require_finite(a, where, "a");
+      detail::require_finite(b, where, "b");
+    }
+    require_uniform_states(where);
+    require_transitions(where);
+    for (const State& state : states_) state.require_token_room(1, where);
+    for_each_state([&](Eigen::Index i) {
+      State& state = states_[static_cast<std::size_t>(i)];
+      state.load_token(q.row(input_row(q.rows(), i)), k.row(input_row(k.rows(), i)),
+                       v.row(input_row(v.rows(), i)));
+      state.template load_pairs<Traits::log_space>(a.row(i), b.row(i), values.row(i));
+      state.advance(out.row(i).transpose());
+    });
+  }
+
+  /// As step_into, returning size() x Dv.
+  template <class DQ, class DK, class DV, class DA, class DB, class Gates,
+            class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
+  Matrix<T> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                 const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DA>& a,
+                 const Eigen::MatrixBase<DB>& b, const Gates& gates) {
+    Matrix<T> out(size(), value_dim());
+    step_into(q, k, v, a, b, gates, out);
+    return out;
+  }
+
+  /// A prompt for every state from multi-head views: state b * H + h takes head h of sequence
+  /// b from where it is and ends where stepping each token would leave it.
+  /// @param q      B x H_in x N x Dk queries, H_in dividing H
+  /// @param k      B x H_in x N x Dk keys
+  /// @param v      B x H_in x N x Dv values
+  /// @param a      B x H x N x Dk
+  /// @param b      B x H x N x Dk
+  /// @param gates  B x H x N x Dk (or x 1) views of w_t, or log_gates(view)
+  /// @param out    B x H x N x Dv outputs, B * H == size()
+  template <class Q, class K, class V, class A, class B, class Gates, class O,
+            class = detail::enable_if_heads_scalars<Q, K, V, O>,
+            class = detail::enable_if_delta_head_gates<Gates, O>>
+  void prefill_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                    const HeadsView<A>& a, const HeadsView<B>& b, const Gates& gates,
+                    const HeadsView<O>& out) {
+    prefill_heads(q, k, v, a, b, gates, out, nullptr);
+  }
+
+  /// Prompts of different lengths packed along N (FLA's cu_seqlens), one per sequence: state
+  /// s * H + h takes head h of sequence s and continues from where it is.
+  /// @param offsets  S + 1 nondecreasing offsets from 0 to T; S * H == size()
+  template <class Q, class K, class V, class A, class B, class Gates, class O,
+            class = detail::enable_if_heads_scalars<Q, K, V, O>,
+            class = detail::enable_if_delta_head_gates<Gates, O>>
+  void prefill_varlen_into(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                           const HeadsView<A>& a, const HeadsView<B>& b, const Gates& gates,
+                           const std::vector<std::int64_t>& offsets, const HeadsView<O>& out) {
+    prefill_heads(q, k, v, a, b, gates, out, &offsets);
+  }
+
+ private:
+  /// Throws unless every state has state 0's dimensions and scale.
+  void require_uniform_states(const char* where) const {
+    this->require_uniform_dims("Dk x Dv", where);
+    for (std::size_t i = 0; i < states_.size(); ++i) {
+      if (!detail::same_dplr_results(states_[i].options(), options(), key_dim())) {
+        throw Error(std::string(where) + ": state " + std::to_string(i) +
+                    " has another scale than state 0; every state of a batch must have the same");
+      }
+    }
+  }
+
+  void require_transitions(const char* where) const {
+    Base::require_transitions(TransitionKind::feature_gates, detail::dplr_transition_name, where);
+  }
+
+  bool checks_finite() const {
+    return std::any_of(states_.begin(), states_.end(),
+                       [](const State& state) { return state.options().check_finite; });
+  }
+
+  template <class Body>
+  void for_each_state(const Body& body) {
+    constexpr std::size_t kPrefetchBytes = std::size_t(16) << 20;
+    Base::for_each_state(detail::resolve_threads(detail::engine_options(options())), body,
+                         this->state_bytes() > kPrefetchBytes);
+  }
+
+  template <class Q, class K, class V, class A, class B, class Gates, class O>
+  void prefill_heads(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                     const HeadsView<A>& a, const HeadsView<B>& b, const Gates& gates,
+                     const HeadsView<O>& out, const std::vector<std::int64_t>* offsets) {
+    constexpr const char* where = "DplrDeltaRuleStateBatch::prefill";
+    static_assert(std::is_same_v<O, T>, "DplrDeltaRuleStateBatch<T>: views must hold T");
+    if (q.dim() != key_dim() || v.dim() != value_dim()) {
+      throw Error(std::string(where) + ": q is " + q.sizes_string() + " and v " + v.sizes_string() +
+                  " but the states are Dk x Dv = " + detail::shape_string(key_dim(), value_dim()));
+    }
+    this->require_view_heads(q.heads(), k.heads(), v.heads(), out.heads(), where);
+    DplrOptions run_options = options();
+    run_options.check_finite = checks_finite();
+    const detail::SequenceRows sequences =
+        detail::check_heads_dplr_rule<Acc>(q, k, v, a, b, gates, out, offsets, run_options, where);
+    if (sequences.count * out.heads() != size()) {
+      throw Error(std::string(where) + ": out is " + out.sizes_string() + ", " +
+                  std::to_string(sequences.count) + " sequences x " + std::to_string(out.heads()) +
+                  " heads, but the batch holds " + std::to_string(size()) + " states");
+    }
+    require_uniform_states(where);
+    require_transitions(where);
+    for (Eigen::Index i = 0; i < size(); ++i) {
+      states_[static_cast<std::size_t>(i)].require_token_room(sequences.rows(i / out.heads()),
+                                                              where);
+    }
+    // Each state works on a copy and is replaced only when every head succeeded.
+    std::vector<State> next = states_;
+    detail::run_heads_dplr_rule<Acc>(
+        q, k, v, a, b, gates, out, sequences, run_options, where,
+        [&](Eigen::Index s, Eigen::Index h, const auto& run) {
+          State& state = next[static_cast<std::size_t>(s * out.heads() + h)];
+          run(state.carried_.s);
+          state.progress_.advance(sequences.rows(s), TransitionKind::feature_gates);
+        });
     states_ = std::move(next);
   }
 };

@@ -253,6 +253,7 @@ enum class PartKind : std::uint8_t {
   kv_caches = 3,      ///< KVCacheBatch: H caches
   gated_delta_net = 4,
   mamba2 = 5,
+  dplr_states = 6,  ///< DplrDeltaRuleStateBatch: H states
 };
 
 /// What a pool knows of each kind K of layer state, a session holding one K of batch 1:
@@ -423,6 +424,14 @@ struct SessionParts<DeltaRuleStateBatch<T, Acc>>
                  StateFamily::delta_rule> {
   static constexpr PartKind kind = PartKind::delta_states;
   static constexpr const char* name = "DeltaRuleStateBatch (delta rule)";
+};
+
+template <class T, class Acc>
+struct SessionParts<DplrDeltaRuleStateBatch<T, Acc>>
+    : StateParts<DplrDeltaRuleStateBatch<T, Acc>, DplrDeltaRuleState<T, Acc>, Acc,
+                 StateFamily::dplr_delta_rule> {
+  static constexpr PartKind kind = PartKind::dplr_states;
+  static constexpr const char* name = "DplrDeltaRuleStateBatch (generalized delta rule)";
 };
 
 template <class T>
