@@ -159,6 +159,7 @@ void run(const Input& in) {
   }
   run_softmax<T>(in, q, k, v, bounded);
   run_delta<T>(in, q, k, v, bounded);
+  run_dplr<T>(in, q, k, v, bounded);
   run_conv<T>(in, q, k, v, bounded);
   run_gated_delta_net<T>(in, q, k, v, bounded);
   run_mamba2<T>(in, q, k, v, bounded);

@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: MIT
 // fuzz_kernels: the checks of the softmax baselines, the delta rule and the short convolution.
+#include <linattn/dplr_delta_rule.hpp>
 #include <linattn/gated_delta_net.hpp>
+#include <linattn/layer.hpp>
 #include <linattn/mamba2.hpp>
+#include <linattn/session_pool.hpp>
 #include <linattn/short_conv.hpp>
 
 #include "kernel_checks.hpp"
@@ -347,6 +350,135 @@ void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Ma
   if (!bit_equal(a, b)) fail("a loaded delta-rule state steps to other outputs");
 }
 
+/// The generalized delta rule on RWKV-7's pairs made from k: kk = k's rows normalised (zero
+/// rows stay zero), a = -kk, b = kk * alpha (alpha in [0.1, 1] by the seed), the keys k, the
+/// fuzzer's log gates (resets included), scale as the input says. With bounded input and valid
+/// options every form runs without throwing (a scale of 0 or a chunk of 0 throws in all of
+/// them): the streamed and chunked forms, steps, a prefill then steps, a 1 x 1 x N view, a
+/// batch and a session pool of one (bit for bit the batch) agree within a bound sized by
+/// sum |v| |k|; a saved state loads bit for bit and steps to the same output.
+template <class T>
+void run_dplr(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+              bool bounded) {
+  const Matrix<T> g = draw_log_gates<T>(in, in.dk);
+  const double alpha = 0.1 + 0.9 * static_cast<double>(in.seed % 10) / 9.0;
+  Matrix<T> a(in.n, in.dk), b(in.n, in.dk);
+  for (Index t = 0; t < in.n; ++t) {
+    const double norm = k.row(t).template cast<double>().norm();
+    const Matrix<double> kk = norm > 0 && std::isfinite(norm)
+                                  ? Matrix<double>(k.row(t).template cast<double>() / norm)
+                                  : Matrix<double>::Zero(1, in.dk);
+    a.row(t) = (-kk).template cast<T>();
+    b.row(t) = (alpha * kk).template cast<T>();
+  }
+  linattn::DplrOptions opt;
+  opt.scale = in.scale;
+  opt.chunk = in.options.chunk;
+  opt.check_finite = in.options.check_finite;
+  const bool valid = opt.chunk >= 1 && std::isfinite(in.scale) && in.scale != 0.0;
+  const bool must = bounded && valid;
+  const auto call = [&](linattn::DeltaForm form) {
+    linattn::DplrOptions o = opt;
+    o.form = form;
+    return linattn::causal_dplr_delta_rule(q, k, v, a, b, linattn::log_gates(g), o);
+  };
+  Matrix<T> streamed, chunked, steps(in.n, in.dv), split(in.n, in.dv), viewed(in.n, in.dv);
+  const bool streamed_ok = attempt("causal_dplr_delta_rule(streamed)", must,
+                                   [&] { streamed = call(linattn::DeltaForm::streamed); });
+  const bool chunked_ok = attempt("causal_dplr_delta_rule(chunked)", must,
+                                  [&] { chunked = call(linattn::DeltaForm::chunked); });
+  using State = linattn::DplrDeltaRuleState<T>;
+  const auto step = [&](State& state, Index i) {
+    return state.step(q.row(i), k.row(i), v.row(i), a.row(i), b.row(i),
+                      linattn::log_gates(g.row(i)));
+  };
+  std::optional<State> stepped;
+  const bool steps_ok = attempt("DplrDeltaRuleState::step", must, [&] {
+    stepped.emplace(in.dk, in.dv, opt);
+    for (Index i = 0; i < in.n; ++i) steps.row(i) = step(*stepped, i).transpose();
+  });
+  const Index s = in.split;
+  const bool split_ok = attempt("DplrDeltaRuleState::prefill", must, [&] {
+    State pieces(in.dk, in.dv, opt);
+    if (s > 0) {
+      split.topRows(s) = pieces.prefill(q.topRows(s), k.topRows(s), v.topRows(s), a.topRows(s),
+                                        b.topRows(s), linattn::log_gates(g.topRows(s)));
+    }
+    for (Index i = s; i < in.n; ++i) split.row(i) = step(pieces, i).transpose();
+  });
+  const linattn::HeadShape qk_shape{1, 1, in.n, in.dk}, v_shape{1, 1, in.n, in.dv};
+  using View = linattn::HeadsView<const T>;
+  const auto qv = View::bhnd(q.data(), qk_shape), kv = View::bhnd(k.data(), qk_shape);
+  const auto av = View::bhnd(a.data(), qk_shape), bv = View::bhnd(b.data(), qk_shape);
+  const auto vv = View::bhnd(v.data(), v_shape);
+  const auto gv = View::bhnd(g.data(), {1, 1, in.n, g.cols()});
+  const bool viewed_ok = attempt("causal_dplr_delta_rule_into(views)", must, [&] {
+    linattn::causal_dplr_delta_rule_into(qv, kv, vv, av, bv, linattn::log_gates(gv),
+                                         linattn::HeadsView<T>::bhnd(viewed.data(), v_shape), opt);
+  });
+  // A batch of one and a session pool of one beside a second session: prefill, then steps.
+  const auto prefix = [&](const View& view, Index dim) {
+    return View::bhnd(view.data(), {1, 1, s, dim});
+  };
+  Matrix<T> batched(in.n, in.dv), pooled(in.n, in.dv);
+  const bool batched_ok = attempt("DplrDeltaRuleStateBatch", must, [&] {
+    linattn::DplrDeltaRuleStateBatch<T> batch(1, in.dk, in.dv, opt);
+    if (s > 0) {
+      batch.prefill_into(prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv), prefix(av, in.dk),
+                         prefix(bv, in.dk), linattn::log_gates(prefix(gv, g.cols())),
+                         linattn::HeadsView<T>::bhnd(batched.data(), {1, 1, s, in.dv}));
+    }
+    for (Index i = s; i < in.n; ++i) {
+      batch.step_into(q.row(i), k.row(i), v.row(i), a.row(i), b.row(i),
+                      linattn::log_gates(g.row(i)), batched.row(i));
+    }
+  });
+  const bool pooled_ok = attempt("SessionPool<DplrDeltaRuleStateBatch>", must, [&] {
+    linattn::SessionPool pool(linattn::DplrDeltaRuleLayer<T>(1, in.dk, in.dv, opt));
+    pool.add(7);
+    pool.add(3);
+    if (s > 0) {
+      pool.prefill_into(0, {3}, prefix(qv, in.dk), prefix(kv, in.dk), prefix(vv, in.dv),
+                        prefix(av, in.dk), prefix(bv, in.dk),
+                        linattn::log_gates(prefix(gv, g.cols())),
+                        linattn::HeadsView<T>::bhnd(pooled.data(), {1, 1, s, in.dv}));
+    }
+    for (Index i = s; i < in.n; ++i) {
+      if (i == (s + in.n) / 2) pool.drop(7);
+      const Index rows = pool.size();
+      const auto rep = [&](const Matrix<T>& x) { return Matrix<T>(x.row(i).replicate(rows, 1)); };
+      Matrix<T> oi(rows, in.dv);
+      pool.step_into(0, rep(q), rep(k), rep(v), rep(a), rep(b), linattn::log_gates(rep(g)), oi);
+      pooled.row(i) = oi.row(pool.position(3));
+    }
+  });
+  if (batched_ok && pooled_ok && !bit_equal(batched, pooled)) {
+    fail("a session pool differs from a batch of one generalized delta-rule state");
+  }
+  if (!must || !streamed_ok) return;
+  require_finite("causal_dplr_delta_rule", streamed);
+  // |a| <= 1 and |b| <= 1 with a = -kk keep the transition's norm at most 1 with the decays:
+  // |S| stays within sum_t |k_t| |v_t|; q reads it with |s q|.
+  const double tol =
+      kRelTol<T> * (1.0 + 4.0 * static_cast<double>(in.n) * max_abs(v) * std::max(max_abs(k), 1.0) *
+                              std::max(max_abs(q), 1.0) * std::abs(in.scale < 0 ? 1.0 : in.scale) *
+                              static_cast<double>(in.dk));
+  if (chunked_ok) require_close("dplr: streamed vs chunked", streamed, chunked, tol);
+  if (steps_ok) require_close("dplr: streamed vs steps", streamed, steps, tol);
+  if (split_ok) require_close("dplr: streamed vs prefill then steps", streamed, split, tol);
+  if (viewed_ok) require_close("dplr: matrix vs 1 x 1 x N view", streamed, viewed, tol);
+  if (batched_ok) require_close("dplr: batch prefill then batch steps", streamed, batched, tol);
+  if (!steps_ok || !stepped->s().allFinite()) return;
+  std::stringstream saved;
+  stepped->save(saved);
+  std::optional<State> loaded;
+  attempt("DplrDeltaRuleState::load", true, [&] { loaded.emplace(State::load(saved, opt)); });
+  if (!bit_equal(loaded->s(), stepped->s())) fail("a loaded generalized delta-rule state differs");
+  if (!bit_equal(step(*stepped, in.n - 1), step(*loaded, in.n - 1))) {
+    fail("a loaded generalized delta-rule state steps to other outputs");
+  }
+}
+
 /// The short convolution over v (C = Dv channels, N tokens): K = 1 + (Dk - 1) % 8 taps from
 /// k's rows, a bias from q's first row when the seed says, SiLU or none, dilation 1 to 3. With
 /// bounded input it never throws and its outputs are finite; prefill of the first `split`
@@ -615,6 +747,10 @@ template void run_delta<float>(const Input&, const Matrix<float>&, const Matrix<
                                const Matrix<float>&, bool);
 template void run_delta<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
                                 const Matrix<double>&, bool);
+template void run_dplr<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
+                              const Matrix<float>&, bool);
+template void run_dplr<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
+                               const Matrix<double>&, bool);
 template void run_conv<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
                               const Matrix<float>&, bool);
 template void run_conv<double>(const Input&, const Matrix<double>&, const Matrix<double>&,

@@ -258,6 +258,10 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
 template <class T>
 void run_delta(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                bool bounded);
+/// The generalized delta rule on RWKV-7's pairs, every surface (fuzz_kernels_delta.cpp).
+template <class T>
+void run_dplr(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+              bool bounded);
 
 /// The short convolution, forward, windows and backward (fuzz_kernels_delta.cpp).
 template <class T>
