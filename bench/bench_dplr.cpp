@@ -1,5 +1,6 @@
 // The generalized (diagonal-plus-low-rank) delta rule, RWKV-7's recurrence, on one thread: a
-// prefill of H heads of size D over N tokens in each form (the streamed recurrence; the chunked
+// prefill of H heads of size D over N tokens ([1, N, H, D] views, as a model's buffers) in each
+// form (the streamed recurrence; the chunked
 // WY form at chunk 16, 32 and 64), against a per-token loop of ggml_rwkv_wkv7's shape written
 // with Eigen in this file (the state V x K, row-major; per value row i: sa = a . S_i,
 // S_i = S_i o w + v_i k + sa b, out_i = S_i . r), and Eigen's GEMM rate in the same binary. The
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <linattn/delta_rule.hpp>
 #include <linattn/dplr_delta_rule.hpp>
+#include <linattn/state_batch.hpp>
 #include <string>
 #include <vector>
 
@@ -52,7 +54,7 @@ double useful_flops(Eigen::Index n, Eigen::Index heads, Eigen::Index d) {
   return 8.0 * double(n) * double(heads) * double(d) * double(d);
 }
 
-/// causal_dplr_delta_rule_into on each head's columns, in `form`.
+/// causal_dplr_delta_rule_into on [B = 1, N, H, D] views of the buffers, in `form`.
 void BM_DplrPrefill(benchmark::State& state, Eigen::Index heads, Eigen::Index d,
                     linattn::DeltaForm form, Eigen::Index chunk) {
   const Eigen::Index n = state.range(0);
@@ -62,16 +64,14 @@ void BM_DplrPrefill(benchmark::State& state, Eigen::Index heads, Eigen::Index d,
   options.chunk = chunk;
   options.form = form;
   options.threads = 1;
-  Matrix<float> out(n, d);
+  using View = linattn::HeadsView<const float>;
+  const linattn::BnhdShape shape{1, n, heads, d};
   linattn_bench::measure(state, [&] {
-    for (Eigen::Index h = 0; h < heads; ++h) {
-      const Eigen::Index c = h * d;
-      linattn::causal_dplr_delta_rule_into(
-          in.r.middleCols(c, d), in.k.middleCols(c, d), in.v.middleCols(c, d),
-          in.a.middleCols(c, d), in.b.middleCols(c, d),
-          linattn::log_gates(in.log_w.middleCols(c, d)), out, options);
-      in.out.middleCols(c, d) = out;
-    }
+    linattn::causal_dplr_delta_rule_into(
+        View::bnhd(in.r.data(), shape), View::bnhd(in.k.data(), shape),
+        View::bnhd(in.v.data(), shape), View::bnhd(in.a.data(), shape),
+        View::bnhd(in.b.data(), shape), linattn::log_gates(View::bnhd(in.log_w.data(), shape)),
+        linattn::HeadsView<float>::bnhd(in.out.data(), shape), options);
     benchmark::DoNotOptimize(in.out.data());
   });
   set_rates(state, useful_flops(n, heads, d), double(n));
@@ -143,6 +143,53 @@ void BM_GatedDeltaStep(benchmark::State& state, Eigen::Index d) {
   set_rates(state, 6.0 * double(n) * double(d) * double(d), double(n));
 }
 
+/// One decoding step of H heads through their batches (the rows of one token, [H, D]):
+/// DplrDeltaRuleStateBatch::step_into against DeltaRuleStateBatch's Gated DeltaNet step, over
+/// `n` tokens.
+void BM_DplrBatchStep(benchmark::State& state, Eigen::Index heads, Eigen::Index d) {
+  const Eigen::Index n = state.range(0);
+  Heads in(n, heads, d);
+  linattn::DplrOptions options;
+  options.scale = 1.0;
+  options.threads = 1;
+  linattn::DplrDeltaRuleStateBatch<float> batch(heads, d, d, options);
+  Matrix<float> out(heads, d);
+  const auto rows = [&](const Matrix<float>& x, Eigen::Index t) {
+    return Eigen::Map<const Matrix<float>>(x.row(t).data(), heads, d);
+  };
+  linattn_bench::measure(state, [&] {
+    batch.reset();
+    for (Eigen::Index t = 0; t < n; ++t) {
+      batch.step_into(rows(in.r, t), rows(in.k, t), rows(in.v, t), rows(in.a, t), rows(in.b, t),
+                      linattn::log_gates(rows(in.log_w, t)), out);
+    }
+    benchmark::DoNotOptimize(out.data());
+  });
+  set_rates(state, useful_flops(n, heads, d), double(n));
+}
+
+void BM_GatedDeltaBatchStep(benchmark::State& state, Eigen::Index heads, Eigen::Index d) {
+  const Eigen::Index n = state.range(0);
+  Heads in(n, heads, d);
+  linattn::DeltaOptions options;
+  options.threads = 1;
+  linattn::DeltaRuleStateBatch<float> batch(heads, d, d, options);
+  Matrix<float> out(heads, d);
+  const Vector<float> beta = Vector<float>::Constant(heads, 0.5f);
+  const auto rows = [&](const Matrix<float>& x, Eigen::Index t) {
+    return Eigen::Map<const Matrix<float>>(x.row(t).data(), heads, d);
+  };
+  linattn_bench::measure(state, [&] {
+    batch.reset();
+    for (Eigen::Index t = 0; t < n; ++t) {
+      batch.step_into(rows(in.r, t), rows(in.b, t), rows(in.v, t),
+                      linattn::log_gates(rows(in.log_w, t).leftCols(1)), beta, out);
+    }
+    benchmark::DoNotOptimize(out.data());
+  });
+  set_rates(state, 6.0 * double(n) * double(heads) * double(d) * double(d), double(n));
+}
+
 void register_shape(Eigen::Index heads, Eigen::Index d, Eigen::Index n) {
   const std::string shape = "H" + std::to_string(heads) + "_D" + std::to_string(d);
   benchmark::RegisterBenchmark(("BM_DplrStreamed_" + shape + "<float>").c_str(), BM_DplrPrefill,
@@ -184,6 +231,13 @@ int main(int argc, char** argv) {
         ->Arg(4096)
         ->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("BM_DplrBatchStep_H32_D64<float>", BM_DplrBatchStep, 32, 64)
+      ->Arg(quick ? 256 : 1024)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("BM_GatedDeltaBatchStep_H32_D64<float>", BM_GatedDeltaBatchStep, 32,
+                               64)
+      ->Arg(quick ? 256 : 1024)
+      ->Unit(benchmark::kMillisecond);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -100,9 +100,10 @@ void scan_dplr_inputs(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK
   require_finite_parallel(b, where, "b", threads);
 }
 
-/// True when a call runs the streamed recurrence: asked for, or (automatic) where bench_dplr
-/// measured it faster than the chunked form, except rows of S a multiple of 4 KiB long, where
-/// its strips stall on 4K aliasing.
+/// True when a call runs the streamed recurrence: asked for, or (automatic) everywhere but rows
+/// of S a multiple of 4 KiB long, where its strips stall on 4K aliasing: bench_dplr measured it
+/// 3.4x the chunked form at D = 64 and 2.4x at D = 128 (float, one thread; the chunked form
+/// does 1.4-2.5x the recurrence's flops in GEMMs of chunk-sized panels).
 inline bool dplr_streams(const DplrOptions& options, Eigen::Index value_dim,
                          std::size_t scalar_size) {
   if (options.form != DeltaForm::automatic) return options.form == DeltaForm::streamed;
@@ -194,31 +195,78 @@ SequenceRows check_dplr_heads(const ConstHeadsView<S>& q, const ConstHeadsView<S
   return sequences;
 }
 
-/// Runs the generalized delta rule over every sequence and head of checked views, threads over
-/// sequences x heads, each head from the state with_state gives it (DeltaWithState), which the
-/// head leaves after its last token. Compiled once per (T, S) in the compiled mode.
+/// Where a generalized delta-rule view driver finds the state of head h of sequence s
+/// (Dk x Dv, in the accumulation type T): the caller's, alive for the whole call, which the
+/// head leaves after its last token.
+template <class T>
+using DplrStateOf = FunctionRef<Matrix<T>&(Eigen::Index, Eigen::Index)>;
+
+/// Runs the generalized delta rule over every sequence and head of checked views from the
+/// states state_of gives. Threads over sequences x heads; in the streamed form each thread
+/// takes a sequence's group of heads token-major, a block of tokens of every head of the group
+/// before the next block: in a [B, N, H, D] buffer those heads' rows share the block's token
+/// rows (their pages and lines), where one head at a time reads one row per H * D elements
+/// across the whole sequence (measured 1.4x slower at H = 32, D = 64, N = 4,096). Compiled once
+/// per (T, S) in the compiled mode.
 template <class T, class S>
 void run_dplr_heads(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
                     const ConstHeadsView<S>& v, const ConstHeadsView<S>& a,
                     const ConstHeadsView<S>& b, const AnyHeadTransition<S>& transition,
                     const HeadsView<S>& out, const SequenceRows& sequences,
-                    const DplrOptions& options, const char* where, DeltaWithState<T> with_state) {
-  for_each_sequence_head(
-      q, k, v, out, sequences, engine_options(options),
-      [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
-          int inner_threads) {
-        const Eigen::Index batch = sequences.batch_of(s), begin = sequences.begin(s);
-        const auto as = a.head(batch, h).middleRows(begin, qs.rows());
-        const auto bs = b.head(batch, h).middleRows(begin, qs.rows());
-        with_state(s, h, [&](Matrix<T>& state) {
+                    const DplrOptions& options, const char* where, DplrStateOf<T> state_of) {
+  const Options engine = engine_options(options);
+  const Eigen::Index heads = out.heads();
+  const int threads = resolve_threads(engine);
+  if (!dplr_streams(options, v.dim(), sizeof(T)) || heads == 1 ||
+      sequences.count * heads < threads) {
+    for_each_sequence_head(
+        q, k, v, out, sequences, engine,
+        [&](Eigen::Index s, Eigen::Index h, const auto& qs, const auto& ks, const auto& vs, auto os,
+            int inner_threads) {
+          const Eigen::Index batch = sequences.batch_of(s), begin = sequences.begin(s);
+          const auto as = a.head(batch, h).middleRows(begin, qs.rows());
+          const auto bs = b.head(batch, h).middleRows(begin, qs.rows());
           OutRows<S> rows(os);
           with_gate_rows(transition, transition.gates()->head(batch, h), begin,
                          [&](const GateRows* gate_rows) {
-                           run_dplr_rule<T, S>(qs, ks, vs, as, bs, *gate_rows, options, state,
-                                               &rows, where, inner_threads);
+                           run_dplr_rule<T, S>(qs, ks, vs, as, bs, *gate_rows, options,
+                                               state_of(s, h), &rows, where, inner_threads);
                          });
         });
-      });
+    return;
+  }
+  const SerialEigenScope serial;
+  const Eigen::Index groups = std::max<Eigen::Index>(
+      1, std::min<Eigen::Index>(heads, threads / std::max<Eigen::Index>(sequences.count, 1)));
+  parallel_for(sequences.count * groups, threads, [&](Eigen::Index i) {
+    const Eigen::Index s = i / groups, group = i % groups;
+    const Eigen::Index tokens = sequences.rows(s);
+    if (tokens == 0) return;
+    const Eigen::Index batch = sequences.batch_of(s), first = sequences.begin(s);
+    DplrStream<T, S> stream(q.dim(), v.dim(), options);
+    for (Eigen::Index begin = 0; begin < tokens; begin += kDplrBlock) {
+      const Eigen::Index len = std::min(kDplrBlock, tokens - begin), at = first + begin;
+      for (Eigen::Index h = heads * group / groups; h < heads * (group + 1) / groups; ++h) {
+        with_heads(
+            q, k, v, out, batch, h, options.head_grouping,
+            [&](const auto& qh, const auto& kh, const auto& vh, auto oh) {
+              const auto as = a.head(batch, h).middleRows(at, len);
+              const auto bs = b.head(batch, h).middleRows(at, len);
+              const PairMatrices<T, std::decay_t<decltype(as)>, std::decay_t<decltype(bs)>> pairs(
+                  as, bs);
+              OutRows<S> rows(oh.middleRows(at, len));
+              with_gate_rows(transition, transition.gates()->head(batch, h), at,
+                             [&](const GateRows* gate_rows) {
+                               with_source<T>(middle_rows(qh, at, len), middle_rows(kh, at, len),
+                                              middle_rows(vh, at, len), Identity{}, gate_rows,
+                                              false, where, [&](ChunkSource<T>& source) {
+                                                stream.run(source, pairs, state_of(s, h), &rows);
+                                              });
+                             });
+            });
+      }
+    }
+  });
 }
 
 /// check_dplr_heads for views of any constness and gates of either form.
@@ -244,20 +292,18 @@ SequenceRows check_heads_dplr_rule(const HeadsView<Q>& q, const HeadsView<K>& k,
                                   options, where);
 }
 
-/// The generalized delta rule over every sequence and head of the views, each from the state
-/// with_state(s, h, run) gives (a zero state for the matrix-free calls).
+/// run_dplr_heads for views of any constness, gates of either form and any state_of(s, h).
 template <class Acc, class Q, class K, class V, class A, class B, class O, class Gates,
-          class WithState>
+          class StateOf>
 void run_heads_dplr_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
                          const HeadsView<A>& a, const HeadsView<B>& b, const Gates& gates,
                          const HeadsView<O>& out, const SequenceRows& sequences,
-                         const DplrOptions& options, const char* where,
-                         const WithState& with_state) {
+                         const DplrOptions& options, const char* where, const StateOf& state_of) {
   using T = accumulator_t<Acc, O>;
   const auto transition = delta_head_gates<Gates, O>::read(gates);
   run_dplr_heads<T, O>(
       q, k, v, a, b, any_transition<O>(transition), out, sequences, options, where,
-      [&](Eigen::Index s, Eigen::Index h, DeltaStateRun<T> run) { with_state(s, h, run); });
+      [&](Eigen::Index s, Eigen::Index h) -> Matrix<T>& { return state_of(s, h); });
 }
 
 /// Every check, then every sequence and head from a zero state.
@@ -269,10 +315,12 @@ void heads_dplr_rule(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsVi
   using T = accumulator_t<Acc, O>;
   const SequenceRows sequences =
       check_heads_dplr_rule<Acc>(q, k, v, a, b, gates, out, offsets, options, where);
+  // Every head's state for the whole call: the token-major pass moves many at once.
+  std::vector<Matrix<T>> states(static_cast<std::size_t>(sequences.count * out.heads()),
+                                Matrix<T>::Zero(q.dim(), v.dim()));
   run_heads_dplr_rule<Acc>(q, k, v, a, b, gates, out, sequences, options, where,
-                           [&](Eigen::Index, Eigen::Index, const auto& run) {
-                             Matrix<T> state = Matrix<T>::Zero(q.dim(), v.dim());
-                             run(state);
+                           [&](Eigen::Index s, Eigen::Index h) -> Matrix<T>& {
+                             return states[static_cast<std::size_t>(s * out.heads() + h)];
                            });
 }
 
@@ -638,16 +686,20 @@ class DplrDeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, Dpl
                   const Eigen::MatrixBase<DG>& values) {
     detail::load_vector(a, token_.a);
     detail::load_vector(b, token_.b);
-    for (Eigen::Index i = 0; i < key_dim(); ++i) {
-      const double g = static_cast<double>(values.reshaped()(values.size() == 1 ? 0 : i));
-      token_.w(i) = static_cast<Acc>(LogSpace ? std::exp(g) : g);
+    // The decays in Acc, one vectorised exp (a scalar gate broadcast).
+    if (values.size() == 1) {
+      const double g = static_cast<double>(values.reshaped()(0));
+      token_.w.setConstant(static_cast<Acc>(LogSpace ? std::exp(g) : g));
+    } else {
+      detail::load_vector(values, token_.w);  // then exp over Acc: vectorised, unlike a cast's
+      if constexpr (LogSpace) token_.w = token_.w.array().exp().matrix();
     }
   }
 
   /// The loaded token through the recurrence; out = its output.
   void advance(Eigen::Ref<Vector<T>> out) {
     token_.q *= static_cast<Acc>(detail::dplr_scale(options_, key_dim()));
-    detail::dplr_step(carried_.s, token_.refs(), token_.u);
+    detail::dplr_step(carried_.s, token_.refs(), token_.wq, token_.u);
     out = token_.out.template cast<T>();
     progress_.advance(1, TransitionKind::feature_gates);
   }
@@ -671,7 +723,7 @@ class DplrDeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, Dpl
       const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,            \
       const linattn::ConstHeadsView<S>&, const linattn::detail::AnyHeadTransition<S>&, \
       const linattn::HeadsView<S>&, const linattn::detail::SequenceRows&,              \
-      const linattn::DplrOptions&, const char*, linattn::detail::DeltaWithState<T>);
+      const linattn::DplrOptions&, const char*, linattn::detail::DplrStateOf<T>);
 #define LINATTN_DPLR_HEADS_CHECK_INSTANCES(prefix, S)                                  \
   prefix linattn::detail::SequenceRows linattn::detail::check_dplr_heads<S>(           \
       const linattn::ConstHeadsView<S>&, const linattn::ConstHeadsView<S>&,            \

@@ -935,11 +935,13 @@ class DplrDeltaRuleStateBatch : public detail::StateBatch<DplrDeltaRuleState<T, 
     std::vector<State> next = states_;
     detail::run_heads_dplr_rule<Acc>(
         q, k, v, a, b, gates, out, sequences, run_options, where,
-        [&](Eigen::Index s, Eigen::Index h, const auto& run) {
-          State& state = next[static_cast<std::size_t>(s * out.heads() + h)];
-          run(state.carried_.s);
-          state.progress_.advance(sequences.rows(s), TransitionKind::feature_gates);
+        [&](Eigen::Index s, Eigen::Index h) -> Matrix<Acc>& {
+          return next[static_cast<std::size_t>(s * out.heads() + h)].carried_.s;
         });
+    for (Eigen::Index i = 0; i < size(); ++i) {
+      next[static_cast<std::size_t>(i)].progress_.advance(sequences.rows(i / out.heads()),
+                                                          TransitionKind::feature_gates);
+    }
     states_ = std::move(next);
   }
 };

@@ -75,8 +75,8 @@ class PairMatrices final : public PairRows<T> {
   const DB& b_;
 };
 
-/// One token as the step's strips read it: q^ (scaled), k, a, b, the decays w (Dk each), and
-/// v and the output from the strip's first column.
+/// One token as the step's strips read it: k, a, b, the decays w and wq = w o q^ (Dk each, q^
+/// scaled), the dots b . q^ and k . q^, and v and the output from the strip's first column.
 template <class T>
 struct DplrTokenRefs {
   const T* q;
@@ -86,11 +86,14 @@ struct DplrTokenRefs {
   const T* w;
   const T* v;
   T* out;
+  const T* wq = nullptr;  ///< set by dplr_step
+  T bq = T(0), kq = T(0);
 };
 
-/// Columns [0, WP packets) at `s` of one DPLR step (columns evolve alone): u = S^T a down the
-/// rows, then S = diag(w) S + b u^T + k v^T and out = S^T q back up them, so that the second
-/// pass starts on rows still in L1.
+/// Columns [0, WP packets) at `s` of one DPLR step (columns evolve alone). One pass down the
+/// rows reads S_{t-1} twice over, u = S^T a and S^T (w o q), so that the output needs no pass
+/// of its own: out = S_{t-1}^T (w o q) + (b . q) u + (k . q) v = S_t^T q. A second pass back up
+/// writes S = diag(w) S + b u^T + k v^T, starting on rows still in L1.
 template <class T, class Packet, int WP>
 void dplr_step_strip(T* const s, Eigen::Index rows, Eigen::Index lds,
                      const DplrTokenRefs<T>& token) {
@@ -103,71 +106,65 @@ void dplr_step_strip(T* const s, Eigen::Index rows, Eigen::Index lds,
   constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
   constexpr auto packets = std::make_integer_sequence<int, WP>{};
   const T* const a = token.a;
-  // Two rows a step, into two sets of accumulators: half the dependency chain.
-  Packet even[WP], odd[WP], u[WP], v[WP];
-  for_each_packet(packets, [&](auto w) { even[w] = odd[w] = pset1<Packet>(T(0)); });
+  const T* const wq = token.wq;
+  // Two rows a step, into two sets of accumulators: half the dependency chains.
+  Packet ue[WP], uo[WP], oe[WP], oo[WP];
+  for_each_packet(packets, [&](auto w) { ue[w] = uo[w] = oe[w] = oo[w] = pset1<Packet>(T(0)); });
   Eigen::Index d = 0;
   for (; d + 1 < rows; d += 2) {
     const Packet a0 = pset1<Packet>(a[d]), a1 = pset1<Packet>(a[d + 1]);
+    const Packet q0 = pset1<Packet>(wq[d]), q1 = pset1<Packet>(wq[d + 1]);
     const T* const row = s + d * lds;
     for_each_packet(packets, [&](auto w) {
-      even[w] = pmadd(a0, ploadu<Packet>(row + w * P), even[w]);
-      odd[w] = pmadd(a1, ploadu<Packet>(row + lds + w * P), odd[w]);
+      const Packet x0 = ploadu<Packet>(row + w * P), x1 = ploadu<Packet>(row + lds + w * P);
+      ue[w] = pmadd(a0, x0, ue[w]);
+      uo[w] = pmadd(a1, x1, uo[w]);
+      oe[w] = pmadd(q0, x0, oe[w]);
+      oo[w] = pmadd(q1, x1, oo[w]);
     });
   }
   if (d < rows) {
-    const Packet a0 = pset1<Packet>(a[d]);
+    const Packet a0 = pset1<Packet>(a[d]), q0 = pset1<Packet>(wq[d]);
     const T* const row = s + d * lds;
-    for_each_packet(packets,
-                    [&](auto w) { even[w] = pmadd(a0, ploadu<Packet>(row + w * P), even[w]); });
+    for_each_packet(packets, [&](auto w) {
+      const Packet x0 = ploadu<Packet>(row + w * P);
+      ue[w] = pmadd(a0, x0, ue[w]);
+      oe[w] = pmadd(q0, x0, oe[w]);
+    });
   }
+  Packet u[WP], v[WP];
+  const Packet bq = pset1<Packet>(token.bq), kq = pset1<Packet>(token.kq);
   for_each_packet(packets, [&](auto w) {
-    u[w] = padd(even[w], odd[w]);
+    u[w] = padd(ue[w], uo[w]);
     v[w] = ploadu<Packet>(token.v + w * P);
-    even[w] = odd[w] = pset1<Packet>(T(0));
+    pstoreu<T>(token.out + w * P, pmadd(kq, v[w], pmadd(bq, u[w], padd(oe[w], oo[w]))));
   });
-  const T* const q = token.q;
   const T* const k = token.k;
   const T* const b = token.b;
   const T* const decay = token.w;
-  // x = w x + b u + k v per row, and out += q x, two rows at a time.
-  const auto row_factors = [&](Eigen::Index r, Packet* f) {
-    f[0] = pset1<Packet>(decay[r]);
-    f[1] = pset1<Packet>(b[r]);
-    f[2] = pset1<Packet>(k[r]);
-    f[3] = pset1<Packet>(q[r]);
-  };
+  // x = w x + b u + k v per row, two rows at a time, from the last row back.
   d = rows;
   for (; d > 1; d -= 2) {
-    Packet f0[4], f1[4];
-    row_factors(d - 1, f0);
-    row_factors(d - 2, f1);
+    const Packet w0 = pset1<Packet>(decay[d - 1]), w1 = pset1<Packet>(decay[d - 2]);
+    const Packet b0 = pset1<Packet>(b[d - 1]), b1 = pset1<Packet>(b[d - 2]);
+    const Packet k0 = pset1<Packet>(k[d - 1]), k1 = pset1<Packet>(k[d - 2]);
     T* const row = s + (d - 2) * lds;
     for_each_packet(packets, [&](auto w) {
-      Packet x0 = pmul(f0[0], ploadu<Packet>(row + lds + w * P));
-      Packet x1 = pmul(f1[0], ploadu<Packet>(row + w * P));
-      x0 = pmadd(f0[1], u[w], x0);
-      x1 = pmadd(f1[1], u[w], x1);
-      x0 = pmadd(f0[2], v[w], x0);
-      x1 = pmadd(f1[2], v[w], x1);
+      Packet x0 = pmul(w0, ploadu<Packet>(row + lds + w * P));
+      Packet x1 = pmul(w1, ploadu<Packet>(row + w * P));
+      x0 = pmadd(k0, v[w], pmadd(b0, u[w], x0));
+      x1 = pmadd(k1, v[w], pmadd(b1, u[w], x1));
       pstoreu<T>(row + lds + w * P, x0);
       pstoreu<T>(row + w * P, x1);
-      even[w] = pmadd(f0[3], x0, even[w]);
-      odd[w] = pmadd(f1[3], x1, odd[w]);
     });
   }
   if (d == 1) {
-    Packet f0[4];
-    row_factors(0, f0);
+    const Packet w0 = pset1<Packet>(decay[0]), b0 = pset1<Packet>(b[0]), k0 = pset1<Packet>(k[0]);
     for_each_packet(packets, [&](auto w) {
-      Packet x0 = pmul(f0[0], ploadu<Packet>(s + w * P));
-      x0 = pmadd(f0[1], u[w], x0);
-      x0 = pmadd(f0[2], v[w], x0);
-      pstoreu<T>(s + w * P, x0);
-      even[w] = pmadd(f0[3], x0, even[w]);
+      const Packet x0 = pmul(w0, ploadu<Packet>(s + w * P));
+      pstoreu<T>(s + w * P, pmadd(k0, v[w], pmadd(b0, u[w], x0)));
     });
   }
-  for_each_packet(packets, [&](auto w) { pstoreu<T>(token.out + w * P, padd(even[w], odd[w])); });
 }
 
 /// dplr_step_strip over columns [col, cols) of the Dk rows at `s` (row stride lds): WP packets
@@ -203,19 +200,26 @@ void dplr_step_rows(Matrix<T>& state, const DplrTokenRefs<T>& token, Vector<T>& 
   u.noalias() = state.transpose() * ConstMap(token.a, dk);
   const ConstMap v(token.v, dv);
   RowMap out(token.out, dv);
-  out.setZero();
+  out.noalias() = (state.transpose() * ConstMap(token.wq, dk)).transpose();
+  out += token.bq * u.transpose() + token.kq * v.transpose();
   for (Eigen::Index d = 0; d < dk; ++d) {
     auto row = state.row(d);
     row = token.w[d] * row + token.b[d] * u.transpose() + token.k[d] * v.transpose();
-    out += token.q[d] * row;
   }
 }
 
 /// One DPLR token on `state` (Dk x Dv, row-major): out = S_t^T q. Strip by strip of columns,
-/// each updated while still cached from its first pass; allocates nothing. u: Dv scratch for
-/// the row strides where strips 4K-alias.
+/// each updated while still cached from its first pass; allocates nothing. wq: Dk scratch;
+/// u: Dv scratch for the row strides where strips 4K-alias.
 template <class T>
-void dplr_step(Matrix<T>& state, const DplrTokenRefs<T>& token, Vector<T>& u) {
+void dplr_step(Matrix<T>& state, DplrTokenRefs<T> token, Vector<T>& wq, Vector<T>& u) {
+  const Eigen::Index dk = state.rows();
+  using ConstMap = Eigen::Map<const Vector<T>>;
+  const ConstMap q(token.q, dk);
+  wq.noalias() = (ConstMap(token.w, dk).array() * q.array()).matrix();
+  token.wq = wq.data();
+  token.bq = ConstMap(token.b, dk).dot(q);
+  token.kq = ConstMap(token.k, dk).dot(q);
   if (state.cols() * static_cast<Eigen::Index>(sizeof(T)) % 4096 == 0) {
     dplr_step_rows(state, token, u);
     return;
@@ -227,11 +231,11 @@ void dplr_step(Matrix<T>& state, const DplrTokenRefs<T>& token, Vector<T>& u) {
 /// Workspace of one DPLR token's step, in T: the token, its decays and its output.
 template <class T>
 struct DplrStepBuffers {
-  Vector<T> q, k, a, b, w, v, out, u;
+  Vector<T> q, k, a, b, w, wq, v, out, u;
   DplrStepBuffers() = default;
   DplrStepBuffers(Eigen::Index key_dim, Eigen::Index value_dim) { resize(key_dim, value_dim); }
   void resize(Eigen::Index key_dim, Eigen::Index value_dim) {
-    for (Vector<T>* x : {&q, &k, &a, &b, &w}) x->resize(key_dim);
+    for (Vector<T>* x : {&q, &k, &a, &b, &w, &wq}) x->resize(key_dim);
     for (Vector<T>* x : {&v, &out, &u}) x->resize(value_dim);
   }
   DplrTokenRefs<T> refs() {
@@ -244,14 +248,17 @@ struct DplrStepBuffers {
 inline constexpr Eigen::Index kDplrBlock = 64;
 
 /// w_t = exp(log gates) of `len` loaded rows into `decay` (len x Dk), a scalar gate broadcast.
+/// Converted to T first, then one exp over T: Eigen vectorises exp over T, not over a cast.
 template <class T>
 void dplr_decays(const LogRows& log_gate, Eigen::Index len, Eigen::Index key_dim,
                  Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>& decay) {
+  auto rows = decay.topRows(len);
   if (log_gate.cols() == 1) {
-    decay.topRows(len) = log_gate.topRows(len).template cast<T>().exp().replicate(1, key_dim);
+    for (Eigen::Index r = 0; r < len; ++r) rows.row(r).setConstant(static_cast<T>(log_gate(r, 0)));
   } else {
-    decay.topRows(len) = log_gate.topRows(len).template cast<T>().exp();
+    rows = log_gate.topRows(len).template cast<T>();
   }
+  rows = rows.exp();
 }
 
 /// The recurrent form over a sequence, streamed: blocks of tokens loaded and scaled once, then
@@ -266,6 +273,7 @@ class DplrStream {
         a_(kDplrBlock, key_dim),
         b_(kDplrBlock, key_dim),
         decay_(kDplrBlock, key_dim),
+        wq_(key_dim),
         u_(value_dim),
         out_(kDplrBlock, value_dim) {}
 
@@ -279,7 +287,7 @@ class DplrStream {
   Matrix<T> a_, b_;
   LogRows log_gate_;
   Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> decay_;  ///< w_t
-  Vector<T> u_;
+  Vector<T> wq_, u_;
   Matrix<T> out_;
 };
 
@@ -300,7 +308,7 @@ void DplrStream<T, O>::run(const ChunkSource<T>& src, const PairRows<T>& pairs, 
       const DplrTokenRefs<T> token{
           io_.q.data() + t * dk,  io_.k.data() + t * dk, a_.data() + t * dk,  b_.data() + t * dk,
           decay_.data() + t * dk, io_.v.data() + t * dv, out_.data() + t * dv};
-      dplr_step(state, token, u_);
+      dplr_step(state, token, wq_, u_);
     }
     if (out != nullptr) {
       OutRows<O> rows(out->middleRows(begin, len));
@@ -333,7 +341,7 @@ struct DplrBuffers {
   Array left;          ///< 2B x Dk: a sub-block's queries and a decayed from its reference
   Matrix<T> pairs;     ///< 2B x 2L: their products with `right`
   Vector<T> last;      ///< Dk: the piece's total decay per key feature
-  Vector<T> u;         ///< Dv: a step's scratch
+  Vector<T> wq, u;     ///< Dk, Dv: a step's scratch
 
   DplrBuffers(Eigen::Index chunk, Eigen::Index key_dim, Eigen::Index value_dim)
       : io(chunk, key_dim, value_dim),
@@ -357,6 +365,7 @@ struct DplrBuffers {
         left(2 * std::min(chunk, kDeltaSubBlock), key_dim),
         pairs(2 * std::min(chunk, kDeltaSubBlock), 2 * chunk),
         last(key_dim),
+        wq(key_dim),
         u(value_dim) {}
 };
 
@@ -401,7 +410,7 @@ class DplrKernel {
                                  buf_.decay.data(),
                                  buf_.io.v.data() + r * dv,
                                  buf_.out.data()};
-    dplr_step(state, token, buf_.u);
+    dplr_step(state, token, buf_.wq, buf_.u);
   }
 
   void run_piece(Eigen::Index p, Eigen::Index m, Matrix<T>& state);
