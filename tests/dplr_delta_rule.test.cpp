@@ -121,19 +121,20 @@ DplrOptions with_form(DeltaForm form, Eigen::Index chunk = 64) {
 
 TEMPLATE_TEST_CASE("both forms of the generalized delta rule match the naive recurrence", "[dplr]",
                    float, double) {
-  const Eigen::Index dk = 24;
-  for (const Eigen::Index dv : {Eigen::Index{24}, Eigen::Index{37}}) {
-    for (const Eigen::Index gate_cols : {Eigen::Index{1}, dk}) {
-      const Sequence s(150, dk, dv, gate_cols, 11 + static_cast<std::uint64_t>(dv + gate_cols));
-      const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
-      const Matrix<double> expected = naive_dplr(s.q, s.k, s.v, s.a, s.b, s.log_gates, scale);
-      CAPTURE(dv, gate_cols);
-      CHECK(relative_error(call<TestType>(s, with_form(DeltaForm::streamed)), expected) <=
-            bound<TestType>());
-      for (const Eigen::Index chunk : {Eigen::Index{16}, Eigen::Index{32}, Eigen::Index{64}}) {
-        CAPTURE(chunk);
-        CHECK(relative_error(call<TestType>(s, with_form(DeltaForm::chunked, chunk)), expected) <=
+  for (const Eigen::Index dk : {Eigen::Index{23}, Eigen::Index{24}}) {
+    for (const Eigen::Index dv : {Eigen::Index{24}, Eigen::Index{37}}) {
+      for (const Eigen::Index gate_cols : {Eigen::Index{1}, dk}) {
+        const Sequence s(150, dk, dv, gate_cols, 11 + static_cast<std::uint64_t>(dv + gate_cols));
+        const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+        const Matrix<double> expected = naive_dplr(s.q, s.k, s.v, s.a, s.b, s.log_gates, scale);
+        CAPTURE(dk, dv, gate_cols);
+        CHECK(relative_error(call<TestType>(s, with_form(DeltaForm::streamed)), expected) <=
               bound<TestType>());
+        for (const Eigen::Index chunk : {Eigen::Index{16}, Eigen::Index{32}, Eigen::Index{64}}) {
+          CAPTURE(chunk);
+          CHECK(relative_error(call<TestType>(s, with_form(DeltaForm::chunked, chunk)), expected) <=
+                bound<TestType>());
+        }
       }
     }
   }
@@ -195,8 +196,10 @@ TEMPLATE_TEST_CASE("the generalized delta rule over decays from 1e-30 to 1, and 
         if (pick >= 2 && pick < 9) s.log_gates(t, c) = 0.0;  // exactly 1
       }
     }
-    // Resets mid-chunk: a whole token (every feature) and single features.
-    for (const Eigen::Index t : {Eigen::Index{5}, Eigen::Index{40}, Eigen::Index{41}}) {
+    // Resets mid-chunk (a whole token, every feature), two in a row, on a chunk's first (64)
+    // and last (79, chunk 16) token, around a piece of one token (101) and of 17 (111-127: a
+    // sub-block of one), and of single features.
+    for (const Eigen::Index t : {5, 40, 41, 64, 79, 100, 102, 110, 128}) {
       s.log_gates.row(t).setConstant(kMinusInf);
     }
     if (gate_cols > 1) {
@@ -392,11 +395,21 @@ TEMPLATE_TEST_CASE("the generalized delta rule on views: layouts, grouped q/k he
     CAPTURE(linattn_test::layout_name(layout));
     Heads<T> q(layout, batch, qk_heads, n, dk, gap), k(layout, batch, qk_heads, n, dk, gap);
     Heads<T> v(layout, batch, heads, n, dv, gap), a(layout, batch, heads, n, dk, gap);
-    Heads<T> b(layout, batch, heads, n, dk, gap), g(layout, batch, heads, n, dk, gap);
+    // One decay per token on the padded layout, one per key feature on the others.
+    const Eigen::Index gate_cols = layout == Layout::padded ? 1 : dk;
+    Heads<T> b(layout, batch, heads, n, dk, gap), g(layout, batch, heads, n, gate_cols, gap);
     Heads<T> out(layout, batch, heads, n, dv, gap);
+    // NaN in every output row before each call, so a row left unwritten fails.
+    const auto clear = [&] {
+      for (Eigen::Index bi = 0; bi < batch; ++bi) {
+        for (Eigen::Index h = 0; h < heads; ++h) {
+          out.set_head(bi, h, Matrix<T>::Constant(n, dv, std::numeric_limits<T>::quiet_NaN()));
+        }
+      }
+    };
     std::vector<Sequence> seqs;
     for (Eigen::Index i = 0; i < batch * heads; ++i) {
-      seqs.emplace_back(n, dk, dv, dk, 200 + static_cast<std::uint64_t>(i) * 10);
+      seqs.emplace_back(n, dk, dv, gate_cols, 200 + static_cast<std::uint64_t>(i) * 10);
       const Sequence& s = seqs.back();
       const Eigen::Index bi = i / heads, h = i % heads;
       if (h % 2 == 0) {  // q/k head h / 2 is read by value heads h and h + 1 (interleaved)
@@ -416,9 +429,15 @@ TEMPLATE_TEST_CASE("the generalized delta rule on views: layouts, grouped q/k he
                         own.v.middleRows(begin, len), own.a.middleRows(begin, len),
                         own.b.middleRows(begin, len), own.log_gates.middleRows(begin, len), 0.25);
     };
-    for (const DeltaForm form : {DeltaForm::chunked, DeltaForm::streamed}) {
-      CAPTURE(static_cast<int>(form));
+    // The streamed form on one thread runs a sequence's heads token-major; on two it splits
+    // them (or the sequences) between the threads.
+    for (const auto& [form, threads] :
+         {std::pair{DeltaForm::chunked, 1}, std::pair{DeltaForm::streamed, 1},
+          std::pair{DeltaForm::streamed, 2}}) {
+      CAPTURE(static_cast<int>(form), threads);
       DplrOptions options = with_form(form, 32);
+      options.threads = threads;
+      clear();
       linattn::causal_dplr_delta_rule_into(q.cview(), k.cview(), v.cview(), a.cview(), b.cview(),
                                            linattn::log_gates(g.cview()), out.view(), options);
       CHECK(out.gaps_hold(gap));
@@ -440,6 +459,7 @@ TEMPLATE_TEST_CASE("the generalized delta rule on views: layouts, grouped q/k he
         return linattn::HeadsView<T>(view.data(), 1, view.heads(), view.tokens(), view.dim(),
                                      view.strides());
       };
+      clear();
       linattn::causal_dplr_delta_rule_varlen_into(first(q), first(k), first(v), first(a), first(b),
                                                   linattn::log_gates(first(g)), offsets,
                                                   first_out(), options);
@@ -556,12 +576,45 @@ TEST_CASE("DplrDeltaRuleLayer: prefill on views, steps on rows, and the session 
   };
   Matrix<T> qt, kt, vt, at, bt, gt, step_out(batch * heads, dv);
 
+  // NaN in every output row before each prefill, so a row left unwritten fails.
+  const auto clear = [&] {
+    for (Eigen::Index bi = 0; bi < batch; ++bi) {
+      for (Eigen::Index h = 0; h < heads; ++h) {
+        out.set_head(bi, h, Matrix<T>::Constant(split, dv, std::numeric_limits<T>::quiet_NaN()));
+      }
+    }
+  };
+  // Tokens [begin, begin + len) of a view.
+  const auto part = [](const auto& view, Eigen::Index begin, Eigen::Index len) {
+    using View = std::decay_t<decltype(view)>;
+    return View(view.data() + begin * view.strides().token, view.batch(), view.heads(), len,
+                view.dim(), view.strides());
+  };
   auto states = layer.make_states(batch);
-  layer.prefill_into(states, q.cview(), k.cview(), v.cview(), a.cview(), b.cview(),
-                     linattn::log_gates(g.cview()), out.view());
+  clear();
+  // The prompt in two prefills: the second continues from the states the first left.
+  for (const auto& [begin, len] :
+       {std::pair<Eigen::Index, Eigen::Index>{0, 20}, {20, split - 20}}) {
+    layer.prefill_into(states, part(q.cview(), begin, len), part(k.cview(), begin, len),
+                       part(v.cview(), begin, len), part(a.cview(), begin, len),
+                       part(b.cview(), begin, len), linattn::log_gates(part(g.cview(), begin, len)),
+                       part(out.view(), begin, len));
+  }
   check_prompt();
+  CHECK(states[5].tokens() == split);
   for (Eigen::Index t = split; t < n; ++t) {
     step_rows(t, qt, kt, vt, at, bt, gt);
+    if (t == split + 3) {
+      // A NaN in one state's row: every state stays as it was.
+      const Matrix<T> s5 = states[5].s();
+      Matrix<T> bad = at;
+      bad(6, 2) = std::numeric_limits<T>::quiet_NaN();
+      CHECK_THROWS_WITH(
+          layer.step_into(states, qt, kt, vt, bad, bt, linattn::log_gates(gt), step_out),
+          Catch::Contains("a has a non-finite value"));
+      CHECK(states[5].s() == s5);
+      CHECK(states[0].tokens() == t);
+    }
     layer.step_into(states, qt, kt, vt, at, bt, linattn::log_gates(gt), step_out);
     check_step(t, step_out);
   }
@@ -576,6 +629,7 @@ TEST_CASE("DplrDeltaRuleLayer: prefill on views, steps on rows, and the session 
   linattn::SessionPool pool(layer);
   pool.add(10);
   pool.add(11);
+  clear();
   pool.prefill_into(0, {10, 11}, q.cview(), k.cview(), v.cview(), a.cview(), b.cview(),
                     linattn::log_gates(g.cview()), out.view());
   check_prompt();
@@ -586,6 +640,7 @@ TEST_CASE("DplrDeltaRuleLayer: prefill on views, steps on rows, and the session 
   linattn::SessionPool<> hybrid(layer);
   hybrid.add(20);
   hybrid.add(21);
+  clear();
   hybrid.prefill_into(0, {20, 21}, layer, q.cview(), k.cview(), v.cview(), a.cview(), b.cview(),
                       linattn::log_gates(g.cview()), out.view());
   check_prompt();
@@ -669,6 +724,26 @@ TEST_CASE("DplrDeltaRuleState saves and loads bit for bit and refuses what does 
                     Catch::Contains("-byte scalars"));
   std::istringstream in5(bytes);
   CHECK(DplrDeltaRuleState<float>::load_unchecked(in5).options().scale == 1.0);
+  // Settings this family never writes, with a valid checksum: refused by name.
+  const auto edited = [&](std::size_t at, unsigned char value) {
+    std::string e = bytes;
+    e[at] = static_cast<char>(value);
+    linattn::detail::Crc32 crc;
+    crc.update(reinterpret_cast<const unsigned char*>(e.data()), e.size() - 4);
+    for (int i = 0; i < 4; ++i)
+      e[e.size() - 4 + i] = static_cast<char>((crc.value() >> (8 * i)) & 0xFF);
+    std::istringstream is(e);
+    try {
+      (void)DplrDeltaRuleState<float>::load_unchecked(is);
+    } catch (const linattn::Error& error) {
+      return std::string(error.what());
+    }
+    return std::string();
+  };
+  CHECK_THAT(edited(33, 2), Catch::Contains("invalid transition record 2 for 20 tokens"));
+  CHECK_THAT(edited(49, 0x7F), Catch::Contains("invalid scale"));  // the scale's top byte: +inf
+  CHECK_THAT(edited(32, 3), Catch::Contains("unknown state family 3"));
+  CHECK(edited(33, 3).empty());  // per-feature decays: what it saved
 }
 
 TEST_CASE("the generalized delta rule's errors name the argument and change nothing",

@@ -51,9 +51,10 @@
 #define LINATTN_DPLR_INSTANCES(prefix, T, O)      \
   prefix class linattn::detail::DplrKernel<T, O>; \
   prefix class linattn::detail::DplrStream<T, O>;
-#define LINATTN_DPLR_STEP_INSTANCES(prefix, T) \
-  prefix void linattn::detail::dplr_step<T>(   \
-      linattn::Matrix<T>&, const linattn::detail::DplrTokenRefs<T>&, linattn::Vector<T>&);
+#define LINATTN_DPLR_STEP_INSTANCES(prefix, T)                                 \
+  prefix void linattn::detail::dplr_step<T>(linattn::Matrix<T>&,               \
+                                            linattn::detail::DplrTokenRefs<T>, \
+                                            linattn::Vector<T>&, linattn::Vector<T>&);
 
 /// The delta rule's backward workspace of one accumulation type T: the members that do not
 /// depend on the inputs' types (declared in detail/delta_rule_backward.hpp).

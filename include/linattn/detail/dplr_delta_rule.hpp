@@ -247,10 +247,11 @@ struct DplrStepBuffers {
 /// in-chunk work is worth its GEMMs.
 inline constexpr Eigen::Index kDplrBlock = 64;
 
-/// w_t = exp(log gates) of `len` loaded rows into `decay` (len x Dk), a scalar gate broadcast.
+/// w_t = exp(log gates) of `len` loaded rows into `decay` (its first len rows of Dk), a scalar
+/// gate broadcast.
 /// Converted to T first, then one exp over T: Eigen vectorises exp over T, not over a cast.
 template <class T>
-void dplr_decays(const LogRows& log_gate, Eigen::Index len, Eigen::Index key_dim,
+void dplr_decays(const LogRows& log_gate, Eigen::Index len,
                  Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>& decay) {
   auto rows = decay.topRows(len);
   if (log_gate.cols() == 1) {
@@ -303,7 +304,7 @@ void DplrStream<T, O>::run(const ChunkSource<T>& src, const PairRows<T>& pairs, 
     io_.q.topRows(len) *= scale_;
     log_gate_.resize(kDplrBlock, src.gate_dim());
     src.load_log_gates(begin, len, log_gate_);
-    dplr_decays(log_gate_, len, dk, decay_);  // -inf: 0, a reset of the row
+    dplr_decays(log_gate_, len, decay_);  // -inf: 0, a reset of the row
     for (Eigen::Index t = 0; t < len; ++t) {
       const DplrTokenRefs<T> token{
           io_.q.data() + t * dk,  io_.k.data() + t * dk, a_.data() + t * dk,  b_.data() + t * dk,
@@ -402,7 +403,7 @@ class DplrKernel {
   void step_token(Eigen::Index r, Matrix<T>& state) {
     const Eigen::Index dk = state.rows(), dv = state.cols();
     LogRows one = buf_.log_gate.row(r);
-    dplr_decays(one, 1, dk, buf_.decay);
+    dplr_decays(one, 1, buf_.decay);
     const DplrTokenRefs<T> token{buf_.io.q.data() + r * dk,
                                  buf_.io.k.data() + r * dk,
                                  buf_.a.data() + r * dk,
