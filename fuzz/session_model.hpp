@@ -22,7 +22,8 @@ inline Matrix<float> numbers(Eigen::Index rows, Eigen::Index cols, std::uint64_t
 
 /// Layers: 0 Gated DeltaNet (2 over 4 heads of 4, K = 4), 1 softmax KV caches (2 heads of 4),
 /// 2 Mamba-2 (4 heads of 2, 2 groups, N = 3), 3 LFM2's gated conv (C = 4, K = 3), 4 linear
-/// attention (elu + 1, 2 heads of 4), 5 DeltaNet (2 heads of 4).
+/// attention (elu + 1, 2 heads of 4), 5 DeltaNet (2 heads of 4), 6 the generalized delta rule
+/// (RWKV-7's, 2 heads of 4).
 struct SessionModel {
   static linattn::GatedDeltaNetShape gdn_shape() {
     linattn::GatedDeltaNetShape shape;
@@ -65,9 +66,10 @@ struct SessionModel {
   linattn::GatedShortConv<float> conv{numbers(4, 3, 4), numbers(4, 1, 5)};
   linattn::LinearAttentionLayer<float, linattn::EluPlusOne> linear{linattn::EluPlusOne{}, 2, 4, 4};
   linattn::DeltaRuleLayer<float> delta{2, 4, 4};
+  linattn::DplrDeltaRuleLayer<float> dplr{2, 4, 4};
 
   linattn::SessionPool<> pool() const {
-    return linattn::SessionPool<>(gdn, attention, mamba, conv, linear, delta);
+    return linattn::SessionPool<>(gdn, attention, mamba, conv, linear, delta, dplr);
   }
 
   /// `tokens` tokens through every layer of session `key` (the only live one), from `seed`.
@@ -122,6 +124,12 @@ struct SessionModel {
       pool.step_into(4, linear, q, k, v, out);
       const linattn::Vector<float> beta = linattn::Vector<float>::Constant(2, 0.5f);
       pool.step_into(5, delta, q, k, v, beta, out);
+      // RWKV-7's pairs: a = -kk, b = kk / 2 with kk = k's rows normalised; decays in (0.5, 1].
+      Matrix<float> kk = k;
+      kk.rowwise().normalize();
+      const Matrix<float> minus_kk = -kk, half_kk = 0.5f * kk;
+      const Matrix<float> log_w = -0.35f * (numbers(2, 4, seed + 15 + t).array() + 1.0f).matrix();
+      pool.step_into(6, dplr, q, k, v, minus_kk, half_kk, linattn::log_gates(log_w), out);
     }
   }
 };
