@@ -2,12 +2,12 @@
 // linattn::compiled: the kernels (chunked, streamed, stepped, backward; both families) that
 // accumulate in double.
 #include <linattn/delta_rule.hpp>
-#include <linattn/dplr_delta_rule.hpp>
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
 #include <linattn/detail/dplr_delta_rule.hpp>
 #include <linattn/detail/gradient_stream.hpp>
+#include <linattn/dplr_delta_rule.hpp>
 #include <linattn/multi_head.hpp>
 #include <linattn/short_conv.hpp>
 #include <linattn/softmax.hpp>
