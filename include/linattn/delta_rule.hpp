@@ -23,6 +23,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 /// The recurrence, with q, k: N x Dk, v: N x Dv, beta: N and (gated forms) log gates g:
@@ -587,15 +588,9 @@ class DeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, DeltaOp
   template <class DS>
   static DeltaRuleState from_state(const Eigen::MatrixBase<DS>& s0,
                                    const DeltaOptions& options = {}) {
-    constexpr const char* where = "DeltaRuleState::from_state";
-    if (s0.rows() < 1 || s0.cols() < 1) {
-      throw Error(std::string(where) + ": s0 is empty (" + detail::shape_string(s0) +
-                  "), expected Dk x Dv with Dk, Dv >= 1");
-    }
-    const Matrix<Acc> s = s0.template cast<Acc>();
-    detail::require_finite(s, where, "s0");
+    Matrix<Acc> s = detail::initial_state<Acc>(s0, "DeltaRuleState::from_state");
     DeltaRuleState state(s.rows(), s.cols(), options);
-    state.carried_.s = s;
+    state.carried_.s = std::move(s);
     return state;
   }
 

@@ -21,6 +21,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 /// The recurrence, with q, k, a, b: N x Dk, v: N x Dv and log decays g: N x Dk (or N x 1,
@@ -473,15 +474,9 @@ class DplrDeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, Dpl
   template <class DS>
   static DplrDeltaRuleState from_state(const Eigen::MatrixBase<DS>& s0,
                                        const DplrOptions& options = {}) {
-    constexpr const char* where = "DplrDeltaRuleState::from_state";
-    if (s0.rows() < 1 || s0.cols() < 1) {
-      throw Error(std::string(where) + ": s0 is empty (" + detail::shape_string(s0) +
-                  "), expected Dk x Dv with Dk, Dv >= 1");
-    }
-    const Matrix<Acc> s = s0.template cast<Acc>();
-    detail::require_finite(s, where, "s0");
+    Matrix<Acc> s = detail::initial_state<Acc>(s0, "DplrDeltaRuleState::from_state");
     DplrDeltaRuleState state(s.rows(), s.cols(), options);
-    state.carried_.s = s;
+    state.carried_.s = std::move(s);
     return state;
   }
 

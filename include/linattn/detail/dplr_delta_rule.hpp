@@ -247,17 +247,19 @@ struct DplrStepBuffers {
 /// in-chunk work is worth its GEMMs.
 inline constexpr Eigen::Index kDplrBlock = 64;
 
-/// w_t = exp(log gates) of `len` loaded rows into `decay` (its first len rows of Dk), a scalar
-/// gate broadcast.
-/// Converted to T first, then one exp over T: Eigen vectorises exp over T, not over a cast.
+/// w_t = exp(log gates) of loaded rows [first, first + len) into decay's first len rows (Dk
+/// each), a scalar gate broadcast. Converted to T first, then one exp over T: Eigen vectorises
+/// exp over T, not over a cast.
 template <class T>
-void dplr_decays(const LogRows& log_gate, Eigen::Index len,
+void dplr_decays(const LogRows& log_gate, Eigen::Index first, Eigen::Index len,
                  Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>& decay) {
   auto rows = decay.topRows(len);
   if (log_gate.cols() == 1) {
-    for (Eigen::Index r = 0; r < len; ++r) rows.row(r).setConstant(static_cast<T>(log_gate(r, 0)));
+    for (Eigen::Index r = 0; r < len; ++r) {
+      rows.row(r).setConstant(static_cast<T>(log_gate(first + r, 0)));
+    }
   } else {
-    rows = log_gate.topRows(len).template cast<T>();
+    rows = log_gate.middleRows(first, len).template cast<T>();
   }
   rows = rows.exp();
 }
@@ -304,7 +306,7 @@ void DplrStream<T, O>::run(const ChunkSource<T>& src, const PairRows<T>& pairs, 
     io_.q.topRows(len) *= scale_;
     log_gate_.resize(kDplrBlock, src.gate_dim());
     src.load_log_gates(begin, len, log_gate_);
-    dplr_decays(log_gate_, len, decay_);  // -inf: 0, a reset of the row
+    dplr_decays(log_gate_, 0, len, decay_);  // -inf: 0, a reset of the row
     for (Eigen::Index t = 0; t < len; ++t) {
       const DplrTokenRefs<T> token{
           io_.q.data() + t * dk,  io_.k.data() + t * dk, a_.data() + t * dk,  b_.data() + t * dk,
@@ -402,8 +404,7 @@ class DplrKernel {
   /// Token r of the loaded chunk through the step (its decays exp(g), a reset's 0).
   void step_token(Eigen::Index r, Matrix<T>& state) {
     const Eigen::Index dk = state.rows(), dv = state.cols();
-    LogRows one = buf_.log_gate.row(r);
-    dplr_decays(one, 1, buf_.decay);
+    dplr_decays(buf_.log_gate, r, 1, buf_.decay);
     const DplrTokenRefs<T> token{buf_.io.q.data() + r * dk,
                                  buf_.io.k.data() + r * dk,
                                  buf_.a.data() + r * dk,

@@ -7,7 +7,9 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/state_progress.hpp>
 #include <linattn/detail/state_record.hpp>
+#include <linattn/detail/validate.hpp>
 #include <linattn/gates.hpp>
+#include <string>
 #include <utility>
 
 namespace linattn::detail {
@@ -84,6 +86,19 @@ class StateCore {
   FamilyOptions options_;
   StateProgress progress_;  ///< the tokens seen, what has moved the state
 };
+
+/// S = s0 in Acc for a state's from_state, checked: not empty and finite. `where` names the
+/// caller in messages.
+template <class Acc, class DS>
+Matrix<Acc> initial_state(const Eigen::MatrixBase<DS>& s0, const char* where) {
+  if (s0.rows() < 1 || s0.cols() < 1) {
+    throw Error(std::string(where) + ": s0 is empty (" + shape_string(s0) +
+                "), expected Dk x Dv with Dk, Dv >= 1");
+  }
+  Matrix<Acc> s = s0.template cast<Acc>();
+  require_finite(s, where, "s0");
+  return s;
+}
 
 /// What a state carries when S is all of it (the delta rule's).
 template <class Acc>
