@@ -13,6 +13,8 @@
 #endif
 
 #include <linattn/backward.hpp>
+#include <linattn/delta_rule.hpp>
+#include <linattn/delta_rule_backward.hpp>
 #include <linattn/gated.hpp>
 
 #include "bench_common.hpp"
@@ -182,6 +184,103 @@ void BM_GatedForwardBackward(benchmark::State& state) {
   set_rates(state, 12.0 * double(n) * double(kDim) * double(kDim), double(n));
 }
 
+/// DeltaNet and Gated DeltaNet at Dk = Dv = 128 (Qwen3.5's heads): q, k raw (normalised in
+/// the kernel, FLA's use_qk_l2norm_in_kernel), beta = sigmoid(x), log gates -0.1 sigmoid(x).
+constexpr Eigen::Index kDeltaDim = 128;
+
+template <class T>
+struct DeltaInputs {
+  Matrix<T> q, k, v, log_gates, grad_out, out;
+  linattn::Vector<T> beta;
+  linattn::DeltaRuleGradients<T> grads;
+  explicit DeltaInputs(Eigen::Index n)
+      : q(random_matrix<T>(n, kDeltaDim, 31)),
+        k(random_matrix<T>(n, kDeltaDim, 32)),
+        v(random_matrix<T>(n, kDeltaDim, 33)),
+        log_gates(T(-0.1) / (T(1) + random_matrix<T>(n, 1, 34).array().exp())),
+        grad_out(random_matrix<T>(n, kDeltaDim, 35)),
+        out(n, kDeltaDim),
+        beta(T(1) / (T(1) + random_matrix<T>(n, 1, 36).array().exp())),
+        grads{Matrix<T>(n, kDeltaDim), Matrix<T>(n, kDeltaDim), Matrix<T>(n, kDeltaDim),
+              linattn::Vector<T>(n), Matrix<T>(n, 1)} {}
+};
+
+/// Args: N, gates (0: DeltaNet, 1: Gated DeltaNet), threads.
+linattn::DeltaOptions delta_options(const benchmark::State& state) {
+  linattn::DeltaOptions options;
+  options.l2_normalize = true;
+  options.threads = static_cast<int>(state.range(2));
+  options.check_finite = false;
+  return options;
+}
+
+/// The delta rule's forward, as the backward's unit: the chunked form (what training runs).
+template <class T>
+void BM_DeltaForward(benchmark::State& state) {
+  const Eigen::Index n = state.range(0);
+  DeltaInputs<T> in(n);
+  linattn::DeltaOptions options = delta_options(state);
+  options.form = linattn::DeltaForm::chunked;
+  linattn_bench::measure(state, [&] {
+    if (state.range(1) == 0) {
+      linattn::causal_delta_rule_into(in.q, in.k, in.v, in.beta, in.out, options);
+    } else {
+      linattn::causal_gated_delta_rule_into(in.q, in.k, in.v, linattn::log_gates(in.log_gates),
+                                            in.beta, in.out, options);
+    }
+    benchmark::DoNotOptimize(in.out.data());
+  });
+  set_rates(state, 6.0 * double(n) * double(kDeltaDim) * double(kDeltaDim), double(n));
+}
+
+/// The delta rule's backward alone (the forward's outputs are not its input), with a kept
+/// workspace; recurrent: 1 runs the recurrent form (DeltaForm::streamed), the reference.
+template <class T>
+void BM_DeltaBackward(benchmark::State& state, bool recurrent) {
+  const Eigen::Index n = state.range(0);
+  DeltaInputs<T> in(n);
+  linattn::DeltaOptions options = delta_options(state);
+  options.form = recurrent ? linattn::DeltaForm::streamed : linattn::DeltaForm::chunked;
+  linattn::DeltaBackwardWorkspace<T> workspace;
+  auto& g = in.grads;
+  linattn_bench::measure(state, [&] {
+    if (state.range(1) == 0) {
+      linattn::causal_delta_rule_backward_into(in.q, in.k, in.v, in.beta, in.grad_out, g.q, g.k,
+                                               g.v, g.beta, options, workspace);
+    } else {
+      linattn::causal_gated_delta_rule_backward_into(
+          in.q, in.k, in.v, linattn::log_gates(in.log_gates), in.beta, in.grad_out, g.q, g.k, g.v,
+          g.gates, g.beta, options, workspace);
+    }
+    benchmark::DoNotOptimize(g.q.data());
+  });
+  // Counted as the forward's 6 Dk Dv a token: the rate reads as forwards per second.
+  set_rates(state, 6.0 * double(n) * double(kDeltaDim) * double(kDeltaDim), double(n));
+}
+
+template <class T>
+void register_delta(const std::vector<Eigen::Index>& sizes) {
+  const std::string t = linattn_bench::scalar_name(T{});
+  for (const Eigen::Index n : sizes) {
+    for (const int gates : {0, 1}) {
+      for (const int threads : {1, 2}) {
+        benchmark::RegisterBenchmark(("BM_DeltaForward<" + t + ">").c_str(), BM_DeltaForward<T>)
+            ->Args({n, gates, threads})
+            ->Unit(benchmark::kMillisecond);
+        benchmark::RegisterBenchmark(("BM_DeltaBackward<" + t + ">").c_str(), BM_DeltaBackward<T>,
+                                     false)
+            ->Args({n, gates, threads})
+            ->Unit(benchmark::kMillisecond);
+        if (threads > 1) continue;
+        benchmark::RegisterBenchmark(("BM_DeltaBackwardRecurrent<" + t + ">").c_str(),
+                                     BM_DeltaBackward<T>, true)
+            ->Args({n, gates, threads})
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
+  }
+}
+
 template <class T>
 void register_scalar(const std::vector<Eigen::Index>& sizes) {
   const std::string t = linattn_bench::scalar_name(T{});
@@ -235,6 +334,8 @@ int main(int argc, char** argv) {
   const bool quick = linattn_bench::quick();
   register_scalar<float>(quick ? std::vector<Eigen::Index>{256, 1024, 4096}
                                : std::vector<Eigen::Index>{256, 1024, 4096, 16384, 65536});
+  register_delta<float>(quick ? std::vector<Eigen::Index>{4096}
+                              : std::vector<Eigen::Index>{4096, 16384});
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

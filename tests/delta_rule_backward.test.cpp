@@ -84,9 +84,10 @@ DeltaRuleGradients<double> backward(const Inputs& in, const Matrix<double>& grad
 /// S_{t-1}, e_t = v_t - S'_t^T k^_t, S_t = S'_t + beta_t k^_t e_t^T, o_t = S_t^T q^_t, then from
 /// the last token dS += q^ do^T, dq^ = S_t do, dk^ = dS u, du = dS^T k^, dbeta = du . e,
 /// dv = beta du, dS' = dS - beta k^ du^T, dk^ -= beta S' du, da_i = sum_j dS'_ij S_{t-1,ij},
-/// dS = diag(a) dS', dg = da a; the norm's Jacobian as an explicit matrix.
+/// dS = diag(a) dS', dg = da a (da itself with by_gate); the norm's Jacobian as an explicit
+/// matrix.
 DeltaRuleGradients<double> naive_backward(const Inputs& in, const Matrix<double>& grad_out,
-                                          double scale, bool l2_normalize) {
+                                          double scale, bool l2_normalize, bool by_gate = false) {
   const Eigen::Index n = in.q.rows(), dk = in.q.cols(), dv = in.v.cols();
   const Eigen::Index gate_cols = in.gate_cols();
   Matrix<double> qh(n, dk), kh(n, dk), a(n, dk), e(n, dv);
@@ -124,7 +125,9 @@ DeltaRuleGradients<double> naive_backward(const Inputs& in, const Matrix<double>
     const Eigen::VectorXd da = ds.cwiseProduct(states[t]).rowwise().sum();
     ds = a.row(t).transpose().asDiagonal() * ds;
     for (Eigen::Index c = 0; c < gate_cols; ++c) {
-      grads.gates(t, c) = gate_cols == 1 ? da.sum() * a(t, 0) : da(c) * a(t, c);
+      // by_gate: d / d a_t itself, defined at a_t = 0 too.
+      const double by_a = gate_cols == 1 ? da.sum() : da(c);
+      grads.gates(t, c) = by_gate ? by_a : by_a * a(t, gate_cols == 1 ? 0 : c);
     }
     // Through q^ = s n(q) and k^ = n(k): n's Jacobian I / r - x x^T / r^3 (symmetric).
     const auto back = [&](const Eigen::RowVectorXd& x, const Eigen::VectorXd& y, double factor) {
@@ -554,6 +557,65 @@ TEMPLATE_TEST_CASE("the delta rule's backward with beta at 1 and at 2 (negative 
   }
 }
 
+TEMPLATE_TEST_CASE(
+    "the delta rule's chunked backward: resets anywhere in a chunk, gates a_t, threads, and "
+    "the recurrent form it replaced",
+    "[delta_rule_backward]", float, double) {
+  using T = TestType;
+  const Eigen::Index n = 70, dk = 16, dv = 64;  // two parts of 32 value columns on 2 threads
+  // Resets (log gates only: a_t lies in (0, 1]) at the sequence's first token, a chunk's first
+  // (16, 48), mid-chunk (21), twice in a row (40, 41) and the last token.
+  const Eigen::Index resets[] = {0, 16, 21, 40, 41, 48, 69};
+  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}}) {
+    for (const bool by_gate : {false, true}) {
+      if (gate_cols == 0 && by_gate) continue;
+      CAPTURE(variant_name(gate_cols), by_gate);
+      Inputs in(n, dk, dv, gate_cols, true, 1300);
+      if (gate_cols > 0 && !by_gate) {
+        for (const Eigen::Index r : resets) in.log_gates(r, 0) = kMinusInf;
+      }
+      in.q = in.q.cast<T>().template cast<double>();
+      in.k = in.k.cast<T>().template cast<double>();
+      in.v = in.v.cast<T>().template cast<double>();
+      in.beta = in.beta.cast<T>().template cast<double>();
+      // a_t = exp(g) rounded to T, and g = log a_t, so that both runs see the same gates.
+      const Matrix<T> a =
+          in.log_gates.unaryExpr([](double x) { return std::exp(x); }).template cast<T>();
+      in.log_gates = a.template cast<double>().unaryExpr([](double x) { return std::log(x); });
+      const Matrix<double> grad_out = gaussian<double>(n, dv, 13).cast<T>().template cast<double>();
+      DeltaOptions options;
+      options.chunk = 16;
+      options.l2_normalize = true;
+      const DeltaRuleGradients<double> expected =
+          naive_backward(in, grad_out, 1.0 / std::sqrt(double(dk)), true, by_gate);
+      const auto run = [&](linattn::DeltaForm form, int threads) {
+        DeltaOptions o = options;
+        o.form = form;
+        o.threads = threads;
+        if (!by_gate) return backward<T>(in, grad_out, o);
+        const DeltaRuleGradients<T> g = linattn::causal_gated_delta_rule_backward(
+            in.q.cast<T>(), in.k.cast<T>(), in.v.cast<T>(), a, in.beta.cast<T>(),
+            grad_out.cast<T>(), o);
+        return DeltaRuleGradients<double>{
+            g.q.template cast<double>(), g.k.template cast<double>(), g.v.template cast<double>(),
+            g.beta.template cast<double>(), g.gates.template cast<double>()};
+      };
+      const auto chunked = run(linattn::DeltaForm::chunked, 1);
+      const auto recurrent = run(linattn::DeltaForm::streamed, 1);
+      CHECK(gradient_error(chunked, expected) <= bound<T>());
+      CHECK(gradient_error(recurrent, expected) <= bound<T>());
+      CHECK(gradient_error(chunked, recurrent) <= bound<T>());
+      // A reset's gradient is 0 (it has no neighbourhood in log space).
+      if (gate_cols > 0 && !by_gate) {
+        for (const Eigen::Index r : resets) CHECK(chunked.gates(r, 0) == 0.0);
+      }
+      // Two threads split the value columns: their key gradients add, to rounding.
+      const auto threaded = run(linattn::DeltaForm::chunked, 2);
+      CHECK(gradient_error(threaded, chunked) <= bound<T>() / 10);
+    }
+  }
+}
+
 TEST_CASE("the delta rule's backward over N = 2000 tokens matches the naive reverse mode",
           "[delta_rule_backward]") {
   const Eigen::Index n = 2000, dk = 32, dv = 16;
@@ -676,11 +738,20 @@ TEMPLATE_TEST_CASE(
       }
     }
   }
-  // The checkpoints and one block's states, 2 sqrt(N) Dk Dv, dominate; one block's rows
-  // (L x about 8 D) and two states more are the rest.
-  const std::size_t big = linattn::DeltaBackwardWorkspace<T>::bytes(65536, 128, 128, 1);
-  CHECK(big >= sizeof(T) * 2 * 256 * 128 * 128);
-  CHECK(big <= sizeof(T) * (2 * 256 + 2 + 17) * 128 * 128);
+  // The chunked form (one thread, chunk 64): the chunks' starting states and N rows of U and
+  // of the in-chunk pairs, (N / 64 + N / 128 + N / 256) Dk Dv, dominate; one chunk's rows and
+  // products (about 64 x 27 D) and three states more are the rest.
+  DeltaOptions one;
+  one.threads = 1;
+  const std::size_t big = linattn::DeltaBackwardWorkspace<T>::bytes(65536, 128, 128, 1, one);
+  CHECK(big >= sizeof(T) * (1024 + 512 + 256) * 128 * 128);
+  CHECK(big <= sizeof(T) * (1024 + 512 + 256 + 3 + 14) * 128 * 128);
+  // The recurrent form (per-feature gates, or DeltaForm::streamed): the checkpoints and one
+  // block's states, 2 sqrt(N) Dk Dv, dominate; one block's rows (L x about 10 D with KDA's
+  // gates) and two states more are the rest.
+  const std::size_t kda = linattn::DeltaBackwardWorkspace<T>::bytes(65536, 128, 128, 128, one);
+  CHECK(kda >= sizeof(T) * 2 * 256 * 128 * 128);
+  CHECK(kda <= sizeof(T) * (2 * 256 + 2 + 21) * 128 * 128);
 }
 
 TEST_CASE("the delta rule's backward takes 16-bit inputs and accumulates in float",

@@ -42,7 +42,7 @@ template <class T, class A>
 struct DeltaHeadBuffers {
   Matrix<T> q, k, v, gates;
   Vector<T> beta;
-  DeltaBackward<A> backward;
+  DeltaBackwardBuffers<A> backward;
 };
 
 /// The one driver of the delta rule's view backward calls (`gates` and `grad_gates` null for
@@ -147,16 +147,27 @@ class DeltaBackwardWorkspace {
                 "DeltaBackwardWorkspace<Acc> takes the accumulation type: float or double (the "
                 "inputs' scalar for float and double inputs, float for Eigen::half and bfloat16)");
 
-  /// Bytes a backward of N tokens holds: (ceil(N / L) + L) Dk Dv for the checkpoints and one
-  /// block's states (L = max(chunk, ceil(sqrt(N))), at most N), L (4 Dk + 4 Dv + 2 G + 2) rows
-  /// (2 L Dk more with l2_normalize), 2 Dk Dv and 6 (Dk + Dv) more, all of Acc.
+  /// Bytes a backward of N tokens holds, all of Acc (the gates' logs of the chunked form in
+  /// double). The chunked form (DeltaNet, Gated DeltaNet), per part of the value columns (one
+  /// per thread, at least 32 columns each) of width W: (ceil(N / L) Dk + N) W + N L for the
+  /// chunks' starting states, U and the in-chunk pairs, one chunk's rows and products (about
+  /// L (8 Dk + 7 W + 6 L)), and with several parts N (2 Dk + 2) more each for their key
+  /// gradients. The recurrent form (KDA, DeltaForm::streamed): (ceil(N / L) + L) Dk Dv for the
+  /// checkpoints and one block's states (L = max(chunk, ceil(sqrt(N))), at most N),
+  /// L (4 Dk + 4 Dv + 2 G + 2) rows (2 L Dk more with l2_normalize), 2 Dk Dv and 6 (Dk + Dv)
+  /// more.
   /// @param n           N, tokens
   /// @param key_dim     Dk
   /// @param value_dim   Dv
   /// @param gate_width  0 (DeltaNet), 1 (Gated DeltaNet) or Dk (KDA)
-  /// @param options     the call's options (chunk, l2_normalize)
+  /// @param options     the call's options (chunk, l2_normalize, form, threads)
   static std::size_t bytes(Eigen::Index n, Eigen::Index key_dim, Eigen::Index value_dim,
                            Eigen::Index gate_width = 0, const DeltaOptions& options = {}) {
+    if (detail::chunked_delta_backward(options, gate_width)) {
+      return detail::DeltaChunkBackward<Acc>::bytes(
+          n, key_dim, value_dim, gate_width, options,
+          detail::resolve_threads(detail::engine_options(options)));
+    }
     const Eigen::Index l = detail::checkpoint_interval(options.chunk, n);
     const auto blocks = static_cast<std::size_t>((n + l - 1) / l);
     const auto rows = static_cast<std::size_t>(l);
@@ -170,13 +181,15 @@ class DeltaBackwardWorkspace {
   }
 
   /// Bytes the buffers hold now (bytes() of the last call's shape).
-  std::size_t held_bytes() const { return backward_.held_bytes(); }
+  std::size_t held_bytes() const {
+    return buffers_.recurrent.held_bytes() + buffers_.chunked.held_bytes();
+  }
 
   /// The buffers, for the backward calls.
-  detail::DeltaBackward<Acc>& backward() { return backward_; }
+  detail::DeltaBackwardBuffers<Acc>& buffers() { return buffers_; }
 
  private:
-  detail::DeltaBackward<Acc> backward_;
+  detail::DeltaBackwardBuffers<Acc> buffers_;
 };
 
 /// Backward of causal_delta_rule (DeltaNet), into caller-provided gradients. Validates as the
@@ -222,7 +235,7 @@ void causal_delta_rule_backward_into(
     DeltaBackwardWorkspace<detail::accumulator_t<Acc, typename DQ::Scalar>>& workspace) {
   detail::delta_rule_backward_into<Acc, DQ, DK, DV, DB, DO, void>(
       q, k, v, beta, nullptr, grad_out, grad_q, grad_k, grad_v, nullptr, grad_beta, options,
-      "causal_delta_rule_backward", &workspace.backward());
+      "causal_delta_rule_backward", &workspace.buffers());
 }
 
 /// Backward of causal_delta_rule (DeltaNet); returns the gradients (gates empty, N x 0). See
@@ -295,7 +308,7 @@ void causal_gated_delta_rule_backward_into(
     DeltaBackwardWorkspace<detail::accumulator_t<Acc, typename DQ::Scalar>>& workspace) {
   detail::delta_rule_backward_into<Acc>(q, k, v, beta, &gates, grad_out, grad_q, grad_k, grad_v,
                                         &grad_gates, grad_beta, options,
-                                        "causal_gated_delta_rule_backward", &workspace.backward());
+                                        "causal_gated_delta_rule_backward", &workspace.buffers());
 }
 
 /// Backward of causal_gated_delta_rule (Gated DeltaNet, KDA); returns the gradients. See

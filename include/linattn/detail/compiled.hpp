@@ -58,7 +58,9 @@
 
 /// The delta rule's backward workspace of one accumulation type T: the members that do not
 /// depend on the inputs' types (declared in detail/delta_rule_backward.hpp).
-#define LINATTN_DELTA_BACKWARD_INSTANCES(prefix, T) prefix class linattn::detail::DeltaBackward<T>;
+#define LINATTN_DELTA_BACKWARD_INSTANCES(prefix, T) \
+  prefix class linattn::detail::DeltaBackward<T>;   \
+  prefix class linattn::detail::DeltaChunkBackward<T>;
 
 /// What src/kernels_{float,double}.cpp define for one pair of LINATTN_KERNEL_TYPES: the engine's
 /// chunked drivers, the delta rule's chunked and streamed kernels, and both families' view

@@ -12,12 +12,14 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <initializer_list>
 #include <linattn/config.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/detail/chunked.hpp>
+#include <linattn/detail/delta_chunk_backward.hpp>
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/openmp.hpp>
 #include <linattn/detail/parallel.hpp>
@@ -100,19 +102,18 @@ class DeltaBackward {
   void reshape(Eigen::Index rows, Eigen::Index key_dim, Eigen::Index value_dim,
                Eigen::Index gate_dim, const DeltaOptions& options);
 
+  /// Frees every buffer (another form of the backward runs).
+  void release() {
+    for (Matrix<T>* m : matrices()) m->resize(0, 0);
+    for (Vector<T>* x : vectors()) x->resize(0);
+  }
+
   /// Bytes of T the buffers hold now.
   std::size_t held_bytes() const {
+    auto* self = const_cast<DeltaBackward*>(this);  // the lists only; nothing is written
     std::size_t entries = 0;
-    for (const Matrix<T>* m :
-         {&checkpoints_, &states_, &q_, &k_, &raw_q_, &raw_k_, &v_, &u_, &grad_out_, &gate_,
-          &grad_q_, &grad_k_, &grad_v_, &grad_gates_, &ds_, &state_}) {
-      entries += static_cast<std::size_t>(m->size());
-    }
-    for (const Vector<T>* x :
-         {&beta_, &grad_beta_, &dout_, &du_, &dpred_, &dq_, &dkey_, &product_, &step_.q, &step_.k,
-          &step_.v, &step_.gate, &step_.pred, &step_.out}) {
-      entries += static_cast<std::size_t>(x->size());
-    }
+    for (const Matrix<T>* m : self->matrices()) entries += static_cast<std::size_t>(m->size());
+    for (const Vector<T>* x : self->vectors()) entries += static_cast<std::size_t>(x->size());
     return entries * sizeof(T);
   }
 
@@ -198,6 +199,16 @@ class DeltaBackward {
   /// (log_space: the gates were given as log gates, so their gradient is d / d log a_t).
   void reverse_token(Eigen::Index i, bool log_space);
 
+  /// Every buffer, for release and held_bytes.
+  std::array<Matrix<T>*, 16> matrices() {
+    return {&checkpoints_, &states_, &q_,      &k_,      &raw_q_,  &raw_k_,      &v_,  &u_,
+            &grad_out_,    &gate_,   &grad_q_, &grad_k_, &grad_v_, &grad_gates_, &ds_, &state_};
+  }
+  std::array<Vector<T>*, 14> vectors() {
+    return {&beta_,    &grad_beta_, &dout_,   &du_,     &dpred_,     &dq_,        &dkey_,
+            &product_, &step_.q,    &step_.k, &step_.v, &step_.gate, &step_.pred, &step_.out};
+  }
+
   /// y <- diag(a_t) y: S' y from S_{t-1} y.
   void decay(Eigen::Index i, Vector<T>& y) const {
     if (gates_ == 1) {
@@ -209,10 +220,6 @@ class DeltaBackward {
 
   /// The block's dq^ and dk^ through the scale and the L2 norm, to dq and dk.
   void finish_block(Eigen::Index len);
-
-  /// grad rows <- factor J_n(x)^T grad, J_n^T y = (y - x^ (x^ . y)) / r, r = sqrt(|x|^2 + eps),
-  /// x^ = x / r: 1 / r as l2_normalize computes it.
-  static void norm_backward(const Matrix<T>& raw, Matrix<T>& grad, Eigen::Index len, T factor);
 
   /// Rows [0, len) of a block buffer into the caller's gradient rows.
   template <class Out>
@@ -337,20 +344,17 @@ void DeltaBackward<T>::finish_block(Eigen::Index len) {
     grad_q_.topRows(len) *= scale_;
     return;
   }
-  norm_backward(raw_q_, grad_q_, len, scale_);
-  norm_backward(raw_k_, grad_k_, len, T(1));
+  l2_normalize_backward(raw_q_, grad_q_, len, scale_);
+  l2_normalize_backward(raw_k_, grad_k_, len, T(1));
 }
 
+/// The delta-rule backward's buffers of both forms (DeltaBackwardWorkspace's): a call sizes
+/// the one it runs and frees the other.
 template <class T>
-void DeltaBackward<T>::norm_backward(const Matrix<T>& raw, Matrix<T>& grad, Eigen::Index len,
-                                     T factor) {
-  for (Eigen::Index r = 0; r < len; ++r) {
-    const T inv =
-        static_cast<T>(1.0 / std::sqrt(static_cast<double>(raw.row(r).squaredNorm()) + kL2NormEps));
-    const T along = inv * raw.row(r).dot(grad.row(r));  // x^ . y
-    grad.row(r) = (factor * inv) * (grad.row(r) - (along * inv) * raw.row(r));
-  }
-}
+struct DeltaBackwardBuffers {
+  DeltaBackward<T> recurrent;
+  DeltaChunkBackward<T> chunked;
+};
 
 #ifdef LINATTN_COMPILED
 LINATTN_DELTA_BACKWARD_INSTANCES(extern template, float)
@@ -367,7 +371,7 @@ void delta_rule_backward_into(
     Eigen::Ref<Matrix<typename DQ::Scalar>>* grad_gates,
     Eigen::Ref<Vector<typename DQ::Scalar>> grad_beta, const DeltaOptions& options,
     const char* where,
-    DeltaBackward<accumulator_t<Acc, typename DQ::Scalar>>* workspace = nullptr) {
+    DeltaBackwardBuffers<accumulator_t<Acc, typename DQ::Scalar>>* workspace = nullptr) {
   using Scalar = typename DQ::Scalar;
   using T = accumulator_t<Acc, Scalar>;
   check_delta_call_scalars<Acc, DQ, DK, DV, DB, Gates>();
@@ -375,22 +379,39 @@ void delta_rule_backward_into(
                 "grad_out must have the inputs' scalar type: cast it first");
   validate_delta_backward(q, k, v, beta, gates, grad_out, grad_q, grad_k, grad_v, grad_gates,
                           grad_beta, options, where);
-  DeltaBackward<T> own;
-  DeltaBackward<T>& backward = workspace != nullptr ? *workspace : own;
+  DeltaBackwardBuffers<T> own;
+  DeltaBackwardBuffers<T>& buffers = workspace != nullptr ? *workspace : own;
+  constexpr bool log_space = [] {
+    if constexpr (std::is_void_v<Gates>) {
+      return false;
+    } else {
+      return gate_traits<Gates>::log_space;
+    }
+  }();
+  const auto run = [&](const GateRows* gate_rows, const auto* values,
+                       Eigen::Ref<Matrix<Scalar>>* grad_g) {
+    using GV = std::remove_const_t<std::remove_pointer_t<decltype(values)>>;
+    const Eigen::Index gate_dim = gate_rows == nullptr ? 0 : gate_rows->cols();
+    if (chunked_delta_backward(options, gate_dim)) {
+      const int threads = resolve_threads(engine_options(options));
+      buffers.recurrent.release();
+      buffers.chunked.reshape(q.rows(), q.cols(), v.cols(), gate_dim, options, threads);
+      buffers.chunked.template run<log_space>(q.derived(), k.derived(), v.derived(), beta.derived(),
+                                              gate_rows, grad_out.derived(), grad_q, grad_k, grad_v,
+                                              grad_g, grad_beta);
+      return;
+    }
+    buffers.chunked.release();
+    buffers.recurrent.reshape(q.rows(), q.cols(), v.cols(), gate_dim, options);
+    buffers.recurrent.template run<log_space, DQ, DK, DV, DB, DO, GV, Scalar>(
+        q.derived(), k.derived(), v.derived(), beta.derived(), values, gate_rows,
+        grad_out.derived(), grad_q, grad_k, grad_v, grad_g, grad_beta, where);
+  };
   if constexpr (std::is_void_v<Gates>) {
-    backward.reshape(q.rows(), q.cols(), v.cols(), 0, options);
-    backward.template run<false, DQ, DK, DV, DB, DO, void, Scalar>(
-        q.derived(), k.derived(), v.derived(), beta.derived(), nullptr, nullptr, grad_out.derived(),
-        grad_q, grad_k, grad_v, nullptr, grad_beta, where);
+    run(nullptr, static_cast<const void*>(nullptr), nullptr);
   } else {
-    using Traits = gate_traits<Gates>;
-    const auto& values = Traits::values(*gates);
-    using GV = std::decay_t<decltype(values)>;
     const GateMatrix<Gates> gate_rows(*gates);
-    backward.reshape(q.rows(), q.cols(), v.cols(), values.cols(), options);
-    backward.template run<Traits::log_space, DQ, DK, DV, DB, DO, GV, Scalar>(
-        q.derived(), k.derived(), v.derived(), beta.derived(), &values, &gate_rows,
-        grad_out.derived(), grad_q, grad_k, grad_v, grad_gates, grad_beta, where);
+    run(&gate_rows, &gate_traits<Gates>::values(*gates), grad_gates);
   }
 }
 
