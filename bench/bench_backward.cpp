@@ -193,19 +193,21 @@ struct DeltaInputs {
   Matrix<T> q, k, v, log_gates, grad_out, out;
   linattn::Vector<T> beta;
   linattn::DeltaRuleGradients<T> grads;
-  explicit DeltaInputs(Eigen::Index n)
+  /// gates: 0 or 1 (one per token), or Dk (KDA, per key feature).
+  DeltaInputs(Eigen::Index n, Eigen::Index gates)
       : q(random_matrix<T>(n, kDeltaDim, 31)),
         k(random_matrix<T>(n, kDeltaDim, 32)),
         v(random_matrix<T>(n, kDeltaDim, 33)),
-        log_gates(T(-0.1) / (T(1) + random_matrix<T>(n, 1, 34).array().exp())),
+        log_gates(T(-0.1) /
+                  (T(1) + random_matrix<T>(n, std::max<Eigen::Index>(gates, 1), 34).array().exp())),
         grad_out(random_matrix<T>(n, kDeltaDim, 35)),
         out(n, kDeltaDim),
         beta(T(1) / (T(1) + random_matrix<T>(n, 1, 36).array().exp())),
         grads{Matrix<T>(n, kDeltaDim), Matrix<T>(n, kDeltaDim), Matrix<T>(n, kDeltaDim),
-              linattn::Vector<T>(n), Matrix<T>(n, 1)} {}
+              linattn::Vector<T>(n), Matrix<T>(n, std::max<Eigen::Index>(gates, 1))} {}
 };
 
-/// Args: N, gates (0: DeltaNet, 1: Gated DeltaNet), threads.
+/// Args: N, gates (0: DeltaNet, 1: Gated DeltaNet, 128: KDA), threads.
 linattn::DeltaOptions delta_options(const benchmark::State& state) {
   linattn::DeltaOptions options;
   options.l2_normalize = true;
@@ -218,7 +220,7 @@ linattn::DeltaOptions delta_options(const benchmark::State& state) {
 template <class T>
 void BM_DeltaForward(benchmark::State& state) {
   const Eigen::Index n = state.range(0);
-  DeltaInputs<T> in(n);
+  DeltaInputs<T> in(n, state.range(1));
   linattn::DeltaOptions options = delta_options(state);
   options.form = linattn::DeltaForm::chunked;
   linattn_bench::measure(state, [&] {
@@ -238,7 +240,7 @@ void BM_DeltaForward(benchmark::State& state) {
 template <class T>
 void BM_DeltaBackward(benchmark::State& state, bool recurrent) {
   const Eigen::Index n = state.range(0);
-  DeltaInputs<T> in(n);
+  DeltaInputs<T> in(n, state.range(1));
   linattn::DeltaOptions options = delta_options(state);
   options.form = recurrent ? linattn::DeltaForm::streamed : linattn::DeltaForm::chunked;
   linattn::DeltaBackwardWorkspace<T> workspace;
@@ -262,7 +264,7 @@ template <class T>
 void register_delta(const std::vector<Eigen::Index>& sizes) {
   const std::string t = linattn_bench::scalar_name(T{});
   for (const Eigen::Index n : sizes) {
-    for (const int gates : {0, 1}) {
+    for (const int gates : {0, 1, static_cast<int>(kDeltaDim)}) {
       for (const int threads : {1, 2}) {
         benchmark::RegisterBenchmark(("BM_DeltaForward<" + t + ">").c_str(), BM_DeltaForward<T>)
             ->Args({n, gates, threads})

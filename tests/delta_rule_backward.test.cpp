@@ -566,13 +566,25 @@ TEMPLATE_TEST_CASE(
   // Resets (log gates only: a_t lies in (0, 1]) at the sequence's first token, a chunk's first
   // (16, 48), mid-chunk (21), twice in a row (40, 41) and the last token.
   const Eigen::Index resets[] = {0, 16, 21, 40, 41, 48, 69};
-  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}}) {
+  for (const Eigen::Index gate_cols : {Eigen::Index{0}, Eigen::Index{1}, dk}) {
     for (const bool by_gate : {false, true}) {
       if (gate_cols == 0 && by_gate) continue;
       CAPTURE(variant_name(gate_cols), by_gate);
       Inputs in(n, dk, dv, gate_cols, true, 1300);
       if (gate_cols > 0 && !by_gate) {
-        for (const Eigen::Index r : resets) in.log_gates(r, 0) = kMinusInf;
+        for (const Eigen::Index r : resets) in.log_gates.row(r).setConstant(kMinusInf);
+      }
+      if (gate_cols > 1) {
+        // KDA: features that decay by e^-3 a token (a sub-block of 16 spreads past e^20 and
+        // takes its pairs one by one) and partial resets (two features of tokens 5 and 30).
+        in.log_gates.leftCols(4) = (in.log_gates.leftCols(4).array() == kMinusInf)
+                                       .select(kMinusInf, in.log_gates.leftCols(4).array() - 3.0);
+        if (!by_gate) {
+          for (const Eigen::Index r : {Eigen::Index{5}, Eigen::Index{30}}) {
+            in.log_gates(r, 2) = kMinusInf;
+            in.log_gates(r, 9) = kMinusInf;
+          }
+        }
       }
       in.q = in.q.cast<T>().template cast<double>();
       in.k = in.k.cast<T>().template cast<double>();
@@ -607,7 +619,8 @@ TEMPLATE_TEST_CASE(
       CHECK(gradient_error(chunked, recurrent) <= bound<T>());
       // A reset's gradient is 0 (it has no neighbourhood in log space).
       if (gate_cols > 0 && !by_gate) {
-        for (const Eigen::Index r : resets) CHECK(chunked.gates(r, 0) == 0.0);
+        CHECK(((in.log_gates.array() == kMinusInf).select(chunked.gates.array(), 0.0) == 0.0)
+                  .all());
       }
       // Two threads split the value columns: their key gradients add, to rounding.
       const auto threaded = run(linattn::DeltaForm::chunked, 2);
@@ -746,12 +759,14 @@ TEMPLATE_TEST_CASE(
   const std::size_t big = linattn::DeltaBackwardWorkspace<T>::bytes(65536, 128, 128, 1, one);
   CHECK(big >= sizeof(T) * (1024 + 512 + 256) * 128 * 128);
   CHECK(big <= sizeof(T) * (1024 + 512 + 256 + 3 + 14) * 128 * 128);
-  // The recurrent form (per-feature gates, or DeltaForm::streamed): the checkpoints and one
-  // block's states, 2 sqrt(N) Dk Dv, dominate; one block's rows (L x about 10 D with KDA's
-  // gates) and two states more are the rest.
-  const std::size_t kda = linattn::DeltaBackwardWorkspace<T>::bytes(65536, 128, 128, 128, one);
-  CHECK(kda >= sizeof(T) * 2 * 256 * 128 * 128);
-  CHECK(kda <= sizeof(T) * (2 * 256 + 2 + 21) * 128 * 128);
+  // The recurrent form (DeltaForm::streamed): the checkpoints and one block's states,
+  // 2 sqrt(N) Dk Dv, dominate; one block's rows (L x about 8 D) and two states more are the
+  // rest.
+  DeltaOptions recurrent = one;
+  recurrent.form = linattn::DeltaForm::streamed;
+  const std::size_t small = linattn::DeltaBackwardWorkspace<T>::bytes(65536, 128, 128, 1, recurrent);
+  CHECK(small >= sizeof(T) * 2 * 256 * 128 * 128);
+  CHECK(small <= sizeof(T) * (2 * 256 + 2 + 17) * 128 * 128);
 }
 
 TEST_CASE("the delta rule's backward takes 16-bit inputs and accumulates in float",

@@ -163,7 +163,7 @@ class DeltaBackwardWorkspace {
   /// @param options     the call's options (chunk, l2_normalize, form, threads)
   static std::size_t bytes(Eigen::Index n, Eigen::Index key_dim, Eigen::Index value_dim,
                            Eigen::Index gate_width = 0, const DeltaOptions& options = {}) {
-    if (detail::chunked_delta_backward(options, gate_width)) {
+    if (detail::chunked_delta_backward(options)) {
       return detail::DeltaChunkBackward<Acc>::bytes(
           n, key_dim, value_dim, gate_width, options,
           detail::resolve_threads(detail::engine_options(options)));

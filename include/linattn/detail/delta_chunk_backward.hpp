@@ -1,23 +1,27 @@
 // SPDX-License-Identifier: MIT
-// The delta rule's backward in its chunked (WY) form, for DeltaNet and Gated DeltaNet (no gates
-// or one gate per token): reverse mode through the pieces DeltaKernel computes, every product
-// a GEMM. Per piece of m tokens (a chunk, split at hard resets) with S0 the state before it,
-// in-piece cumulative log gates G_i, g_i = exp(G_i), e_i = exp(G_m - G_i), D_ij = exp(G_i - G_j)
-// (j <= i) and B = tril(K K^T o D, -1):
-//     U = (I + diag(beta) B)^-1 Y,  Y = diag(beta) (V - diag(g) K S0)
-//     O = diag(g) Q S0 + P U,  P = tril(Q K^T o D),   S = g_m S0 + (diag(e) K)^T U
+// The delta rule's backward in its chunked (WY) form (DeltaNet, Gated DeltaNet, KDA): reverse
+// mode through the pieces DeltaKernel computes, every product a GEMM. Per piece of m tokens (a
+// chunk; scalar gates split it at hard resets) with S0 the state before it, in-piece
+// cumulative log gates G_i (one, or one per key feature), g_i = exp(G_i), e_i = exp(G_m - G_i),
+// the decayed pairs x_i . k_j = sum_f x_if k_jf exp(G_if - G_jf), P = tril(Q . K) and
+// B = tril(K . K, -1):
+//     U = (I + diag(beta) B)^-1 Y,  Y = diag(beta) (V - (g o K) S0)
+//     O = (g o Q) S0 + P U,   S = diag(g_m) S0 + (e o K)^T U
 // Given dO and dS (the gradient of the state after the piece):
-//     dU = diag(e) K dS + P^T dO,  dY = (I + diag(beta) B)^-T dU,  dA = -dY U^T
+//     dU = (e o K) dS + P^T dO,  dY = (I + diag(beta) B)^-T dU,  dA = -dY U^T
 //     dV = diag(beta) dY,  dbeta = rows of dY o R + rows of dA o B,  R = diag(1/beta) U + B U
-//     dS0 = g_m dS + (diag(g) Q)^T dO - (diag(beta g) K)^T dY,  [dQ~; dK~] = [dO; -dY] S0^T
-//     dQ = diag(g) dQ~ + (dP o D) K,  dP = tril(dO U^T)
-//     dK = diag(e) U dS^T + diag(beta g) dK~ + (dP o D)^T Q + (dB + dB^T) K,
-//          dB = tril(diag(beta) dA, -1) o D
-// and the cumulative gates' gradient from every factor that holds them (the rows minus the
-// columns of dP o P and dB o B, the diagonal factors' own products), summed from the piece's end
-// into the per-token log gates. The forward runs once first, keeping S0 at every chunk's start,
-// U and B: O(N (Dv + L) + (N / L) Dk Dv) memory. Threads split the value columns (each column
-// of S evolves alone): each part repeats the key-side work and the parts' key gradients add.
+//     dS0 = diag(g_m) dS + (g o Q)^T dO - (beta g o K)^T dY,  [dQ~; dK~] = [dO; -dY] S0^T
+//     dQ = g o dQ~ + (the pairs' share of dP = tril(dO U^T)),
+//     dK = e o (U dS^T) + beta g o dK~ + (the pairs' shares of dP and dB = beta dA)
+// and each cumulative gate's gradient from the factors that hold it: for a pair's decay,
+// x o (its share of dx) at the row minus k o (its share of dk) at the column (summed over the
+// features for scalar gates); for a diagonal factor, the factor times its gradient. They are
+// summed from the piece's end into the per-token log gates. Per-feature pairs go by sub-blocks
+// as the forward's (kDeltaSubBlock tokens, factors referred to the token before), and KDA's
+// partial resets run inside the chunk as a log gate of kFeatureResetLog, whose exp is exactly 0.
+// The forward runs once first, keeping S0 at every chunk's start, U and B: O(N (Dv + L) +
+// (N / L) Dk Dv) memory. Threads split the value columns (each column of S evolves alone):
+// each part repeats the key-side work and the parts' key gradients add.
 #pragma once
 
 #include <algorithm>
@@ -48,10 +52,10 @@ void l2_normalize_backward(const Matrix<T>& raw, Matrix<T>& grad, Eigen::Index l
   }
 }
 
-/// True when the chunked backward runs for these options and gates (0, 1 or Dk per token): the
-/// chunked form without per-feature gates; DeltaForm::streamed keeps the recurrent backward.
-inline bool chunked_delta_backward(const DeltaOptions& options, Eigen::Index gate_dim) {
-  return options.form != DeltaForm::streamed && gate_dim <= 1;
+/// True when the chunked backward runs for these options: all but DeltaForm::streamed, which
+/// keeps the recurrent backward (the reference the chunked one is tested against).
+inline bool chunked_delta_backward(const DeltaOptions& options) {
+  return options.form != DeltaForm::streamed;
 }
 
 /// Value-column parts of the chunked backward on `threads` threads: as the forward splits them.
@@ -60,8 +64,13 @@ inline Eigen::Index delta_backward_parts(int threads, Eigen::Index value_dim) {
       1, std::min<Eigen::Index>(threads, value_dim / kDeltaMinColumnsPerThread));
 }
 
+/// KDA's partial reset inside a chunk: a log gate whose exp is exactly 0 in float and double,
+/// small enough that sums of a chunk's gates keep 1e-11 of absolute precision.
+inline constexpr double kFeatureResetLog = -1000.0;
+
 /// One value-column part's buffers of the chunked backward: what it keeps of the forward, one
 /// chunk's rows and products, and (with several parts) its share of the key-side gradients.
+/// G is the gates' width (0, 1, or Dk per key feature).
 template <class T>
 struct DeltaChunkPart {
   Eigen::Index first = 0, width = 0;  ///< value columns [first, first + width)
@@ -72,30 +81,35 @@ struct DeltaChunkPart {
   Matrix<T> q, k, raw_q, raw_k;       ///< L x Dk: the chunk's q^, k^ (and as given, with l2)
   Matrix<T> v, dout;                  ///< L x W
   Matrix<T> beta;                     ///< L x 1
-  Matrix<double> log_gate, cum;       ///< L x 1: the chunk's log gates; summed in a piece
-  Matrix<T> gamma, to_end, dcum;      ///< L x 1: exp(G_i), exp(G_m - G_i), dL / dG_i
-  Matrix<T> decay;                    ///< L x L: D (zeros above the diagonal)
+  Matrix<double> log_gate, cum;       ///< L x G: the chunk's log gates; summed in a piece
+  Matrix<T> gamma, to_end, dcum;      ///< L x G: exp(G_i), exp(G_m - G_i), dL / dG_i
+  Matrix<T> decay;                    ///< L x L: D, scalar gates (zeros above the diagonal)
   Matrix<T> pairs, dpairs, kk, dkk;   ///< L x L: P, dP; B then A = diag(beta) B, dA then dB
   Matrix<T> wu;                       ///< L x (Dk + W): [W U] of the forward's solve
-  Matrix<T> lhs;                      ///< 2L x Dk: [diag(g) Q; diag(beta g) K]
+  Matrix<T> lhs;                      ///< 2L x Dk: [g o Q; beta g o K]
   Matrix<T> rhs;                      ///< 2L x W: [dO; -dY]
   Matrix<T> s0_products;              ///< 2L x max(Dk, W): [W S0]; [dO; -dY] S0^T
   Matrix<T> du, ratio;                ///< L x W: dU then dY; R
-  Matrix<T> kd, dkd;                  ///< L x Dk: diag(e) K; dK_e = U dS^T
+  Matrix<T> kd, dkd;                  ///< L x Dk: e o K; dK_e = U dS^T
+  Matrix<T> right, right_factor;      ///< L x Dk, per feature: keys decayed to a reference
+  Matrix<T> left, left_factor;        ///< B x Dk, per feature: a sub-block decayed from it
+  Matrix<T> block_grad;               ///< L x Dk, per feature: one sub-block's products
+  Matrix<double> ref;                 ///< 1 x Dk, per feature: G at the reference token
   Matrix<T> grad_q, grad_k;           ///< L x Dk
   Matrix<T> grad_v;                   ///< L x W
-  Matrix<T> grad_beta, grad_gate;     ///< L x 1
+  Matrix<T> grad_beta;                ///< L x 1
+  Matrix<T> grad_gate;                ///< L x G
   Matrix<T> sum_q, sum_k;             ///< N x Dk: the part's key gradients, with parts > 1
-  Matrix<T> sum_beta, sum_gate;       ///< N x 1
-  std::vector<unsigned char> reset;   ///< L: the chunk's tokens that reset the state
+  Matrix<T> sum_beta, sum_gate;       ///< N x 1, N x G
+  std::vector<unsigned char> reset;   ///< L x max(G, 1): the chunk's resets (token, feature)
 
   /// visit(buffer, rows, cols) for each Matrix above (buffer of its type, possibly null).
   template <class Part, class Visit>
   static void layout(Part* part, Eigen::Index n, Eigen::Index dk, Eigen::Index w, Eigen::Index l,
-                     bool gated, bool l2, bool sums, Visit&& visit) {
+                     Eigen::Index gates, bool l2, bool sums, Visit&& visit) {
     const Eigen::Index chunks = (n + l - 1) / l;
-    const Eigen::Index g = gated ? l : 0;
     const Eigen::Index kept_n = sums ? n : 0;
+    const Eigen::Index per_feature = gates > 1 ? 1 : 0;
     auto at = [&](auto member) { return part == nullptr ? nullptr : &(part->*member); };
     visit(at(&DeltaChunkPart::checkpoints), chunks * dk, w);
     visit(at(&DeltaChunkPart::u_all), n, w);
@@ -113,20 +127,30 @@ struct DeltaChunkPart {
     for (auto m : {&DeltaChunkPart::beta, &DeltaChunkPart::grad_beta}) visit(at(m), l, 1);
     for (auto m : {&DeltaChunkPart::gamma, &DeltaChunkPart::to_end, &DeltaChunkPart::dcum,
                    &DeltaChunkPart::grad_gate}) {
-      visit(at(m), g, 1);
+      visit(at(m), l, gates);
     }
-    for (auto m : {&DeltaChunkPart::log_gate, &DeltaChunkPart::cum}) visit(at(m), g, 1);
-    for (auto m : {&DeltaChunkPart::decay, &DeltaChunkPart::pairs, &DeltaChunkPart::dpairs,
-                   &DeltaChunkPart::kk, &DeltaChunkPart::dkk}) {
+    for (auto m : {&DeltaChunkPart::log_gate, &DeltaChunkPart::cum}) visit(at(m), l, gates);
+    visit(at(&DeltaChunkPart::decay), per_feature ? 0 : l, per_feature ? 0 : l);
+    for (auto m : {&DeltaChunkPart::pairs, &DeltaChunkPart::dpairs, &DeltaChunkPart::kk,
+                   &DeltaChunkPart::dkk}) {
       visit(at(m), l, l);
     }
     visit(at(&DeltaChunkPart::wu), l, dk + w);
     visit(at(&DeltaChunkPart::lhs), 2 * l, dk);
     visit(at(&DeltaChunkPart::rhs), 2 * l, w);
     visit(at(&DeltaChunkPart::s0_products), 2 * l, std::max(dk, w));
+    const Eigen::Index sub_block = std::min(l, kDeltaSubBlock);
+    for (auto m : {&DeltaChunkPart::right, &DeltaChunkPart::right_factor,
+                   &DeltaChunkPart::block_grad}) {
+      visit(at(m), per_feature * l, dk);
+    }
+    for (auto m : {&DeltaChunkPart::left, &DeltaChunkPart::left_factor}) {
+      visit(at(m), per_feature * sub_block, dk);
+    }
+    visit(at(&DeltaChunkPart::ref), per_feature, dk);
     for (auto m : {&DeltaChunkPart::sum_q, &DeltaChunkPart::sum_k}) visit(at(m), kept_n, dk);
     visit(at(&DeltaChunkPart::sum_beta), kept_n, 1);
-    visit(at(&DeltaChunkPart::sum_gate), gated ? kept_n : 0, 1);
+    visit(at(&DeltaChunkPart::sum_gate), kept_n, gates);
   }
 };
 
@@ -136,14 +160,14 @@ struct DeltaChunkPart {
 template <class T>
 class DeltaChunkBackward {
  public:
-  /// Sizes the buffers for a call of N = rows tokens (gate_dim 0 or 1) on `threads` threads;
-  /// buffers of the same size as the last call's are kept.
+  /// Sizes the buffers for a call of N = rows tokens (gate_dim 0, 1 or Dk) on `threads`
+  /// threads; buffers of the same size as the last call's are kept.
   void reshape(Eigen::Index rows, Eigen::Index key_dim, Eigen::Index value_dim,
                Eigen::Index gate_dim, const DeltaOptions& options, int threads) {
     n_ = rows;
     dk_ = key_dim;
     dv_ = value_dim;
-    gated_ = gate_dim > 0;
+    gates_ = gate_dim;
     chunk_ = std::max<Eigen::Index>(1, std::min(options.chunk, rows));
     scale_ = static_cast<T>(delta_scale(options, key_dim));
     l2_normalize_ = options.l2_normalize;
@@ -153,11 +177,11 @@ class DeltaChunkBackward {
       DeltaChunkPart<T>& part = parts_[static_cast<std::size_t>(p)];
       part.first = value_dim * p / parts;
       part.width = value_dim * (p + 1) / parts - part.first;
-      DeltaChunkPart<T>::layout(&part, rows, key_dim, part.width, chunk_, gated_, l2_normalize_,
+      DeltaChunkPart<T>::layout(&part, rows, key_dim, part.width, chunk_, gates_, l2_normalize_,
                                 parts > 1, [](auto* m, Eigen::Index r, Eigen::Index c) {
                                   if (m->rows() != r || m->cols() != c) m->resize(r, c);
                                 });
-      part.reset.assign(static_cast<std::size_t>(chunk_), 0);
+      part.reset.assign(static_cast<std::size_t>(chunk_ * std::max<Eigen::Index>(gates_, 1)), 0);
     }
   }
 
@@ -168,11 +192,12 @@ class DeltaChunkBackward {
   std::size_t held_bytes() const {
     std::size_t total = 0;
     for (const DeltaChunkPart<T>& part : parts_) {
-      DeltaChunkPart<T>::layout(&part, n_, dk_, part.width, chunk_, gated_, l2_normalize_,
+      DeltaChunkPart<T>::layout(&part, n_, dk_, part.width, chunk_, gates_, l2_normalize_,
                                 parts_.size() > 1, [&](const auto* m, Eigen::Index, Eigen::Index) {
                                   total += static_cast<std::size_t>(m->size()) *
                                            sizeof(typename std::decay_t<decltype(*m)>::Scalar);
                                 });
+      total += part.reset.size();
     }
     return total;
   }
@@ -186,18 +211,18 @@ class DeltaChunkBackward {
     for (Eigen::Index p = 0; p < parts; ++p) {
       const Eigen::Index width = value_dim * (p + 1) / parts - value_dim * p / parts;
       DeltaChunkPart<T>::layout(
-          static_cast<const DeltaChunkPart<T>*>(nullptr), rows, key_dim, width, chunk, gate_dim > 0,
+          static_cast<const DeltaChunkPart<T>*>(nullptr), rows, key_dim, width, chunk, gate_dim,
           options.l2_normalize, parts > 1, [&](const auto* m, Eigen::Index r, Eigen::Index c) {
             using Buffer = std::decay_t<decltype(*m)>;
             total += static_cast<std::size_t>(r * c) * sizeof(typename Buffer::Scalar);
           });
+      total += static_cast<std::size_t>(chunk * std::max<Eigen::Index>(gate_dim, 1));
     }
     return total;
   }
 
   /// The whole backward: q, k, v, beta, the gates (null for DeltaNet) as log rows, grad_out;
-  /// gradients into the caller's rows (grad_gates d / d log a_t when LogSpace, else d / d a_t
-  /// with gate_values the caller's a_t).
+  /// gradients into the caller's rows (grad_gates d / d log a_t when LogSpace, else d / d a_t).
   template <bool LogSpace, class DQ, class DK, class DV, class DB, class DO, class S>
   void run(const DQ& q, const DK& k, const DV& v, const DB& beta, const GateRows* gate_rows,
            const DO& grad_out, Eigen::Ref<Matrix<S>> grad_q, Eigen::Ref<Matrix<S>> grad_k,
@@ -235,14 +260,14 @@ class DeltaChunkBackward {
           store_rows<S>(part.grad_q, len, dq);
           store_rows<S>(part.grad_k, len, dk);
           grad_beta.segment(begin, len) = part.grad_beta.col(0).head(len).template cast<S>();
-          if (gated_) {
+          if (gates_ > 0) {
             grad_gates->middleRows(begin, len) = part.grad_gate.topRows(len).template cast<S>();
           }
         } else {
           part.sum_q.middleRows(begin, len) = part.grad_q.topRows(len);
           part.sum_k.middleRows(begin, len) = part.grad_k.topRows(len);
           part.sum_beta.middleRows(begin, len) = part.grad_beta.topRows(len);
-          if (gated_) part.sum_gate.middleRows(begin, len) = part.grad_gate.topRows(len);
+          if (gates_ > 0) part.sum_gate.middleRows(begin, len) = part.grad_gate.topRows(len);
         }
       }
     });
@@ -252,32 +277,35 @@ class DeltaChunkBackward {
       total.sum_q += parts_[p].sum_q;
       total.sum_k += parts_[p].sum_k;
       total.sum_beta += parts_[p].sum_beta;
-      if (gated_) total.sum_gate += parts_[p].sum_gate;
+      if (gates_ > 0) total.sum_gate += parts_[p].sum_gate;
     }
     store_rows<S>(total.sum_q, n_, grad_q);
     store_rows<S>(total.sum_k, n_, grad_k);
     grad_beta = total.sum_beta.col(0).template cast<S>();
-    if (gated_) *grad_gates = total.sum_gate.template cast<S>();
+    if (gates_ > 0) *grad_gates = total.sum_gate.template cast<S>();
   }
 
  private:
-  /// beta, the log gates (their resets marked and set to 0) and, with l2_normalize, the raw
-  /// rows kept and q^, k^ normalised; q^ scaled. Rows [0, len) of the part's buffers.
+  using RowsRef = Eigen::Ref<const Matrix<T>>;
+  using PairsRef = Eigen::Ref<Matrix<T>>;
+
+  /// beta, the log gates and the rows prepare_rows makes. Rows [0, len) of the part's buffers.
   template <class DB>
   void load_common(DeltaChunkPart<T>& part, const DB& beta, const GateRows* gate_rows,
                    Eigen::Index begin, Eigen::Index len) const {
     for (Eigen::Index i = 0; i < len; ++i) {
       part.beta(i, 0) = static_cast<T>(beta.reshaped()(begin + i));
     }
-    if (gated_) {
-      LogRows logs(len, 1);
+    if (gates_ > 0) {
+      LogRows logs(len, gates_);
       gate_rows->log_rows(begin, len, logs);
       part.log_gate.topRows(len) = logs.matrix();
     }
     prepare_rows(part, len);
   }
 
-  /// The loaded chunk's resets marked (and their log gates set to 0), q^ and k^ made.
+  /// The loaded chunk's resets marked (scalar gates: set to 0, the piece restarts there; per
+  /// feature: set to kFeatureResetLog), q^ and k^ made.
   void prepare_rows(DeltaChunkPart<T>& part, Eigen::Index len) const;
 
   /// The forward over the loaded chunk (k^, v, beta, gates): U and B kept, S advanced.
@@ -287,22 +315,52 @@ class DeltaChunkBackward {
   /// part's rows, dS moved to the chunk's start.
   void backward_chunk(DeltaChunkPart<T>& part, Eigen::Index c, Eigen::Index len, bool log_space);
 
-  /// One piece [p, p + m) of the chunk at `begin`: its decays from the loaded log gates.
+  /// Piece [p, p + m) of the loaded chunk: G, g, e, and D for scalar gates.
   void piece_decays(DeltaChunkPart<T>& part, Eigen::Index p, Eigen::Index m) const;
+
+  /// x_i . k_j decayed (per feature), j <= i < m, into out; zeros above the diagonal.
+  void feature_pairs(DeltaChunkPart<T>& part, const RowsRef& x, const RowsRef& k, Eigen::Index m,
+                     PairsRef out) const;
+
+  /// The backward of feature_pairs for dP (m x m, zeros above the diagonal): dx += its row
+  /// share, dk += its column share, dG += x o the row share - k o the column share.
+  void feature_pair_gradients(DeltaChunkPart<T>& part, const RowsRef& x, const RowsRef& k,
+                              const RowsRef& dpairs, Eigen::Index m, PairsRef dx, PairsRef dk,
+                              PairsRef dcum) const;
 
   /// Reverse mode over piece [p, p + m) of chunk c.
   void backward_piece(DeltaChunkPart<T>& part, Eigen::Index c, Eigen::Index p, Eigen::Index m,
                       bool log_space);
 
-  /// The end of the piece that starts at p (the next reset, or len).
-  static Eigen::Index piece_end(const DeltaChunkPart<T>& part, Eigen::Index p, Eigen::Index len) {
+  /// The end of the piece that starts at p (scalar gates: the next reset; else len).
+  Eigen::Index piece_end(const DeltaChunkPart<T>& part, Eigen::Index p, Eigen::Index len) const {
+    if (gates_ != 1) return len;
     Eigen::Index end = p + 1;
     while (end < len && part.reset[static_cast<std::size_t>(end)] == 0) ++end;
     return end;
   }
 
-  Eigen::Index n_ = 0, dk_ = 0, dv_ = 0, chunk_ = 1;
-  bool gated_ = false;
+  /// rows <- factors o rows: one factor per row (G = 1) or per entry (G = Dk).
+  template <class Rows, class Factors>
+  void decay_rows(Rows&& rows, const Factors& factors) const {
+    if (gates_ == 1) {
+      rows.array().colwise() *= factors.col(0).array();
+    } else {
+      rows.array() *= factors.array();
+    }
+  }
+
+  /// state <- diag(exp(G_m)) state, `last` the piece's last row of g (1 x G).
+  template <class Last>
+  void decay_state(Matrix<T>& state, const Last& last) const {
+    if (gates_ == 1) {
+      state *= last(0, 0);
+    } else {
+      state.array().colwise() *= last.transpose().array();
+    }
+  }
+
+  Eigen::Index n_ = 0, dk_ = 0, dv_ = 0, chunk_ = 1, gates_ = 0;
   T scale_ = T(1);
   bool l2_normalize_ = false;
   std::vector<DeltaChunkPart<T>> parts_;
@@ -314,10 +372,13 @@ class DeltaChunkBackward {
 template <class T>
 void DeltaChunkBackward<T>::prepare_rows(DeltaChunkPart<T>& part, Eigen::Index len) const {
   constexpr double minus_inf = -std::numeric_limits<double>::infinity();
+  const Eigen::Index g = std::max<Eigen::Index>(gates_, 1);
   for (Eigen::Index i = 0; i < len; ++i) {
-    const bool reset = gated_ && part.log_gate(i, 0) == minus_inf;
-    part.reset[static_cast<std::size_t>(i)] = reset ? 1 : 0;
-    if (reset) part.log_gate(i, 0) = 0.0;
+    for (Eigen::Index f = 0; f < g; ++f) {
+      const bool reset = gates_ > 0 && part.log_gate(i, f) == minus_inf;
+      part.reset[static_cast<std::size_t>(i * g + f)] = reset ? 1 : 0;
+      if (reset) part.log_gate(i, f) = gates_ == 1 ? 0.0 : kFeatureResetLog;
+    }
   }
   if (l2_normalize_) {
     part.raw_q.topRows(len) = part.q.topRows(len);
@@ -331,22 +392,115 @@ void DeltaChunkBackward<T>::prepare_rows(DeltaChunkPart<T>& part, Eigen::Index l
 template <class T>
 void DeltaChunkBackward<T>::piece_decays(DeltaChunkPart<T>& part, Eigen::Index p,
                                          Eigen::Index m) const {
-  auto decay = part.decay.topLeftCorner(m, m);
-  if (!gated_) {
+  if (gates_ == 0) {
+    auto decay = part.decay.topLeftCorner(m, m);
     decay.setZero();
     decay.template triangularView<Eigen::Lower>().setOnes();
     return;
   }
-  double sum = 0.0;
-  for (Eigen::Index i = 0; i < m; ++i) part.cum(i, 0) = sum += part.log_gate(p + i, 0);
-  const auto cum = part.cum.col(0).head(m);
+  auto cum = part.cum.topRows(m);
+  cum.row(0) = part.log_gate.row(p);
+  for (Eigen::Index i = 1; i < m; ++i) cum.row(i) = cum.row(i - 1) + part.log_gate.row(p + i);
+  part.gamma.topRows(m) = cum.template cast<T>().array().exp().matrix();
+  part.to_end.topRows(m) =
+      (cum.row(m - 1).replicate(m, 1) - cum).template cast<T>().array().exp().matrix();
+  if (gates_ > 1) return;
+  auto decay = part.decay.topLeftCorner(m, m);
   for (Eigen::Index i = 0; i < m; ++i) {
     // exp(G_i - G_j) for j <= i, all <= 1.
     decay.row(i).head(i + 1) =
-        (cum(i) - cum.head(i + 1).transpose().array()).template cast<T>().exp().matrix();
+        (cum(i, 0) - cum.col(0).head(i + 1).transpose().array()).template cast<T>().exp().matrix();
     decay.row(i).tail(m - i - 1).setZero();
-    part.gamma(i, 0) = exp_as<T>(cum(i));
-    part.to_end(i, 0) = exp_as<T>(cum(m - 1) - cum(i));
+  }
+}
+
+template <class T>
+void DeltaChunkBackward<T>::feature_pairs(DeltaChunkPart<T>& part, const RowsRef& x,
+                                          const RowsRef& k, Eigen::Index m, PairsRef out) const {
+  const auto cum = part.cum.topRows(m).array();
+  for (Eigen::Index i0 = 0; i0 < m; i0 += kDeltaSubBlock) {
+    const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
+    // G_r of the token r before the sub-block, 0 before the piece.
+    if (i0 > 0) {
+      part.ref = cum.row(i0 - 1).matrix();
+    } else {
+      part.ref.setZero();
+    }
+    const auto ref = [&](Eigen::Index rows) { return part.ref.array().replicate(rows, 1); };
+    const bool inside = (part.ref.array() - cum.row(i0 + b - 1)).maxCoeff() <= kDeltaSpread;
+    const Eigen::Index width = inside ? i0 + b : i0;
+    if (width > 0) {
+      part.right.topRows(width).array() =
+          k.topRows(width).array() * (ref(width) - cum.topRows(width)).template cast<T>().exp();
+      part.left.topRows(b).array() =
+          x.middleRows(i0, b).array() * (cum.middleRows(i0, b) - ref(b)).template cast<T>().exp();
+      out.block(i0, 0, b, width).noalias() =
+          part.left.topRows(b) * part.right.topRows(width).transpose();
+    }
+    if (inside) continue;
+    for (Eigen::Index i = i0; i < i0 + b; ++i) {
+      for (Eigen::Index j = i0; j <= i; ++j) {
+        out(i, j) = (x.row(i).array() * k.row(j).array() *
+                     (cum.row(i) - cum.row(j)).template cast<T>().exp())
+                        .sum();
+      }
+    }
+  }
+  out.template triangularView<Eigen::StrictlyUpper>().setZero();
+}
+
+template <class T>
+void DeltaChunkBackward<T>::feature_pair_gradients(DeltaChunkPart<T>& part, const RowsRef& x,
+                                                   const RowsRef& k, const RowsRef& dpairs,
+                                                   Eigen::Index m, PairsRef dx, PairsRef dk,
+                                                   PairsRef dcum) const {
+  const auto cum = part.cum.topRows(m).array();
+  for (Eigen::Index i0 = 0; i0 < m; i0 += kDeltaSubBlock) {
+    const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
+    if (i0 > 0) {
+      part.ref = cum.row(i0 - 1).matrix();
+    } else {
+      part.ref.setZero();
+    }
+    const auto ref = [&](Eigen::Index rows) { return part.ref.array().replicate(rows, 1); };
+    const bool inside = (part.ref.array() - cum.row(i0 + b - 1)).maxCoeff() <= kDeltaSpread;
+    const Eigen::Index width = inside ? i0 + b : i0;
+    if (width > 0) {
+      // exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j): the rows' and the columns' factors.
+      auto right_factor = part.right_factor.topRows(width);
+      auto left_factor = part.left_factor.topRows(b);
+      right_factor = (ref(width) - cum.topRows(width)).template cast<T>().exp().matrix();
+      left_factor = (cum.middleRows(i0, b) - ref(b)).template cast<T>().exp().matrix();
+      const auto block = dpairs.block(i0, 0, b, width);
+      // The rows' share: left o (dP (k o right)).
+      part.right.topRows(width).array() = k.topRows(width).array() * right_factor.array();
+      auto row_grad = part.block_grad.topRows(b);
+      row_grad.noalias() = block * part.right.topRows(width);
+      row_grad.array() *= left_factor.array();
+      dx.middleRows(i0, b) += row_grad;
+      dcum.middleRows(i0, b).array() += x.middleRows(i0, b).array() * row_grad.array();
+      // The columns' share: right o (dP^T (x o left)).
+      part.left.topRows(b).array() = x.middleRows(i0, b).array() * left_factor.array();
+      auto col_grad = part.block_grad.topRows(width);
+      col_grad.noalias() = block.transpose() * part.left.topRows(b);
+      col_grad.array() *= right_factor.array();
+      dk.topRows(width) += col_grad;
+      dcum.topRows(width).array() -= k.topRows(width).array() * col_grad.array();
+    }
+    if (inside) continue;
+    for (Eigen::Index i = i0; i < i0 + b; ++i) {
+      for (Eigen::Index j = i0; j <= i; ++j) {
+        if (dpairs(i, j) == T(0)) continue;
+        const Eigen::Array<T, 1, Eigen::Dynamic> d =
+            dpairs(i, j) * (cum.row(i) - cum.row(j)).template cast<T>().exp();
+        const Eigen::Array<T, 1, Eigen::Dynamic> to_row = d * k.row(j).array();
+        const Eigen::Array<T, 1, Eigen::Dynamic> to_col = d * x.row(i).array();
+        dx.row(i).array() += to_row;
+        dk.row(j).array() += to_col;
+        dcum.row(i).array() += x.row(i).array() * to_row;
+        dcum.row(j).array() -= k.row(j).array() * to_col;
+      }
+    }
   }
 }
 
@@ -356,19 +510,23 @@ void DeltaChunkBackward<T>::forward_chunk(DeltaChunkPart<T>& part, Eigen::Index 
   const Eigen::Index w = part.width;
   for (Eigen::Index p = 0; p < len;) {
     const Eigen::Index m = piece_end(part, p, len) - p;
-    if (part.reset[static_cast<std::size_t>(p)] != 0) part.state.setZero();
+    if (gates_ == 1 && part.reset[static_cast<std::size_t>(p)] != 0) part.state.setZero();
     piece_decays(part, p, m);
     const auto k = part.k.middleRows(p, m);
     const auto beta = part.beta.col(0).segment(p, m).array();
     auto kk = part.kk.topLeftCorner(m, m);
-    kk.noalias() = k * k.transpose();
-    kk.array() *= part.decay.topLeftCorner(m, m).array();
+    if (gates_ > 1) {
+      feature_pairs(part, k, k, m, kk);
+    } else {
+      kk.noalias() = k * k.transpose();
+      kk.array() *= part.decay.topLeftCorner(m, m).array();
+    }
     kk.template triangularView<Eigen::Upper>().setZero();  // B: strictly lower
     part.b_all.block(begin + p, p, m, m) = kk;
     auto wk = part.wu.block(0, 0, m, dk_);
     auto u = part.wu.block(0, dk_, m, w);
     wk = k;
-    if (gated_) wk.array().colwise() *= part.gamma.col(0).head(m).array();
+    if (gates_ > 0) decay_rows(wk, part.gamma.topRows(m));
     wk.array().colwise() *= beta;
     u = part.v.middleRows(p, m);
     u.array().colwise() *= beta;
@@ -381,9 +539,9 @@ void DeltaChunkBackward<T>::forward_chunk(DeltaChunkPart<T>& part, Eigen::Index 
     if (begin + p + m == n_) break;  // the state after the last token is not needed
     auto kd = part.kd.topRows(m);
     kd = k;
-    if (gated_) {
-      kd.array().colwise() *= part.to_end.col(0).head(m).array();
-      part.state *= part.gamma(m - 1, 0);
+    if (gates_ > 0) {
+      decay_rows(kd, part.to_end.topRows(m));
+      decay_state(part.state, part.gamma.row(m - 1));
     }
     part.state.noalias() += kd.transpose() * u;
     p += m;
@@ -398,9 +556,22 @@ void DeltaChunkBackward<T>::backward_chunk(DeltaChunkPart<T>& part, Eigen::Index
   // The pieces from the last: each starts at a reset or at the chunk's start.
   for (Eigen::Index end = len; end > 0;) {
     Eigen::Index p = end - 1;
-    while (p > 0 && part.reset[static_cast<std::size_t>(p)] == 0) --p;
+    while (p > 0 && (gates_ != 1 || part.reset[static_cast<std::size_t>(p)] == 0)) --p;
     backward_piece(part, c, p, end - p, log_space);
     end = p;
+  }
+  if (gates_ > 0) {
+    // A reset has no neighbourhood in log space: its gradient is 0 (FLA's convention).
+    for (Eigen::Index i = 0; i < len; ++i) {
+      for (Eigen::Index f = 0; f < gates_; ++f) {
+        if (part.reset[static_cast<std::size_t>(i * gates_ + f)] != 0) part.grad_gate(i, f) = 0;
+      }
+    }
+    if (!log_space) {
+      // d / d a_t = (d / d log a_t) / a_t (a_t > 0: gates a_t never reset).
+      part.grad_gate.topRows(len).array() /=
+          part.log_gate.topRows(len).template cast<T>().array().exp();
+    }
   }
   if (!l2_normalize_) {
     part.grad_q.topRows(len) *= scale_;
@@ -411,10 +582,11 @@ void DeltaChunkBackward<T>::backward_chunk(DeltaChunkPart<T>& part, Eigen::Index
 }
 
 template <class T>
-void DeltaChunkBackward<T>::backward_piece(DeltaChunkPart<T>& part, Eigen::Index c, Eigen::Index p,
-                                           Eigen::Index m, bool log_space) {
+void DeltaChunkBackward<T>::backward_piece(DeltaChunkPart<T>& part, Eigen::Index c,
+                                           Eigen::Index p, Eigen::Index m, bool log_space) {
+  static_cast<void>(log_space);
   const Eigen::Index begin = c * chunk_;
-  const bool reset = part.reset[static_cast<std::size_t>(p)] != 0;
+  const bool reset = gates_ == 1 && part.reset[static_cast<std::size_t>(p)] != 0;
   // S0: the chunk's checkpoint for its first piece, zero after a reset or before the sequence.
   const bool has_state = p == 0 && !reset && c > 0;
   const auto s0 = part.checkpoints.middleRows(c * dk_, dk_);
@@ -424,8 +596,8 @@ void DeltaChunkBackward<T>::backward_piece(DeltaChunkPart<T>& part, Eigen::Index
   const auto dout = part.dout.middleRows(p, m);
   const auto u = part.u_all.middleRows(begin + p, m);
   const auto b = part.b_all.block(begin + p, p, m, m);
-  const auto decay = part.decay.topLeftCorner(m, m);
   const auto beta = part.beta.col(0).segment(p, m).array();
+  const auto gamma = part.gamma.topRows(gates_ > 0 ? m : 0);
   auto pairs = part.pairs.topLeftCorner(m, m);
   auto dpairs = part.dpairs.topLeftCorner(m, m);
   auto kk = part.kk.topLeftCorner(m, m);
@@ -436,32 +608,36 @@ void DeltaChunkBackward<T>::backward_piece(DeltaChunkPart<T>& part, Eigen::Index
   auto dkd = part.dkd.topRows(m);
   auto grad_q = part.grad_q.middleRows(p, m);
   auto grad_k = part.grad_k.middleRows(p, m);
-  const T last = gated_ ? part.gamma(m - 1, 0) : T(1);
-  // The forward's pieces: P = tril(Q K^T o D), K_e = diag(e) K.
-  pairs.noalias() = q * k.transpose();
-  pairs.array() *= decay.array();
+  auto dcum = part.dcum.topRows(gates_ > 0 ? m : 0);  // empty without gates
+  // The forward's pieces: P = tril(Q . K), K_e = e o K.
+  if (gates_ > 1) {
+    feature_pairs(part, q, k, m, pairs);
+  } else {
+    pairs.noalias() = q * k.transpose();
+    pairs.array() *= part.decay.topLeftCorner(m, m).array();
+  }
   kd = k;
-  if (gated_) kd.array().colwise() *= part.to_end.col(0).head(m).array();
-  // dU = K_e dS + P^T dO; dK_e = U dS^T; dP = dO U^T.
+  if (gates_ > 0) decay_rows(kd, part.to_end.topRows(m));
+  // dU = K_e dS + P^T dO; dK_e = U dS^T; dP = tril(dO U^T).
   du.noalias() = kd * part.ds;
   du.noalias() += pairs.template triangularView<Eigen::Lower>().transpose() * dout;
   dkd.noalias() = u * part.ds.transpose();
   dpairs.noalias() = dout * u.transpose();
-  // The cumulative gates' gradient from the pairs: rows minus columns of dP o P (here) and
-  // of dB o B (below, B decayed already); the diagonal factors' shares follow.
-  auto dcum = part.dcum.col(0).head(gated_ ? m : 0);  // empty without gates
-  if (gated_) {
+  dpairs.template triangularView<Eigen::StrictlyUpper>().setZero();
+  if (gates_ == 1) {
+    // Scalar gates: each pair's decay gets rows minus columns of dP o P.
     const auto z = dpairs.array() * pairs.array();
-    dcum = z.rowwise().sum().matrix() - z.colwise().sum().transpose().matrix();
+    dcum.col(0) = z.rowwise().sum().matrix() - z.colwise().sum().transpose().matrix();
+  } else if (gates_ > 1) {
+    dcum.setZero();
   }
-  dpairs.array() *= decay.array();  // dP o D, zero above the diagonal
   // dY = (I + A)^-T dU, A = diag(beta) B; dA = -dY U^T, kept strictly lower.
   kk = b;
   kk.array().colwise() *= beta;
   kk.template triangularView<Eigen::UnitLower>().transpose().solveInPlace(du);
   dkk.noalias() = -du * u.transpose();
   dkk.template triangularView<Eigen::Upper>().setZero();
-  // R = V - diag(g) K S0 = diag(1 / beta) U + B U; dbeta = dY . R + (dA o B) summed by rows.
+  // R = V - (g o K) S0 = diag(1 / beta) U + B U; dbeta = dY . R + (dA o B) summed by rows.
   ratio = u;
   ratio.array().colwise() /= beta;
   ratio.noalias() += b.template triangularView<Eigen::StrictlyLower>() * u;
@@ -472,69 +648,85 @@ void DeltaChunkBackward<T>::backward_piece(DeltaChunkPart<T>& part, Eigen::Index
   grad_v = du;
   grad_v.array().colwise() *= beta;
   dkk.array().colwise() *= beta;  // dB
-  if (gated_) {
+  if (gates_ == 1) {
     const auto z = dkk.array() * b.array();
-    dcum += z.rowwise().sum().matrix() - z.colwise().sum().transpose().matrix();
-    // e_s = exp(G_m - G_s): dG_s -= e_s k_s . dK_e_s, dG_m += the sum.
-    const Eigen::Array<T, Eigen::Dynamic, 1> through_end =
-        (kd.array() * dkd.array()).rowwise().sum();
-    dcum -= through_end.matrix();
-    dcum(m - 1) += through_end.sum();
+    dcum.col(0) += z.rowwise().sum().matrix() - z.colwise().sum().transpose().matrix();
   }
-  dkk.array() *= decay.array();  // the keys' pair gradient, strictly lower
-  // S0's terms: [diag(g) Q; diag(beta g) K] and [dO; -dY]. A piece after a reset starts
-  // from zero and passes no gradient back; the sequence's first needs none.
+  // e_s = exp(G_m - G_s): dG_s -= k_s o e_s o dK_e_s, dG_m += their sum over s.
+  if (gates_ > 0) {
+    Eigen::Ref<Matrix<T>> through_end = part.block_grad.topRows(gates_ > 1 ? m : 0);
+    if (gates_ == 1) {
+      const auto end = (kd.array() * dkd.array()).rowwise().sum();
+      dcum.col(0) -= end.matrix();
+      dcum(m - 1, 0) += end.sum();
+    } else {
+      through_end = (kd.array() * dkd.array()).matrix();
+      dcum -= through_end;
+      dcum.row(m - 1) += through_end.colwise().sum();
+    }
+  }
+  // S0's terms: [g o Q; beta g o K] and [dO; -dY]. A piece after a reset starts from zero
+  // and passes no gradient back; the sequence's first needs none.
   if (has_state) {
     auto lhs = part.lhs.topRows(2 * m);
     auto rhs = part.rhs.topRows(2 * m);
     lhs.topRows(m) = q;
     lhs.bottomRows(m) = k;
     lhs.bottomRows(m).array().colwise() *= beta;
-    if (gated_) {
-      lhs.topRows(m).array().colwise() *= part.gamma.col(0).head(m).array();
-      lhs.bottomRows(m).array().colwise() *= part.gamma.col(0).head(m).array();
+    if (gates_ > 0) {
+      decay_rows(lhs.topRows(m), gamma);
+      decay_rows(lhs.bottomRows(m), gamma);
     }
     rhs.topRows(m) = dout;
     rhs.bottomRows(m) = -du;
     auto products = part.s0_products.block(0, 0, 2 * m, dk_);
     products.noalias() = rhs * s0.transpose();
-    // dQ += diag(g) dQ~, dK += diag(beta g) dK~; the gates' share: their rows' dot products.
-    if (gated_) {
-      dcum.array() += (lhs.array() * products.array()).rowwise().sum().topRows(m) +
-                      (lhs.array() * products.array()).rowwise().sum().bottomRows(m);
-      dcum(m - 1) += last * (s0.array() * part.ds.array()).sum();
+    // The gates' share: each diagonal factor times its gradient.
+    if (gates_ == 1) {
+      const auto shares = (lhs.array() * products.array()).rowwise().sum();
+      dcum.col(0) += (shares.topRows(m) + shares.bottomRows(m)).matrix();
+      dcum(m - 1, 0) += gamma(m - 1, 0) * (s0.array() * part.ds.array()).sum();
+    } else if (gates_ > 1) {
+      dcum.array() += lhs.topRows(m).array() * products.topRows(m).array() +
+                      lhs.bottomRows(m).array() * products.bottomRows(m).array();
+      dcum.row(m - 1).array() +=
+          gamma.row(m - 1).array() * (s0.array() * part.ds.array()).rowwise().sum().transpose();
     }
+    // dQ += g o dQ~, dK += beta g o dK~.
     auto to_query = products.topRows(m);
     auto to_key = products.bottomRows(m);
     to_key.array().colwise() *= beta;
-    if (gated_) {
-      to_query.array().colwise() *= part.gamma.col(0).head(m).array();
-      to_key.array().colwise() *= part.gamma.col(0).head(m).array();
+    if (gates_ > 0) {
+      decay_rows(to_query, gamma);
+      decay_rows(to_key, gamma);
     }
     grad_q += to_query;
     grad_k += to_key;
-    part.ds *= last;
+    if (gates_ > 0) decay_state(part.ds, gamma.row(m - 1));
     part.ds.noalias() += lhs.transpose() * rhs;
   } else {
     part.ds.setZero();
   }
-  // The pairs' gradients: dQ += (dP o D) K, dK += (dP o D)^T Q + (dB + dB^T) K, diag(e) dK_e.
-  grad_q.noalias() += dpairs.template triangularView<Eigen::Lower>() * k;
-  grad_k.noalias() += dpairs.template triangularView<Eigen::Lower>().transpose() * q;
-  pairs = dkk.transpose();  // P is read no more
-  dkk += pairs;             // dB + dB^T: both keys of a pair in one product
-  grad_k.noalias() += dkk * k;
-  if (gated_) dkd.array().colwise() *= part.to_end.col(0).head(m).array();
+  // The pairs' shares: dQ, dK from dP o D and dB o D.
+  if (gates_ > 1) {
+    feature_pair_gradients(part, q, k, dpairs, m, grad_q, grad_k, dcum);
+    feature_pair_gradients(part, k, k, dkk, m, grad_k, grad_k, dcum);
+  } else {
+    dpairs.array() *= part.decay.topLeftCorner(m, m).array();
+    dkk.array() *= part.decay.topLeftCorner(m, m).array();
+    grad_q.noalias() += dpairs.template triangularView<Eigen::Lower>() * k;
+    grad_k.noalias() += dpairs.template triangularView<Eigen::Lower>().transpose() * q;
+    pairs = dkk.transpose();  // P is read no more
+    dkk += pairs;             // dB + dB^T: both keys of a pair in one product
+    grad_k.noalias() += dkk * k;
+  }
+  if (gates_ > 0) decay_rows(dkd, part.to_end.topRows(m));
   grad_k += dkd;
-  if (!gated_) return;
+  if (gates_ == 0) return;
   // Per-token log gates from the cumulative ones: dg_i = sum of dG_j over j >= i.
-  auto grad_gate = part.grad_gate.col(0).segment(p, m);
-  T sum = T(0);
-  for (Eigen::Index i = m - 1; i >= 0; --i) grad_gate(i) = sum += dcum(i);
-  if (reset) grad_gate(0) = T(0);  // no neighbourhood in log space: FLA's and ours, 0
-  if (log_space) return;
-  // d / d a_t = (d / d log a_t) / a_t (a_t > 0: gates a_t never reset).
-  for (Eigen::Index i = 0; i < m; ++i) grad_gate(i) /= exp_as<T>(part.log_gate(p + i, 0));
+  auto grad_gate = part.grad_gate.middleRows(p, m);
+  grad_gate.row(m - 1) = dcum.row(m - 1);
+  for (Eigen::Index i = m - 2; i >= 0; --i) grad_gate.row(i) = grad_gate.row(i + 1) + dcum.row(i);
 }
 
 }  // namespace linattn::detail

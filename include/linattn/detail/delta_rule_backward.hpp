@@ -392,7 +392,7 @@ void delta_rule_backward_into(
                        Eigen::Ref<Matrix<Scalar>>* grad_g) {
     using GV = std::remove_const_t<std::remove_pointer_t<decltype(values)>>;
     const Eigen::Index gate_dim = gate_rows == nullptr ? 0 : gate_rows->cols();
-    if (chunked_delta_backward(options, gate_dim)) {
+    if (chunked_delta_backward(options)) {
       const int threads = resolve_threads(engine_options(options));
       buffers.recurrent.release();
       buffers.chunked.reshape(q.rows(), q.cols(), v.cols(), gate_dim, options, threads);
