@@ -619,8 +619,8 @@ TEMPLATE_TEST_CASE(
       CHECK(gradient_error(chunked, recurrent) <= bound<T>());
       // A reset's gradient is 0 (it has no neighbourhood in log space).
       if (gate_cols > 0 && !by_gate) {
-        CHECK(((in.log_gates.array() == kMinusInf).select(chunked.gates.array(), 0.0) == 0.0)
-                  .all());
+        CHECK(
+            ((in.log_gates.array() == kMinusInf).select(chunked.gates.array(), 0.0) == 0.0).all());
       }
       // Two threads split the value columns: their key gradients add, to rounding.
       const auto threaded = run(linattn::DeltaForm::chunked, 2);
@@ -764,7 +764,8 @@ TEMPLATE_TEST_CASE(
   // rest.
   DeltaOptions recurrent = one;
   recurrent.form = linattn::DeltaForm::streamed;
-  const std::size_t small = linattn::DeltaBackwardWorkspace<T>::bytes(65536, 128, 128, 1, recurrent);
+  const std::size_t small =
+      linattn::DeltaBackwardWorkspace<T>::bytes(65536, 128, 128, 1, recurrent);
   CHECK(small >= sizeof(T) * 2 * 256 * 128 * 128);
   CHECK(small <= sizeof(T) * (2 * 256 + 2 + 17) * 128 * 128);
 }

@@ -91,10 +91,13 @@ struct DeltaChunkPart {
   Matrix<T> s0_products;              ///< 2L x max(Dk, W): [W S0]; [dO; -dY] S0^T
   Matrix<T> du, ratio;                ///< L x W: dU then dY; R
   Matrix<T> kd, dkd;                  ///< L x Dk: e o K; dK_e = U dS^T
-  Matrix<T> right, right_factor;      ///< L x Dk, per feature: keys decayed to a reference
-  Matrix<T> left, left_factor;        ///< B x Dk, per feature: a sub-block decayed from it
+  Matrix<T> right_factor;             ///< (L / B) L x Dk, per feature: exp(G_r - G_j), each
+                                      ///< sub-block's reference r and the keys j up to its end
+  Matrix<T> left_factor;              ///< L x Dk, per feature: exp(G_i - G_r) of i's sub-block
+  Matrix<T> right, left;              ///< L x Dk, B x Dk, per feature: rows times the factors
   Matrix<T> block_grad;               ///< L x Dk, per feature: one sub-block's products
-  Matrix<double> ref;                 ///< 1 x Dk, per feature: G at the reference token
+  Matrix<double> spread;              ///< L x Dk, per feature: log factors before their exp
+  std::vector<unsigned char> inside;  ///< L / B: sub-blocks whose pairs go through a GEMM
   Matrix<T> grad_q, grad_k;           ///< L x Dk
   Matrix<T> grad_v;                   ///< L x W
   Matrix<T> grad_beta;                ///< L x 1
@@ -140,14 +143,14 @@ struct DeltaChunkPart {
     visit(at(&DeltaChunkPart::rhs), 2 * l, w);
     visit(at(&DeltaChunkPart::s0_products), 2 * l, std::max(dk, w));
     const Eigen::Index sub_block = std::min(l, kDeltaSubBlock);
-    for (auto m : {&DeltaChunkPart::right, &DeltaChunkPart::right_factor,
-                   &DeltaChunkPart::block_grad}) {
+    const Eigen::Index sub_blocks = (l + sub_block - 1) / sub_block;
+    visit(at(&DeltaChunkPart::right_factor), per_feature * sub_blocks * l, dk);
+    for (auto m :
+         {&DeltaChunkPart::left_factor, &DeltaChunkPart::right, &DeltaChunkPart::block_grad}) {
       visit(at(m), per_feature * l, dk);
     }
-    for (auto m : {&DeltaChunkPart::left, &DeltaChunkPart::left_factor}) {
-      visit(at(m), per_feature * sub_block, dk);
-    }
-    visit(at(&DeltaChunkPart::ref), per_feature, dk);
+    visit(at(&DeltaChunkPart::left), per_feature * sub_block, dk);
+    visit(at(&DeltaChunkPart::spread), per_feature * l, dk);
     for (auto m : {&DeltaChunkPart::sum_q, &DeltaChunkPart::sum_k}) visit(at(m), kept_n, dk);
     visit(at(&DeltaChunkPart::sum_beta), kept_n, 1);
     visit(at(&DeltaChunkPart::sum_gate), kept_n, gates);
@@ -182,6 +185,8 @@ class DeltaChunkBackward {
                                   if (m->rows() != r || m->cols() != c) m->resize(r, c);
                                 });
       part.reset.assign(static_cast<std::size_t>(chunk_ * std::max<Eigen::Index>(gates_, 1)), 0);
+      part.inside.assign(static_cast<std::size_t>((chunk_ + kDeltaSubBlock - 1) / kDeltaSubBlock),
+                         0);
     }
   }
 
@@ -197,7 +202,7 @@ class DeltaChunkBackward {
                                   total += static_cast<std::size_t>(m->size()) *
                                            sizeof(typename std::decay_t<decltype(*m)>::Scalar);
                                 });
-      total += part.reset.size();
+      total += part.reset.size() + part.inside.size();
     }
     return total;
   }
@@ -216,7 +221,8 @@ class DeltaChunkBackward {
             using Buffer = std::decay_t<decltype(*m)>;
             total += static_cast<std::size_t>(r * c) * sizeof(typename Buffer::Scalar);
           });
-      total += static_cast<std::size_t>(chunk * std::max<Eigen::Index>(gate_dim, 1));
+      total += static_cast<std::size_t>(chunk * std::max<Eigen::Index>(gate_dim, 1) +
+                                        (chunk + kDeltaSubBlock - 1) / kDeltaSubBlock);
     }
     return total;
   }
@@ -392,6 +398,11 @@ void DeltaChunkBackward<T>::prepare_rows(DeltaChunkPart<T>& part, Eigen::Index l
 template <class T>
 void DeltaChunkBackward<T>::piece_decays(DeltaChunkPart<T>& part, Eigen::Index p,
                                          Eigen::Index m) const {
+  // Every exp below on a T buffer, vectorised (an exp of a cast expression is not).
+  const auto exp_of = [](auto&& logs, auto&& out) {
+    out = logs.template cast<T>();
+    out.array() = out.array().exp();
+  };
   if (gates_ == 0) {
     auto decay = part.decay.topLeftCorner(m, m);
     decay.setZero();
@@ -401,16 +412,41 @@ void DeltaChunkBackward<T>::piece_decays(DeltaChunkPart<T>& part, Eigen::Index p
   auto cum = part.cum.topRows(m);
   cum.row(0) = part.log_gate.row(p);
   for (Eigen::Index i = 1; i < m; ++i) cum.row(i) = cum.row(i - 1) + part.log_gate.row(p + i);
-  part.gamma.topRows(m) = cum.template cast<T>().array().exp().matrix();
-  part.to_end.topRows(m) =
-      (cum.row(m - 1).replicate(m, 1) - cum).template cast<T>().array().exp().matrix();
-  if (gates_ > 1) return;
-  auto decay = part.decay.topLeftCorner(m, m);
-  for (Eigen::Index i = 0; i < m; ++i) {
-    // exp(G_i - G_j) for j <= i, all <= 1.
-    decay.row(i).head(i + 1) =
-        (cum(i, 0) - cum.col(0).head(i + 1).transpose().array()).template cast<T>().exp().matrix();
-    decay.row(i).tail(m - i - 1).setZero();
+  exp_of(cum, part.gamma.topRows(m));
+  exp_of(cum.row(m - 1).replicate(m, 1) - cum, part.to_end.topRows(m));
+  if (gates_ == 1) {
+    // exp(G_i - G_j) for j <= i (all <= 1); zeros above.
+    auto decay = part.decay.topLeftCorner(m, m);
+    exp_of(cum.col(0).replicate(1, m) - cum.col(0).transpose().replicate(m, 1), decay);
+    decay.template triangularView<Eigen::StrictlyUpper>().setZero();
+    return;
+  }
+  // Per feature, by sub-blocks: pairs (i, j), j <= i, i in the sub-block after token r (G_r = 0
+  // before the piece), decay by exp(G_i - G_r) exp(G_r - G_j): the first <= 1, the second <= 1
+  // for j <= r and at most e^kDeltaSpread inside the sub-block, else the sub-block computes
+  // its own pairs directly (and its keys up to r through the factors).
+  for (Eigen::Index i0 = 0, s = 0; i0 < m; i0 += kDeltaSubBlock, ++s) {
+    const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
+    // G_r - G_j for j in [0, rows) into `spread`.
+    const auto from_ref = [&](auto&& spread, Eigen::Index rows) {
+      spread = -cum.topRows(rows);
+      if (i0 > 0) spread.rowwise() += cum.row(i0 - 1);
+    };
+    auto last = part.spread.topRows(1);
+    last = cum.row(i0 + b - 1);
+    if (i0 > 0) last -= cum.row(i0 - 1);
+    const bool inside = -last.minCoeff() <= kDeltaSpread;
+    part.inside[static_cast<std::size_t>(s)] = inside ? 1 : 0;
+    const Eigen::Index width = inside ? i0 + b : i0;
+    if (width > 0) {
+      auto spread = part.spread.topRows(width);
+      from_ref(spread, width);
+      exp_of(spread, part.right_factor.middleRows(s * chunk_, width));
+    }
+    auto spread = part.spread.topRows(b);
+    spread = cum.middleRows(i0, b);
+    if (i0 > 0) spread.rowwise() -= cum.row(i0 - 1);
+    exp_of(spread, part.left_factor.middleRows(i0, b));
   }
 }
 
@@ -418,24 +454,17 @@ template <class T>
 void DeltaChunkBackward<T>::feature_pairs(DeltaChunkPart<T>& part, const RowsRef& x,
                                           const RowsRef& k, Eigen::Index m, PairsRef out) const {
   const auto cum = part.cum.topRows(m).array();
-  for (Eigen::Index i0 = 0; i0 < m; i0 += kDeltaSubBlock) {
+  for (Eigen::Index i0 = 0, s = 0; i0 < m; i0 += kDeltaSubBlock, ++s) {
     const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
-    // G_r of the token r before the sub-block, 0 before the piece.
-    if (i0 > 0) {
-      part.ref = cum.row(i0 - 1).matrix();
-    } else {
-      part.ref.setZero();
-    }
-    const auto ref = [&](Eigen::Index rows) { return part.ref.array().replicate(rows, 1); };
-    const bool inside = (part.ref.array() - cum.row(i0 + b - 1)).maxCoeff() <= kDeltaSpread;
+    const bool inside = part.inside[static_cast<std::size_t>(s)] != 0;
     const Eigen::Index width = inside ? i0 + b : i0;
     if (width > 0) {
-      part.right.topRows(width).array() =
-          k.topRows(width).array() * (ref(width) - cum.topRows(width)).template cast<T>().exp();
-      part.left.topRows(b).array() =
-          x.middleRows(i0, b).array() * (cum.middleRows(i0, b) - ref(b)).template cast<T>().exp();
-      out.block(i0, 0, b, width).noalias() =
-          part.left.topRows(b) * part.right.topRows(width).transpose();
+      auto right = part.right.topRows(width);
+      auto left = part.left.topRows(b);
+      right.array() =
+          k.topRows(width).array() * part.right_factor.middleRows(s * chunk_, width).array();
+      left.array() = x.middleRows(i0, b).array() * part.left_factor.middleRows(i0, b).array();
+      out.block(i0, 0, b, width).noalias() = left * right.transpose();
     }
     if (inside) continue;
     for (Eigen::Index i = i0; i < i0 + b; ++i) {
@@ -455,34 +484,28 @@ void DeltaChunkBackward<T>::feature_pair_gradients(DeltaChunkPart<T>& part, cons
                                                    Eigen::Index m, PairsRef dx, PairsRef dk,
                                                    PairsRef dcum) const {
   const auto cum = part.cum.topRows(m).array();
-  for (Eigen::Index i0 = 0; i0 < m; i0 += kDeltaSubBlock) {
+  for (Eigen::Index i0 = 0, s = 0; i0 < m; i0 += kDeltaSubBlock, ++s) {
     const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
-    if (i0 > 0) {
-      part.ref = cum.row(i0 - 1).matrix();
-    } else {
-      part.ref.setZero();
-    }
-    const auto ref = [&](Eigen::Index rows) { return part.ref.array().replicate(rows, 1); };
-    const bool inside = (part.ref.array() - cum.row(i0 + b - 1)).maxCoeff() <= kDeltaSpread;
+    const bool inside = part.inside[static_cast<std::size_t>(s)] != 0;
     const Eigen::Index width = inside ? i0 + b : i0;
     if (width > 0) {
       // exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j): the rows' and the columns' factors.
-      auto right_factor = part.right_factor.topRows(width);
-      auto left_factor = part.left_factor.topRows(b);
-      right_factor = (ref(width) - cum.topRows(width)).template cast<T>().exp().matrix();
-      left_factor = (cum.middleRows(i0, b) - ref(b)).template cast<T>().exp().matrix();
+      const auto right_factor = part.right_factor.middleRows(s * chunk_, width);
+      const auto left_factor = part.left_factor.middleRows(i0, b);
       const auto block = dpairs.block(i0, 0, b, width);
       // The rows' share: left o (dP (k o right)).
-      part.right.topRows(width).array() = k.topRows(width).array() * right_factor.array();
+      auto right = part.right.topRows(width);
+      right.array() = k.topRows(width).array() * right_factor.array();
       auto row_grad = part.block_grad.topRows(b);
-      row_grad.noalias() = block * part.right.topRows(width);
+      row_grad.noalias() = block * right;
       row_grad.array() *= left_factor.array();
       dx.middleRows(i0, b) += row_grad;
       dcum.middleRows(i0, b).array() += x.middleRows(i0, b).array() * row_grad.array();
       // The columns' share: right o (dP^T (x o left)).
-      part.left.topRows(b).array() = x.middleRows(i0, b).array() * left_factor.array();
+      auto left = part.left.topRows(b);
+      left.array() = x.middleRows(i0, b).array() * left_factor.array();
       auto col_grad = part.block_grad.topRows(width);
-      col_grad.noalias() = block.transpose() * part.left.topRows(b);
+      col_grad.noalias() = block.transpose() * left;
       col_grad.array() *= right_factor.array();
       dk.topRows(width) += col_grad;
       dcum.topRows(width).array() -= k.topRows(width).array() * col_grad.array();
@@ -582,8 +605,8 @@ void DeltaChunkBackward<T>::backward_chunk(DeltaChunkPart<T>& part, Eigen::Index
 }
 
 template <class T>
-void DeltaChunkBackward<T>::backward_piece(DeltaChunkPart<T>& part, Eigen::Index c,
-                                           Eigen::Index p, Eigen::Index m, bool log_space) {
+void DeltaChunkBackward<T>::backward_piece(DeltaChunkPart<T>& part, Eigen::Index c, Eigen::Index p,
+                                           Eigen::Index m, bool log_space) {
   static_cast<void>(log_space);
   const Eigen::Index begin = c * chunk_;
   const bool reset = gates_ == 1 && part.reset[static_cast<std::size_t>(p)] != 0;
