@@ -98,7 +98,8 @@ void run_softmax(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const 
 
 /// The delta rule's backward on run_delta's inputs, grad_out = v with its rows reversed: the
 /// allocating call, the workspace form and the 1 x 1 x N view call give the same gradients
-/// bit for bit (or all throw), finite where the forward's outputs must be.
+/// bit for bit (or all throw), finite where the forward's outputs must be; the recurrent form
+/// throws exactly when they do and is finite there too.
 template <class T>
 void run_delta_backward(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                         const Matrix<T>& g, const Vector<T>& beta, bool gated,
@@ -148,7 +149,16 @@ void run_delta_backward(const Input& in, const Matrix<T>& q, const Matrix<T>& k,
           view(viewed.v.data(), in.dv), view(viewed.beta.data(), 1), opt);
     }
   });
-  if (alloc_ok != held_ok || alloc_ok != viewed_ok) {
+  // The recurrent form (DeltaForm::streamed), the chunked one's reference.
+  linattn::DeltaOptions recurrent_opt = opt;
+  recurrent_opt.form = linattn::DeltaForm::streamed;
+  linattn::DeltaRuleGradients<T> recurrent;
+  const bool recurrent_ok = attempt("causal_(gated_)delta_rule_backward(recurrent)", must, [&] {
+    recurrent = gated ? linattn::causal_gated_delta_rule_backward(q, k, v, linattn::log_gates(g),
+                                                                  beta, grad_out, recurrent_opt)
+                      : linattn::causal_delta_rule_backward(q, k, v, beta, grad_out, recurrent_opt);
+  });
+  if (alloc_ok != held_ok || alloc_ok != viewed_ok || alloc_ok != recurrent_ok) {
     fail("the delta rule's backward forms disagree on whether the input is valid");
   }
   if (!alloc_ok) return;
@@ -165,6 +175,8 @@ void run_delta_backward(const Input& in, const Matrix<T>& q, const Matrix<T>& k,
   require_finite("delta rule backward: grad_v", alloc.v);
   require_finite("delta rule backward: grad_beta", alloc.beta);
   if (gated) require_finite("delta rule backward: grad_gates", alloc.gates);
+  require_finite("delta rule backward (recurrent): grad_q", recurrent.q);
+  require_finite("delta rule backward (recurrent): grad_k", recurrent.k);
 }
 
 /// The delta rule on the same inputs: DeltaNet, Gated DeltaNet or KDA by the seed (gates from

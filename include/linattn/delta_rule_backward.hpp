@@ -18,20 +18,24 @@
 
 /// Reverse mode through the forward of delta_rule.hpp (q^ = s n(q_t), k^ = n(k_t), n the
 /// optional in-kernel L2 norm; S' = diag(a_t) S_{t-1}; u = beta_t (v_t - S'^T k^);
-/// S_t = S' + k^ u^T; out_t = S_t^T q^), in its recurrent form, not the chunked (WY) backward
-/// of FLA's kernels:
-///   1. the chunked forward runs once, keeping the state at the start of every block of
-///      L = min(N, max(chunk, ceil(sqrt(N)))) tokens (the checkpoints);
-///   2. block by block from the last, the block's states S_{t-1} are recomputed token by token
-///      from its checkpoint (delta_step), then reverse mode runs over its tokens from the last,
-///      carrying dS, the gradient with respect to the state, from block to block.
-/// Time O(N Dk Dv): per token a recomputed step (two passes over the Dk x Dv state and a copy)
-/// and about eight matrix-vector and rank-1 passes over S_{t-1} and dS, on top of one chunked
-/// forward: several times the chunked forward (about 5x for DeltaNet and Gated DeltaNet, 3x for
-/// KDA, at N = 4096, Dk = Dv = 128 in float). Workspace: (ceil(N / L) + L) Dk Dv for the
-/// checkpoints and one block's states, about 2 sqrt(N) Dk Dv unless the chunk is longer, plus
-/// O(L (Dk + Dv)), allocated per call unless a DeltaBackwardWorkspace keeps it. Single-threaded:
-/// DeltaOptions::threads splits only the finiteness scans.
+/// S_t = S' + k^ u^T; out_t = S_t^T q^), in the chunked (WY) form by default, as FLA's kernels:
+///   1. the chunked forward runs once, keeping S at every chunk's start, U (N x Dv) and the
+///      chunks' in-chunk key pairs B (N x L);
+///   2. chunk by chunk from the last, reverse mode through the chunk's products (the pairs
+///      recomputed, one transposed unit-triangular solve for dY), carrying dS, the gradient
+///      with respect to the state, from chunk to chunk. docs/math.md section 12 derives it.
+/// Every product a GEMM: about 2.5x the forward's FLOPs, measured 2.8x the chunked forward's
+/// time for DeltaNet and Gated DeltaNet and 2.1x for KDA (N = 16,384, Dk = Dv = 128, float, one
+/// thread; bench_backward). Workspace: (N / L) Dk Dv + N (Dv + L) for what the forward keeps
+/// plus O(L (Dk + Dv + L)) for one chunk, allocated per call unless a DeltaBackwardWorkspace
+/// keeps it. DeltaOptions::threads > 1 splits the value columns across threads (each repeats
+/// the key-side work; their key gradients add, equal to one thread's to rounding); the view
+/// calls run each head on one thread, exactly the matrix call with threads = 1.
+///
+/// DeltaForm::streamed runs the recurrent form instead, the reference the chunked one is
+/// tested against: the state every L = min(N, max(chunk, ceil(sqrt(N)))) tokens, each block's
+/// states recomputed token by token, reverse mode over them (about 5x the chunked forward for
+/// DeltaNet and Gated DeltaNet, 3.4x for KDA; 2 sqrt(N) Dk Dv memory; one thread).
 namespace linattn {
 
 namespace detail {
@@ -208,7 +212,7 @@ class DeltaBackwardWorkspace {
 /// @param grad_v     N x Dv result: d loss / d v
 /// @param grad_beta  N result: d loss / d beta
 /// @param options    the forward's options (scale, l2_normalize, allow_negative_eigenvalues,
-///                   chunk: the forward's chunk and the least checkpoint interval, check_finite)
+///                   chunk, check_finite), form (streamed: the recurrent backward), threads
 template <class Acc = void, class DQ, class DK, class DV, class DB, class DO>
 void causal_delta_rule_backward_into(
     const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
@@ -342,7 +346,7 @@ DeltaRuleGradients<typename DQ::Scalar> causal_gated_delta_rule_backward(
 /// caller memory, any strides): the gradients of a loss with respect to q, k, v and beta of
 /// every head of every sequence, given grad_out = d loss / d out, written into caller memory.
 /// Head (b, h) gets exactly causal_delta_rule_backward_into on q.head(b, hq), ...,
-/// grad_out.head(b, h). Grouped heads (Qwen3-Next's 16 q/k heads for 32 v heads): a shared
+/// grad_out.head(b, h) with threads = 1. Grouped heads (Qwen3-Next's 16 q/k heads for 32 v heads): a shared
 /// input head's gradient is the sum over the output heads that read it, added in increasing h.
 /// Threads (DeltaOptions::threads) go over sequences x groups of heads that share no input
 /// head, each head on one thread with its own workspace kept from head to head; the

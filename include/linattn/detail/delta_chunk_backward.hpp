@@ -278,17 +278,28 @@ class DeltaChunkBackward {
       }
     });
     if (parts == 1) return;
-    DeltaChunkPart<T>& total = parts_[0];
-    for (std::size_t p = 1; p < parts_.size(); ++p) {
-      total.sum_q += parts_[p].sum_q;
-      total.sum_k += parts_[p].sum_k;
-      total.sum_beta += parts_[p].sum_beta;
-      if (gates_ > 0) total.sum_gate += parts_[p].sum_gate;
-    }
-    store_rows<S>(total.sum_q, n_, grad_q);
-    store_rows<S>(total.sum_k, n_, grad_k);
-    grad_beta = total.sum_beta.col(0).template cast<S>();
-    if (gates_ > 0) *grad_gates = total.sum_gate.template cast<S>();
+    // The parts' key gradients added, the rows split across the threads.
+    parallel_for(parts, static_cast<int>(parts), [&](Eigen::Index index) {
+      const Eigen::Index first = n_ * index / parts, rows = n_ * (index + 1) / parts - first;
+      DeltaChunkPart<T>& total = parts_[0];
+      for (std::size_t p = 1; p < parts_.size(); ++p) {
+        const DeltaChunkPart<T>& part = parts_[p];
+        total.sum_q.middleRows(first, rows) += part.sum_q.middleRows(first, rows);
+        total.sum_k.middleRows(first, rows) += part.sum_k.middleRows(first, rows);
+        total.sum_beta.middleRows(first, rows) += part.sum_beta.middleRows(first, rows);
+        if (gates_ > 0) {
+          total.sum_gate.middleRows(first, rows) += part.sum_gate.middleRows(first, rows);
+        }
+      }
+      grad_q.middleRows(first, rows) = total.sum_q.middleRows(first, rows).template cast<S>();
+      grad_k.middleRows(first, rows) = total.sum_k.middleRows(first, rows).template cast<S>();
+      grad_beta.segment(first, rows) =
+          total.sum_beta.col(0).segment(first, rows).template cast<S>();
+      if (gates_ > 0) {
+        grad_gates->middleRows(first, rows) =
+            total.sum_gate.middleRows(first, rows).template cast<S>();
+      }
+    });
   }
 
  private:

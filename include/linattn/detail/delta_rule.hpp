@@ -392,13 +392,15 @@ class DeltaKernel {
     buf_.right.resize(chunk_, dk);
     buf_.left.resize(2 * chunk_, dk);
     // Decays from the piece's start (queries and W's keys) and to its end (the state update).
+    // Every exp on a T buffer, vectorised (an exp of a cast expression runs scalar expf).
     auto from_start = buf_.factor.topLeftCorner(m, dk);
-    from_start = cum.template cast<T>().exp();
+    from_start = cum.template cast<T>();
+    from_start = from_start.exp();
     buf_.lhs.middleRows(m, m).array() = q * from_start;
     buf_.wu.topLeftCorner(m, dk).array() = k * from_start;
     buf_.last = from_start.row(m - 1).transpose().matrix();
-    buf_.kd.topRows(m).array() =
-        k * (cum.row(m - 1).replicate(m, 1) - cum).template cast<T>().exp();
+    buf_.kd.topRows(m).array() = (cum.row(m - 1).replicate(m, 1) - cum).template cast<T>();
+    buf_.kd.topRows(m).array() = k * buf_.kd.topRows(m).array().exp();
     for (Eigen::Index i0 = 0; i0 < m; i0 += kDeltaSubBlock) {
       const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
       // G_r, 0 before the piece.
@@ -413,10 +415,11 @@ class DeltaKernel {
       const bool inside = spread <= kDeltaSpread;
       const Eigen::Index width = inside ? i0 + b : i0;
       if (width > 0) {
-        buf_.right.topRows(width) =
-            k.topRows(width) * (ref(width) - cum.topRows(width)).template cast<T>().exp();
+        buf_.right.topRows(width) = (ref(width) - cum.topRows(width)).template cast<T>();
+        buf_.right.topRows(width) = k.topRows(width) * buf_.right.topRows(width).exp();
         auto to_ref = buf_.factor.topLeftCorner(b, dk);
-        to_ref = (cum.middleRows(i0, b) - ref(b)).template cast<T>().exp();
+        to_ref = (cum.middleRows(i0, b) - ref(b)).template cast<T>();
+        to_ref = to_ref.exp();
         buf_.left.topRows(b) = q.middleRows(i0, b) * to_ref;
         buf_.left.middleRows(b, b) = k.middleRows(i0, b) * to_ref;
         const auto right = buf_.right.topRows(width).matrix();
