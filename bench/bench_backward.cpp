@@ -15,6 +15,8 @@
 #include <linattn/backward.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/delta_rule_backward.hpp>
+#include <linattn/dplr_delta_rule.hpp>
+#include <linattn/dplr_delta_rule_backward.hpp>
 #include <linattn/gated.hpp>
 
 #include "bench_common.hpp"
@@ -260,6 +262,39 @@ void BM_DeltaBackward(benchmark::State& state, bool recurrent) {
   set_rates(state, 6.0 * double(n) * double(kDeltaDim) * double(kDeltaDim), double(n));
 }
 
+/// RWKV-7's shape for the generalized delta rule: one head of Dk = Dv = 64, a = -kk, b = kk
+/// alpha, per-feature log decays in [-0.6, 0), scale 1. Arg: backward (1) or the forward (0).
+template <class T>
+void BM_DplrBackward(benchmark::State& state) {
+  const Eigen::Index n = state.range(0), d = 64;
+  const Matrix<T> q = random_matrix<T>(n, d, 41), v = random_matrix<T>(n, d, 43);
+  Matrix<T> k = random_matrix<T>(n, d, 42), kk = k;
+  for (Eigen::Index t = 0; t < n; ++t) kk.row(t).normalize();
+  const Matrix<T> a = -kk;
+  const Matrix<T> b = kk * T(0.5);
+  const Matrix<T> g = T(-0.6) / (T(1) + random_matrix<T>(n, d, 44).array().exp());
+  const Matrix<T> grad_out = random_matrix<T>(n, d, 45);
+  linattn::DplrOptions options;
+  options.scale = 1.0;
+  options.threads = 1;
+  options.check_finite = false;
+  Matrix<T> out(n, d);
+  linattn::DplrGradients<T> grads;
+  const bool backward = state.range(1) == 1;
+  linattn_bench::measure(state, [&] {
+    if (backward) {
+      linattn::causal_dplr_delta_rule_backward_into(q, k, v, a, b, linattn::log_gates(g), grad_out,
+                                                    grads, options);
+      benchmark::DoNotOptimize(grads.q.data());
+    } else {
+      linattn::causal_dplr_delta_rule_into(q, k, v, a, b, linattn::log_gates(g), out, options);
+      benchmark::DoNotOptimize(out.data());
+    }
+  });
+  // Counted as the forward's 8 Dk Dv a token: the rate reads as forwards per second.
+  set_rates(state, 8.0 * double(n) * double(d) * double(d), double(n));
+}
+
 template <class T>
 void register_delta(const std::vector<Eigen::Index>& sizes) {
   const std::string t = linattn_bench::scalar_name(T{});
@@ -338,6 +373,11 @@ int main(int argc, char** argv) {
                                : std::vector<Eigen::Index>{256, 1024, 4096, 16384, 65536});
   register_delta<float>(quick ? std::vector<Eigen::Index>{4096}
                               : std::vector<Eigen::Index>{4096, 16384});
+  for (const int backward : {0, 1}) {
+    benchmark::RegisterBenchmark("BM_DplrBackward<float>", BM_DplrBackward<float>)
+        ->Args({4096, backward})
+        ->Unit(benchmark::kMillisecond);
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // fuzz_kernels: the checks of the softmax baselines, the delta rule and the short convolution.
 #include <linattn/dplr_delta_rule.hpp>
+#include <linattn/dplr_delta_rule_backward.hpp>
 #include <linattn/gated_delta_net.hpp>
 #include <linattn/layer.hpp>
 #include <linattn/mamba2.hpp>
@@ -467,8 +468,23 @@ void run_dplr(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Mat
   if (batched_ok && pooled_ok && !bit_equal(batched, pooled)) {
     fail("a session pool differs from a batch of one generalized delta-rule state");
   }
+  // The backward (grad_out = v with its rows reversed): it throws exactly when the forward
+  // does, and its gradients are finite where the forward's outputs must be.
+  linattn::DplrGradients<T> grads;
+  const bool backward_ok = attempt("causal_dplr_delta_rule_backward", must, [&] {
+    grads = linattn::causal_dplr_delta_rule_backward(q, k, v, a, b, linattn::log_gates(g),
+                                                     Matrix<T>(v.colwise().reverse()), opt);
+  });
+  if (backward_ok != streamed_ok) {
+    fail(
+        "the generalized delta rule's backward and forward disagree on whether the input is "
+        "valid");
+  }
   if (!must || !streamed_ok) return;
   require_finite("causal_dplr_delta_rule", streamed);
+  for (const Matrix<T>* grad : {&grads.q, &grads.k, &grads.v, &grads.a, &grads.b, &grads.gates}) {
+    require_finite("causal_dplr_delta_rule_backward", *grad);
+  }
   // |a| <= 1 and |b| <= 1 with a = -kk keep the transition's norm at most 1 with the decays:
   // |S| stays within sum_t |k_t| |v_t|; q reads it with |s q|.
   const double tol =

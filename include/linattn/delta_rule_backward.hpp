@@ -151,12 +151,13 @@ class DeltaBackwardWorkspace {
                 "DeltaBackwardWorkspace<Acc> takes the accumulation type: float or double (the "
                 "inputs' scalar for float and double inputs, float for Eigen::half and bfloat16)");
 
-  /// Bytes a backward of N tokens holds, all of Acc (the gates' logs of the chunked form in
-  /// double). The chunked form (DeltaNet, Gated DeltaNet), per part of the value columns (one
-  /// per thread, at least 32 columns each) of width W: (ceil(N / L) Dk + N) W + N L for the
+  /// Bytes a backward of N tokens holds, all of Acc (the gates' logs in double). The chunked
+  /// form, per part of the value columns (one per thread, at least 32 columns each; a view
+  /// call's heads run on one thread each) of width W: (ceil(N / L) Dk + N) W + N L for the
   /// chunks' starting states, U and the in-chunk pairs, one chunk's rows and products (about
-  /// L (8 Dk + 7 W + 6 L)), and with several parts N (2 Dk + 2) more each for their key
-  /// gradients. The recurrent form (KDA, DeltaForm::streamed): (ceil(N / L) + L) Dk Dv for the
+  /// L (8 Dk + 7 W + 6 L), and with KDA's per-feature gates about (L / 16 + 5) L Dk more for
+  /// its sub-blocks' factors), and with several parts N (2 Dk + 1 + G) more each for their key
+  /// gradients. The recurrent form (DeltaForm::streamed): (ceil(N / L) + L) Dk Dv for the
   /// checkpoints and one block's states (L = max(chunk, ceil(sqrt(N))), at most N),
   /// L (4 Dk + 4 Dv + 2 G + 2) rows (2 L Dk more with l2_normalize), 2 Dk Dv and 6 (Dk + Dv)
   /// more.
@@ -280,7 +281,8 @@ DeltaRuleGradients<typename DQ::Scalar> causal_delta_rule_backward(
 /// @param grad_k      N x Dk result: d loss / d k
 /// @param grad_v      N x Dv result: d loss / d v
 /// @param grad_gates  the gates' shape, N x 1 or N x Dk: d loss / d g_t for log_gates(g) (0 at a
-///                    reset), d loss / d a_t for gates a_t
+///                    reset), d loss / d a_t for gates a_t (in the chunked form (d / d log a_t)
+///                    / a_t, whose rounding grows as 1 / a_t: give decays far below 1 as logs)
 /// @param grad_beta   N result: d loss / d beta
 /// @param options     the forward's options
 template <class Acc = void, class DQ, class DK, class DV, class Gates, class DB, class DO,
@@ -346,12 +348,12 @@ DeltaRuleGradients<typename DQ::Scalar> causal_gated_delta_rule_backward(
 /// caller memory, any strides): the gradients of a loss with respect to q, k, v and beta of
 /// every head of every sequence, given grad_out = d loss / d out, written into caller memory.
 /// Head (b, h) gets exactly causal_delta_rule_backward_into on q.head(b, hq), ...,
-/// grad_out.head(b, h) with threads = 1. Grouped heads (Qwen3-Next's 16 q/k heads for 32 v heads): a shared
-/// input head's gradient is the sum over the output heads that read it, added in increasing h.
-/// Threads (DeltaOptions::threads) go over sequences x groups of heads that share no input
-/// head, each head on one thread with its own workspace kept from head to head; the
-/// gradients are the same on any number of threads. Every shape, option and value is checked
-/// before anything is written.
+/// grad_out.head(b, h) with threads = 1. Grouped heads (Qwen3-Next's 16 q/k heads for 32 v heads):
+/// a shared input head's gradient is the sum over the output heads that read it, added in
+/// increasing h. Threads (DeltaOptions::threads) go over sequences x groups of heads that share no
+/// input head, each head on one thread with its own workspace kept from head to head; the gradients
+/// are the same on any number of threads. Every shape, option and value is checked before anything
+/// is written.
 /// @param q          B x Hq x N x Dk queries, as given to the forward (Hq divides H)
 /// @param k          B x Hk x N x Dk keys (Hk divides H)
 /// @param v          B x Hv x N x Dv values (Hv divides H)

@@ -50,6 +50,20 @@ struct BonusAttentionGradients {
   Matrix<T> u;
 };
 
+/// Gradients of a scalar loss with respect to the inputs of causal_dplr_delta_rule (the
+/// generalized delta rule, RWKV-7), each the shape of its input.
+template <class T>
+struct DplrGradients {
+  Matrix<T> q;  ///< N x Dk: d loss / d q (before the scale)
+  Matrix<T> k;  ///< N x Dk: d loss / d k
+  Matrix<T> v;  ///< N x Dv: d loss / d v
+  Matrix<T> a;  ///< N x Dk: d loss / d a (FLA's alpha; RWKV-7's -kk)
+  Matrix<T> b;  ///< N x Dk: d loss / d b (FLA's beta; RWKV-7's kk * a)
+  /// N x Dk or N x 1, the gates' shape: d loss / d g_t for log_gates(g) (0 where g_t is
+  /// -infinity), d loss / d w_t for decays w_t
+  Matrix<T> gates;
+};
+
 /// Gradients of a scalar loss with respect to the inputs of causal_delta_rule and
 /// causal_gated_delta_rule (DeltaNet, Gated DeltaNet, KDA), each the shape of its input.
 template <class T>

@@ -7,6 +7,7 @@
 #include <linattn/delta_rule.hpp>
 #include <linattn/delta_rule_backward.hpp>
 #include <linattn/dplr_delta_rule.hpp>
+#include <linattn/dplr_delta_rule_backward.hpp>
 #include <linattn/draft_ring.hpp>
 #include <linattn/feature_map.hpp>
 #include <linattn/feature_maps.hpp>

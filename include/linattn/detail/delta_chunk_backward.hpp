@@ -18,7 +18,8 @@
 // features for scalar gates); for a diagonal factor, the factor times its gradient. They are
 // summed from the piece's end into the per-token log gates. Per-feature pairs go by sub-blocks
 // as the forward's (kDeltaSubBlock tokens, factors referred to the token before), and KDA's
-// partial resets run inside the chunk as a log gate of kFeatureResetLog, whose exp is exactly 0.
+// partial resets run inside the chunk as a log gate of kFeatureResetLog, whose exp is 0 (to a
+// denormal).
 // The forward runs once first, keeping S0 at every chunk's start, U and B: O(N (Dv + L) +
 // (N / L) Dk Dv) memory. Threads split the value columns (each column of S evolves alone):
 // each part repeats the key-side work and the parts' key gradients add.
@@ -64,8 +65,9 @@ inline Eigen::Index delta_backward_parts(int threads, Eigen::Index value_dim) {
       1, std::min<Eigen::Index>(threads, value_dim / kDeltaMinColumnsPerThread));
 }
 
-/// KDA's partial reset inside a chunk: a log gate whose exp is exactly 0 in float and double,
-/// small enough that sums of a chunk's gates keep 1e-11 of absolute precision.
+/// KDA's partial reset inside a chunk, and the floor of every log gate: a log gate whose exp
+/// is 0 in float and double (Eigen's vectorised exp gives their smallest denormals, within
+/// rounding of 0), small enough that sums of a chunk's gates keep 1e-11 of absolute precision.
 inline constexpr double kFeatureResetLog = -1000.0;
 
 /// One value-column part's buffers of the chunked backward: what it keeps of the forward, one
@@ -82,6 +84,7 @@ struct DeltaChunkPart {
   Matrix<T> v, dout;                  ///< L x W
   Matrix<T> beta;                     ///< L x 1
   Matrix<double> log_gate, cum;       ///< L x G: the chunk's log gates; summed in a piece
+  LogRows logs;                       ///< L x G: the gates' rows as GateRows gives them
   Matrix<T> gamma, to_end, dcum;      ///< L x G: exp(G_i), exp(G_m - G_i), dL / dG_i
   Matrix<T> decay;                    ///< L x L: D, scalar gates (zeros above the diagonal)
   Matrix<T> pairs, dpairs, kk, dkk;   ///< L x L: P, dP; B then A = diag(beta) B, dA then dB
@@ -96,6 +99,7 @@ struct DeltaChunkPart {
   Matrix<T> left_factor;              ///< L x Dk, per feature: exp(G_i - G_r) of i's sub-block
   Matrix<T> right, left;              ///< L x Dk, B x Dk, per feature: rows times the factors
   Matrix<T> block_grad;               ///< L x Dk, per feature: one sub-block's products
+  Matrix<T> pair_terms;               ///< 3 x Dk, per feature: one pair's terms, computed alone
   Matrix<double> spread;              ///< L x Dk, per feature: log factors before their exp
   std::vector<unsigned char> inside;  ///< L / B: sub-blocks whose pairs go through a GEMM
   Matrix<T> grad_q, grad_k;           ///< L x Dk
@@ -133,6 +137,8 @@ struct DeltaChunkPart {
       visit(at(m), l, gates);
     }
     for (auto m : {&DeltaChunkPart::log_gate, &DeltaChunkPart::cum}) visit(at(m), l, gates);
+    visit(at(&DeltaChunkPart::logs), l, gates);
+    visit(at(&DeltaChunkPart::pair_terms), per_feature * 3, dk);
     visit(at(&DeltaChunkPart::decay), per_feature ? 0 : l, per_feature ? 0 : l);
     for (auto m : {&DeltaChunkPart::pairs, &DeltaChunkPart::dpairs, &DeltaChunkPart::kk,
                    &DeltaChunkPart::dkk}) {
@@ -314,9 +320,8 @@ class DeltaChunkBackward {
       part.beta(i, 0) = static_cast<T>(beta.reshaped()(begin + i));
     }
     if (gates_ > 0) {
-      LogRows logs(len, gates_);
-      gate_rows->log_rows(begin, len, logs);
-      part.log_gate.topRows(len) = logs.matrix();
+      gate_rows->log_rows(begin, len, part.logs);
+      part.log_gate.topRows(len) = part.logs.topRows(len).matrix();
     }
     prepare_rows(part, len);
   }
@@ -344,6 +349,18 @@ class DeltaChunkBackward {
   void feature_pair_gradients(DeltaChunkPart<T>& part, const RowsRef& x, const RowsRef& k,
                               const RowsRef& dpairs, Eigen::Index m, PairsRef dx, PairsRef dk,
                               PairsRef dcum) const;
+
+  /// f(i0, b, s, inside, width) for each sub-block s of a piece of m tokens (per feature), as
+  /// piece_decays left them: tokens [i0, i0 + b), the keys [0, width) reached through the
+  /// factors (up to its end when `inside`, else the keys before it; the rest pair directly).
+  template <class F>
+  void for_each_sub_block(const DeltaChunkPart<T>& part, Eigen::Index m, const F& f) const {
+    for (Eigen::Index i0 = 0, s = 0; i0 < m; i0 += kDeltaSubBlock, ++s) {
+      const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
+      const bool inside = part.inside[static_cast<std::size_t>(s)] != 0;
+      f(i0, b, s, inside, inside ? i0 + b : i0);
+    }
+  }
 
   /// Reverse mode over piece [p, p + m) of chunk c.
   void backward_piece(DeltaChunkPart<T>& part, Eigen::Index c, Eigen::Index p, Eigen::Index m,
@@ -394,7 +411,13 @@ void DeltaChunkBackward<T>::prepare_rows(DeltaChunkPart<T>& part, Eigen::Index l
     for (Eigen::Index f = 0; f < g; ++f) {
       const bool reset = gates_ > 0 && part.log_gate(i, f) == minus_inf;
       part.reset[static_cast<std::size_t>(i * g + f)] = reset ? 1 : 0;
-      if (reset) part.log_gate(i, f) = gates_ == 1 ? 0.0 : kFeatureResetLog;
+      if (reset) {
+        part.log_gate(i, f) = gates_ == 1 ? 0.0 : kFeatureResetLog;
+      } else if (gates_ > 0 && part.log_gate(i, f) < kFeatureResetLog) {
+        // A decay below e^-1000 is 0 as it is (and its gradient, a_t times the rest, too): at
+        // -1000 it cannot absorb the rest of the chunk's sum of gates, or overflow it.
+        part.log_gate(i, f) = kFeatureResetLog;
+      }
     }
   }
   if (l2_normalize_) {
@@ -465,27 +488,26 @@ template <class T>
 void DeltaChunkBackward<T>::feature_pairs(DeltaChunkPart<T>& part, const RowsRef& x,
                                           const RowsRef& k, Eigen::Index m, PairsRef out) const {
   const auto cum = part.cum.topRows(m).array();
-  for (Eigen::Index i0 = 0, s = 0; i0 < m; i0 += kDeltaSubBlock, ++s) {
-    const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
-    const bool inside = part.inside[static_cast<std::size_t>(s)] != 0;
-    const Eigen::Index width = inside ? i0 + b : i0;
-    if (width > 0) {
-      auto right = part.right.topRows(width);
-      auto left = part.left.topRows(b);
-      right.array() =
-          k.topRows(width).array() * part.right_factor.middleRows(s * chunk_, width).array();
-      left.array() = x.middleRows(i0, b).array() * part.left_factor.middleRows(i0, b).array();
-      out.block(i0, 0, b, width).noalias() = left * right.transpose();
-    }
-    if (inside) continue;
-    for (Eigen::Index i = i0; i < i0 + b; ++i) {
-      for (Eigen::Index j = i0; j <= i; ++j) {
-        out(i, j) = (x.row(i).array() * k.row(j).array() *
-                     (cum.row(i) - cum.row(j)).template cast<T>().exp())
-                        .sum();
-      }
-    }
-  }
+  for_each_sub_block(
+      part, m,
+      [&](Eigen::Index i0, Eigen::Index b, Eigen::Index s, bool inside, Eigen::Index width) {
+        if (width > 0) {
+          auto right = part.right.topRows(width);
+          auto left = part.left.topRows(b);
+          right.array() =
+              k.topRows(width).array() * part.right_factor.middleRows(s * chunk_, width).array();
+          left.array() = x.middleRows(i0, b).array() * part.left_factor.middleRows(i0, b).array();
+          out.block(i0, 0, b, width).noalias() = left * right.transpose();
+        }
+        if (inside) return;
+        for (Eigen::Index i = i0; i < i0 + b; ++i) {
+          for (Eigen::Index j = i0; j <= i; ++j) {
+            out(i, j) = (x.row(i).array() * k.row(j).array() *
+                         (cum.row(i) - cum.row(j)).template cast<T>().exp())
+                            .sum();
+          }
+        }
+      });
   out.template triangularView<Eigen::StrictlyUpper>().setZero();
 }
 
@@ -495,47 +517,48 @@ void DeltaChunkBackward<T>::feature_pair_gradients(DeltaChunkPart<T>& part, cons
                                                    Eigen::Index m, PairsRef dx, PairsRef dk,
                                                    PairsRef dcum) const {
   const auto cum = part.cum.topRows(m).array();
-  for (Eigen::Index i0 = 0, s = 0; i0 < m; i0 += kDeltaSubBlock, ++s) {
-    const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
-    const bool inside = part.inside[static_cast<std::size_t>(s)] != 0;
-    const Eigen::Index width = inside ? i0 + b : i0;
-    if (width > 0) {
-      // exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j): the rows' and the columns' factors.
-      const auto right_factor = part.right_factor.middleRows(s * chunk_, width);
-      const auto left_factor = part.left_factor.middleRows(i0, b);
-      const auto block = dpairs.block(i0, 0, b, width);
-      // The rows' share: left o (dP (k o right)).
-      auto right = part.right.topRows(width);
-      right.array() = k.topRows(width).array() * right_factor.array();
-      auto row_grad = part.block_grad.topRows(b);
-      row_grad.noalias() = block * right;
-      row_grad.array() *= left_factor.array();
-      dx.middleRows(i0, b) += row_grad;
-      dcum.middleRows(i0, b).array() += x.middleRows(i0, b).array() * row_grad.array();
-      // The columns' share: right o (dP^T (x o left)).
-      auto left = part.left.topRows(b);
-      left.array() = x.middleRows(i0, b).array() * left_factor.array();
-      auto col_grad = part.block_grad.topRows(width);
-      col_grad.noalias() = block.transpose() * left;
-      col_grad.array() *= right_factor.array();
-      dk.topRows(width) += col_grad;
-      dcum.topRows(width).array() -= k.topRows(width).array() * col_grad.array();
-    }
-    if (inside) continue;
-    for (Eigen::Index i = i0; i < i0 + b; ++i) {
-      for (Eigen::Index j = i0; j <= i; ++j) {
-        if (dpairs(i, j) == T(0)) continue;
-        const Eigen::Array<T, 1, Eigen::Dynamic> d =
-            dpairs(i, j) * (cum.row(i) - cum.row(j)).template cast<T>().exp();
-        const Eigen::Array<T, 1, Eigen::Dynamic> to_row = d * k.row(j).array();
-        const Eigen::Array<T, 1, Eigen::Dynamic> to_col = d * x.row(i).array();
-        dx.row(i).array() += to_row;
-        dk.row(j).array() += to_col;
-        dcum.row(i).array() += x.row(i).array() * to_row;
-        dcum.row(j).array() -= k.row(j).array() * to_col;
-      }
-    }
-  }
+  for_each_sub_block(
+      part, m,
+      [&](Eigen::Index i0, Eigen::Index b, Eigen::Index s, bool inside, Eigen::Index width) {
+        if (width > 0) {
+          // exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j): the rows' and the columns' factors.
+          const auto right_factor = part.right_factor.middleRows(s * chunk_, width);
+          const auto left_factor = part.left_factor.middleRows(i0, b);
+          const auto block = dpairs.block(i0, 0, b, width);
+          // The rows' share: left o (dP (k o right)).
+          auto right = part.right.topRows(width);
+          right.array() = k.topRows(width).array() * right_factor.array();
+          auto row_grad = part.block_grad.topRows(b);
+          row_grad.noalias() = block * right;
+          row_grad.array() *= left_factor.array();
+          dx.middleRows(i0, b) += row_grad;
+          dcum.middleRows(i0, b).array() += x.middleRows(i0, b).array() * row_grad.array();
+          // The columns' share: right o (dP^T (x o left)).
+          auto left = part.left.topRows(b);
+          left.array() = x.middleRows(i0, b).array() * left_factor.array();
+          auto col_grad = part.block_grad.topRows(width);
+          col_grad.noalias() = block.transpose() * left;
+          col_grad.array() *= right_factor.array();
+          dk.topRows(width) += col_grad;
+          dcum.topRows(width).array() -= k.topRows(width).array() * col_grad.array();
+        }
+        if (inside) return;
+        for (Eigen::Index i = i0; i < i0 + b; ++i) {
+          for (Eigen::Index j = i0; j <= i; ++j) {
+            if (dpairs(i, j) == T(0)) continue;
+            auto terms = part.pair_terms.array();
+            terms.row(0) = dpairs(i, j) * (cum.row(i) - cum.row(j)).template cast<T>().exp();
+            terms.row(1) = terms.row(0) * k.row(j).array();
+            terms.row(2) = terms.row(0) * x.row(i).array();
+            const auto to_row = terms.row(1);
+            const auto to_col = terms.row(2);
+            dx.row(i).array() += to_row;
+            dk.row(j).array() += to_col;
+            dcum.row(i).array() += x.row(i).array() * to_row;
+            dcum.row(j).array() -= k.row(j).array() * to_col;
+          }
+        }
+      });
 }
 
 template <class T>

@@ -1,0 +1,283 @@
+// The generalized delta rule's backward: against central finite differences of the library's
+// forward in double, and against the delta rule's own backward through the mapping that makes
+// DeltaNet and Gated DeltaNet special cases (its gradients chained by hand here).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <linattn/delta_rule.hpp>
+#include <linattn/delta_rule_backward.hpp>
+#include <linattn/dplr_delta_rule.hpp>
+#include <linattn/dplr_delta_rule_backward.hpp>
+#include <string>
+
+#include "support.hpp"
+
+// Every name of this file, apart from the other files of its bundle (LINATTN_TEST_BUNDLES).
+namespace linattn_test_dplr_delta_rule_backward {
+
+namespace {
+
+using linattn::DplrGradients;
+using linattn::DplrOptions;
+using linattn::Matrix;
+using linattn::Vector;
+using linattn_test::gaussian;
+using linattn_test::relative_error;
+
+constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
+
+/// One sequence's inputs in double: q, k, v Gaussian, a = -alpha kk and b = kk (kk unit rows,
+/// alpha in (0, 1): RWKV-7's shape, a transition of spectral radius <= 1), log gates in
+/// [-0.5, -0.01] (1 or Dk columns).
+struct Inputs {
+  Matrix<double> q, k, v, a, b, log_gates;
+  Inputs(Eigen::Index n, Eigen::Index dk, Eigen::Index dv, Eigen::Index gate_cols,
+         std::uint64_t seed)
+      : q(gaussian<double>(n, dk, seed)),
+        k(gaussian<double>(n, dk, seed + 1, 0.5)),
+        v(gaussian<double>(n, dv, seed + 2)),
+        a(n, dk),
+        b(gaussian<double>(n, dk, seed + 3)),
+        log_gates(
+            -(0.01 + 0.49 * (gaussian<double>(n, gate_cols, seed + 4).array().abs().min(1.0)))) {
+    const Matrix<double> alpha = gaussian<double>(n, dk, seed + 5).array().abs().min(0.95);
+    for (Eigen::Index t = 0; t < n; ++t) b.row(t).normalize();
+    a = -(alpha.array() * b.array()).matrix();
+  }
+};
+
+Matrix<double> forward(const Inputs& in, const DplrOptions& options) {
+  return linattn::causal_dplr_delta_rule(in.q, in.k, in.v, in.a, in.b,
+                                         linattn::log_gates(in.log_gates), options);
+}
+
+/// Central differences of L = sum(grad_out o forward) for every entry, step h (1 + |x|);
+/// g = -infinity has no neighbourhood and gets 0.
+DplrGradients<double> finite_differences(Inputs in, const Matrix<double>& grad_out,
+                                         const DplrOptions& options, double h) {
+  const auto loss = [&] { return (forward(in, options).array() * grad_out.array()).sum(); };
+  const auto differentiate = [&](Matrix<double>& x) {
+    Matrix<double> grad = Matrix<double>::Zero(x.rows(), x.cols());
+    for (Eigen::Index r = 0; r < x.rows(); ++r) {
+      for (Eigen::Index c = 0; c < x.cols(); ++c) {
+        const double keep = x(r, c);
+        if (keep == kMinusInf) continue;
+        const double step = h * (1.0 + std::abs(keep));
+        x(r, c) = keep + step;
+        const double up = loss();
+        x(r, c) = keep - step;
+        const double down = loss();
+        x(r, c) = keep;
+        grad(r, c) = (up - down) / (2.0 * step);
+      }
+    }
+    return grad;
+  };
+  DplrGradients<double> grads;
+  grads.q = differentiate(in.q);
+  grads.k = differentiate(in.k);
+  grads.v = differentiate(in.v);
+  grads.a = differentiate(in.a);
+  grads.b = differentiate(in.b);
+  grads.gates = differentiate(in.log_gates);
+  return grads;
+}
+
+/// The largest of the six gradients' relative errors, each one reported.
+double gradient_error(const DplrGradients<double>& got, const DplrGradients<double>& expected) {
+  const double q = relative_error(got.q, expected.q);
+  const double k = relative_error(got.k, expected.k);
+  const double v = relative_error(got.v, expected.v);
+  const double a = relative_error(got.a, expected.a);
+  const double b = relative_error(got.b, expected.b);
+  const double gates = relative_error(got.gates, expected.gates);
+  CAPTURE(q, k, v, a, b, gates);
+  CHECK(got.gates.rows() == expected.gates.rows());
+  CHECK(got.gates.cols() == expected.gates.cols());
+  return std::max({q, k, v, a, b, gates});
+}
+
+}  // namespace
+
+TEST_CASE("the generalized delta rule's backward matches central finite differences",
+          "[dplr_delta_rule_backward]") {
+  // Dk != Dv so that a transposed state cannot pass; N = 23 over checkpoints of 8 tokens (the
+  // last block shorter); a reset of a whole token and, per feature, of one row.
+  const Eigen::Index n = 23, dk = 5, dv = 4;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, dk}) {
+    for (const double scale : {-1.0, 1.0}) {
+      CAPTURE(gate_cols, scale);
+      Inputs in(n, dk, dv, gate_cols, 100 + static_cast<std::uint64_t>(gate_cols));
+      in.log_gates.row(9).setConstant(kMinusInf);
+      if (gate_cols > 1) in.log_gates(15, 2) = kMinusInf;
+      const Matrix<double> grad_out = gaussian<double>(n, dv, 7);
+      DplrOptions options;
+      options.chunk = 8;
+      options.scale = scale;
+      const DplrGradients<double> got = linattn::causal_dplr_delta_rule_backward(
+          in.q, in.k, in.v, in.a, in.b, linattn::log_gates(in.log_gates), grad_out, options);
+      // Step 1e-5 (1 + |x|): the loss's rounding over the step and the h^2 term both stay near
+      // 1e-10; a wrong term errs by O(1).
+      CHECK(gradient_error(got, finite_differences(in, grad_out, options, 1e-5)) <= 1e-7);
+      // A reset's gradient is 0.
+      CHECK((got.gates.row(9).array() == 0.0).all());
+    }
+  }
+}
+
+TEST_CASE("the generalized delta rule's backward for decays w_t: d / d log w = (d / d w) w",
+          "[dplr_delta_rule_backward]") {
+  const Eigen::Index n = 30, dk = 6, dv = 7;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, dk}) {
+    CAPTURE(gate_cols);
+    const Inputs in(n, dk, dv, gate_cols, 200);
+    const Matrix<double> w = in.log_gates.array().exp().matrix();
+    const Matrix<double> grad_out = gaussian<double>(n, dv, 8);
+    const DplrGradients<double> by_log = linattn::causal_dplr_delta_rule_backward(
+        in.q, in.k, in.v, in.a, in.b, linattn::log_gates(in.log_gates), grad_out);
+    const DplrGradients<double> by_w =
+        linattn::causal_dplr_delta_rule_backward(in.q, in.k, in.v, in.a, in.b, w, grad_out);
+    CHECK(relative_error((by_w.gates.array() * w.array()).matrix(), by_log.gates) <= 1e-13);
+    CHECK(relative_error(by_w.q, by_log.q) <= 1e-13);
+    CHECK(relative_error(by_w.a, by_log.a) <= 1e-13);
+  }
+}
+
+TEMPLATE_TEST_CASE(
+    "the generalized delta rule's backward gives the delta rule's gradients through the "
+    "mapping a = -beta exp(g) k, b = k, key beta k",
+    "[dplr_delta_rule_backward]", float, double) {
+  using T = TestType;
+  // Gated DeltaNet (one gate a token) and KDA (one per key feature), the delta rule's chunked
+  // backward on one side, this one on the other: N = 200 spans several checkpoints of both.
+  const Eigen::Index n = 200, dk = 16, dv = 12;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, dk}) {
+    CAPTURE(gate_cols);
+    const Matrix<T> q = gaussian<double>(n, dk, 300).cast<T>();
+    Matrix<T> k = gaussian<double>(n, dk, 301).cast<T>();
+    for (Eigen::Index t = 0; t < n; ++t) k.row(t) *= T(0.9) / k.row(t).norm();
+    const Matrix<T> v = gaussian<double>(n, dv, 302).cast<T>();
+    const Vector<T> beta =
+        (0.05 + 0.9 * gaussian<double>(n, 1, 303).array().abs().min(1.0)).matrix().cast<T>();
+    const Matrix<T> g =
+        (-(0.01 + 0.49 * gaussian<double>(n, gate_cols, 304).array().abs().min(1.0)))
+            .matrix()
+            .cast<T>();
+    const Matrix<T> grad_out = gaussian<double>(n, dv, 305).cast<T>();
+    linattn::DeltaOptions delta_options;  // scale Dk^-1/2, keys as given
+    const auto delta = linattn::causal_gated_delta_rule_backward(q, k, v, linattn::log_gates(g),
+                                                                 beta, grad_out, delta_options);
+    // The mapping: decay exp(g) o k in a (the low rank reads S_{t-1}), the key beta k.
+    Matrix<T> decayed_k(n, dk);
+    for (Eigen::Index t = 0; t < n; ++t) {
+      for (Eigen::Index d = 0; d < dk; ++d) {
+        decayed_k(t, d) = std::exp(g(t, gate_cols == 1 ? 0 : d)) * k(t, d);
+      }
+    }
+    const Matrix<T> a = -(decayed_k.array().colwise() * beta.array()).matrix();
+    const Matrix<T> key = (k.array().colwise() * beta.array()).matrix();
+    const DplrGradients<T> dplr = linattn::causal_dplr_delta_rule_backward(
+        q, key, v, a, k, linattn::log_gates(g), grad_out, DplrOptions{});
+    // The chain rule through a(beta, g, k), b = k and key(beta, k), in double.
+    const Matrix<double> da = dplr.a.template cast<double>();
+    const Matrix<double> dkey = dplr.k.template cast<double>();
+    const Matrix<double> kd = k.template cast<double>(), ad = a.template cast<double>();
+    const Vector<double> bd = beta.template cast<double>();
+    Matrix<double> grad_k =
+        dplr.b.template cast<double>() + (dkey.array().colwise() * bd.array()).matrix();
+    Matrix<double> grad_gates(n, gate_cols);
+    Vector<double> grad_beta(n);
+    for (Eigen::Index t = 0; t < n; ++t) {
+      for (Eigen::Index d = 0; d < dk; ++d) {
+        // a_td = -beta_t exp(g_td) k_td.
+        const double factor = -bd(t) * std::exp(static_cast<double>(g(t, gate_cols == 1 ? 0 : d)));
+        grad_k(t, d) += da(t, d) * factor;
+      }
+      // d a / d beta = a / beta, d key / d beta = k.
+      grad_beta(t) = (da.row(t).array() * ad.row(t).array()).sum() / bd(t) +
+                     (dkey.row(t).array() * kd.row(t).array()).sum();
+      // d a / d g = a (per feature, or summed over them for one gate a token).
+      if (gate_cols == 1) {
+        grad_gates(t, 0) = dplr.gates.template cast<double>()(t, 0) +
+                           (da.row(t).array() * ad.row(t).array()).sum();
+      } else {
+        grad_gates.row(t) = dplr.gates.template cast<double>().row(t).array() +
+                            da.row(t).array() * ad.row(t).array();
+      }
+    }
+    const double bound = std::is_same_v<T, float> ? 1e-4 : 1e-10;
+    CHECK(relative_error(dplr.q.template cast<double>(), delta.q.template cast<double>()) <= bound);
+    CHECK(relative_error(dplr.v.template cast<double>(), delta.v.template cast<double>()) <= bound);
+    CHECK(relative_error(grad_k, delta.k.template cast<double>()) <= bound);
+    CHECK(relative_error(grad_beta, delta.beta.template cast<double>()) <= bound);
+    CHECK(relative_error(grad_gates, delta.gates.template cast<double>()) <= bound);
+  }
+}
+
+TEST_CASE("the generalized delta rule's backward accumulates float inputs in double",
+          "[dplr_delta_rule_backward]") {
+  const Eigen::Index n = 40, dk = 8, dv = 8;
+  const Inputs in(n, dk, dv, dk, 400);
+  const Matrix<double> grad_out = gaussian<double>(n, dv, 9);
+  const auto f = [](const Matrix<double>& x) { return Matrix<float>(x.cast<float>()); };
+  const DplrGradients<float> in_double = linattn::causal_dplr_delta_rule_backward<double>(
+      f(in.q), f(in.k), f(in.v), f(in.a), f(in.b), linattn::log_gates(f(in.log_gates)),
+      f(grad_out));
+  const DplrGradients<float> in_float =
+      linattn::causal_dplr_delta_rule_backward(f(in.q), f(in.k), f(in.v), f(in.a), f(in.b),
+                                               linattn::log_gates(f(in.log_gates)), f(grad_out));
+  const DplrGradients<double> reference = linattn::causal_dplr_delta_rule_backward(
+      Matrix<double>(f(in.q).cast<double>()), Matrix<double>(f(in.k).cast<double>()),
+      Matrix<double>(f(in.v).cast<double>()), Matrix<double>(f(in.a).cast<double>()),
+      Matrix<double>(f(in.b).cast<double>()),
+      linattn::log_gates(Matrix<double>(f(in.log_gates).cast<double>())),
+      Matrix<double>(f(grad_out).cast<double>()));
+  const double error_double = relative_error(in_double.a.cast<double>(), reference.a);
+  const double error_float = relative_error(in_float.a.cast<double>(), reference.a);
+  CAPTURE(error_double, error_float);
+  CHECK(error_double <= 1e-6);
+  CHECK(error_float <= 1e-4);
+}
+
+TEST_CASE("the generalized delta rule's backward rejects bad input and writes nothing",
+          "[dplr_delta_rule_backward]") {
+  const Eigen::Index n = 10, dk = 4, dv = 3;
+  const Inputs in(n, dk, dv, 1, 500);
+  const Matrix<double> grad_out = gaussian<double>(n, dv, 10);
+  DplrGradients<double> grads;
+  grads.q = Matrix<double>::Constant(2, 2, 7.0);
+  const auto rejects = [&](const std::string& needle, auto&& call) {
+    CAPTURE(needle);
+    try {
+      call();
+      FAIL("no Error");
+    } catch (const linattn::Error& e) {
+      CHECK(std::string(e.what()).find(needle) != std::string::npos);
+    }
+    CHECK(grads.q.rows() == 2);  // untouched
+    CHECK(grads.q(0, 0) == 7.0);
+  };
+  const auto g = linattn::log_gates(in.log_gates);
+  rejects("grad_out", [&] {
+    linattn::causal_dplr_delta_rule_backward_into(in.q, in.k, in.v, in.a, in.b, g,
+                                                  grad_out.leftCols(2), grads);
+  });
+  rejects("a is", [&] {
+    linattn::causal_dplr_delta_rule_backward_into(in.q, in.k, in.v, in.a.topRows(n - 1), in.b, g,
+                                                  grad_out, grads);
+  });
+  Matrix<double> bad_out = grad_out;
+  bad_out(3, 1) = std::numeric_limits<double>::quiet_NaN();
+  rejects("grad_out", [&] {
+    linattn::causal_dplr_delta_rule_backward_into(in.q, in.k, in.v, in.a, in.b, g, bad_out, grads);
+  });
+  Matrix<double> positive = in.log_gates;
+  positive(2, 0) = 0.5;
+  rejects("gates", [&] {
+    linattn::causal_dplr_delta_rule_backward_into(in.q, in.k, in.v, in.a, in.b,
+                                                  linattn::log_gates(positive), grad_out, grads);
+  });
+}
+
+}  // namespace linattn_test_dplr_delta_rule_backward
