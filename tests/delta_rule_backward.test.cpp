@@ -148,24 +148,7 @@ DeltaRuleGradients<double> naive_backward(const Inputs& in, const Matrix<double>
 DeltaRuleGradients<double> finite_differences(Inputs in, const Matrix<double>& grad_out,
                                               const DeltaOptions& options, double h) {
   const auto loss = [&] { return (forward(in, options).array() * grad_out.array()).sum(); };
-  const auto differentiate = [&](auto& x) {
-    using X = std::decay_t<decltype(x)>;
-    X grad = X::Zero(x.rows(), x.cols());
-    for (Eigen::Index r = 0; r < x.rows(); ++r) {
-      for (Eigen::Index c = 0; c < x.cols(); ++c) {
-        const double keep = x(r, c);
-        if (keep == kMinusInf) continue;
-        const double step = h * (1.0 + std::abs(keep));
-        x(r, c) = keep + step;
-        const double up = loss();
-        x(r, c) = keep - step;
-        const double down = loss();
-        x(r, c) = keep;
-        grad(r, c) = (up - down) / (2.0 * step);
-      }
-    }
-    return grad;
-  };
+  const auto differentiate = [&](auto& x) { return linattn_test::central_differences(x, loss, h); };
   DeltaRuleGradients<double> grads;
   grads.q = differentiate(in.q);
   grads.k = differentiate(in.k);

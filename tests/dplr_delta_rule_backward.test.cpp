@@ -58,21 +58,7 @@ DplrGradients<double> finite_differences(Inputs in, const Matrix<double>& grad_o
                                          const DplrOptions& options, double h) {
   const auto loss = [&] { return (forward(in, options).array() * grad_out.array()).sum(); };
   const auto differentiate = [&](Matrix<double>& x) {
-    Matrix<double> grad = Matrix<double>::Zero(x.rows(), x.cols());
-    for (Eigen::Index r = 0; r < x.rows(); ++r) {
-      for (Eigen::Index c = 0; c < x.cols(); ++c) {
-        const double keep = x(r, c);
-        if (keep == kMinusInf) continue;
-        const double step = h * (1.0 + std::abs(keep));
-        x(r, c) = keep + step;
-        const double up = loss();
-        x(r, c) = keep - step;
-        const double down = loss();
-        x(r, c) = keep;
-        grad(r, c) = (up - down) / (2.0 * step);
-      }
-    }
-    return grad;
+    return linattn_test::central_differences(x, loss, h);
   };
   DplrGradients<double> grads;
   grads.q = differentiate(in.q);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <linattn/config.hpp>
 #include <random>
 
@@ -32,6 +33,27 @@ double relative_error(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB
   const double scale = b.template cast<double>().cwiseAbs().maxCoeff();
   const double diff = (a.template cast<double>() - b.template cast<double>()).cwiseAbs().maxCoeff();
   return scale > 0 ? diff / scale : diff;
+}
+
+/// Central differences of loss() in every entry of x, step h (1 + |x|), x restored after each;
+/// an entry of -infinity (a reset gate: no neighbourhood) gets 0.
+template <class X, class Loss>
+X central_differences(X& x, const Loss& loss, double h) {
+  X grad = X::Zero(x.rows(), x.cols());
+  for (Eigen::Index r = 0; r < x.rows(); ++r) {
+    for (Eigen::Index c = 0; c < x.cols(); ++c) {
+      const double keep = x(r, c);
+      if (keep == -std::numeric_limits<double>::infinity()) continue;
+      const double step = h * (1.0 + std::abs(keep));
+      x(r, c) = keep + step;
+      const double up = loss();
+      x(r, c) = keep - step;
+      const double down = loss();
+      x(r, c) = keep;
+      grad(r, c) = (up - down) / (2.0 * step);
+    }
+  }
+  return grad;
 }
 
 /// Naive causal (or full) linear attention straight from the formula, in double:
