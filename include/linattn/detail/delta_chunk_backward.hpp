@@ -363,8 +363,7 @@ class DeltaChunkBackward {
   }
 
   /// Reverse mode over piece [p, p + m) of chunk c.
-  void backward_piece(DeltaChunkPart<T>& part, Eigen::Index c, Eigen::Index p, Eigen::Index m,
-                      bool log_space);
+  void backward_piece(DeltaChunkPart<T>& part, Eigen::Index c, Eigen::Index p, Eigen::Index m);
 
   /// The end of the piece that starts at p (scalar gates: the next reset; else len).
   Eigen::Index piece_end(const DeltaChunkPart<T>& part, Eigen::Index p, Eigen::Index len) const {
@@ -614,7 +613,7 @@ void DeltaChunkBackward<T>::backward_chunk(DeltaChunkPart<T>& part, Eigen::Index
   for (Eigen::Index end = len; end > 0;) {
     Eigen::Index p = end - 1;
     while (p > 0 && (gates_ != 1 || part.reset[static_cast<std::size_t>(p)] == 0)) --p;
-    backward_piece(part, c, p, end - p, log_space);
+    backward_piece(part, c, p, end - p);
     end = p;
   }
   if (gates_ > 0) {
@@ -640,8 +639,7 @@ void DeltaChunkBackward<T>::backward_chunk(DeltaChunkPart<T>& part, Eigen::Index
 
 template <class T>
 void DeltaChunkBackward<T>::backward_piece(DeltaChunkPart<T>& part, Eigen::Index c, Eigen::Index p,
-                                           Eigen::Index m, bool log_space) {
-  static_cast<void>(log_space);
+                                           Eigen::Index m) {
   const Eigen::Index begin = c * chunk_;
   const bool reset = gates_ == 1 && part.reset[static_cast<std::size_t>(p)] != 0;
   // S0: the chunk's checkpoint for its first piece, zero after a reset or before the sequence.
