@@ -175,7 +175,6 @@ class DeltaChunkBackward {
                Eigen::Index gate_dim, const DeltaOptions& options, int threads) {
     n_ = rows;
     dk_ = key_dim;
-    dv_ = value_dim;
     gates_ = gate_dim;
     chunk_ = std::max<Eigen::Index>(1, std::min(options.chunk, rows));
     scale_ = static_cast<T>(delta_scale(options, key_dim));
@@ -393,7 +392,7 @@ class DeltaChunkBackward {
     }
   }
 
-  Eigen::Index n_ = 0, dk_ = 0, dv_ = 0, chunk_ = 1, gates_ = 0;
+  Eigen::Index n_ = 0, dk_ = 0, chunk_ = 1, gates_ = 0;
   T scale_ = T(1);
   bool l2_normalize_ = false;
   std::vector<DeltaChunkPart<T>> parts_;

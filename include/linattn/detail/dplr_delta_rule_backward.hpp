@@ -130,7 +130,7 @@ class DplrBackward {
     }
   }
 
-  Eigen::Index n_ = 0, dk_ = 0, dv_ = 0, gates_ = 1, block_ = 1;
+  Eigen::Index n_ = 0, dk_ = 0, gates_ = 1, block_ = 1;
   T scale_ = T(1);
   DplrOptions options_;
   Matrix<T> checkpoints_;       ///< (blocks Dk) x Dv: S before each block's first token
@@ -155,7 +155,6 @@ void DplrBackward<T>::reshape(Eigen::Index rows, Eigen::Index key_dim, Eigen::In
                               Eigen::Index gate_dim, const DplrOptions& options) {
   n_ = rows;
   dk_ = key_dim;
-  dv_ = value_dim;
   gates_ = gate_dim;
   block_ = checkpoint_interval(options.chunk, rows);
   scale_ = static_cast<T>(dplr_scale(options, key_dim));
