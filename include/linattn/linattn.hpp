@@ -24,6 +24,7 @@
 #include <linattn/multi_head_backward.hpp>
 #include <linattn/output_norm.hpp>
 #include <linattn/recurrent_state.hpp>
+#include <linattn/rwkv7_time_mix.hpp>
 #include <linattn/session_pool.hpp>
 #include <linattn/short_conv.hpp>
 #include <linattn/softmax.hpp>

@@ -253,7 +253,8 @@ enum class PartKind : std::uint8_t {
   kv_caches = 3,      ///< KVCacheBatch: H caches
   gated_delta_net = 4,
   mamba2 = 5,
-  dplr_states = 6,  ///< DplrDeltaRuleStateBatch: H states
+  dplr_states = 6,     ///< DplrDeltaRuleStateBatch: H states
+  rwkv7_time_mix = 7,  ///< Rwkv7TimeMixStates: the last x, then H states
 };
 
 /// What a pool knows of each kind K of layer state, a session holding one K of batch 1:
