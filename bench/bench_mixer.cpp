@@ -18,6 +18,14 @@
 // gate before the norm), RWKV-7's 64 heads of 64 (GroupNorm, ungated); N = 4,096 tokens (DRAM)
 // and 64 (in cache); float, one thread, real time. bytes_per_s counts the bytes each pass moves.
 //
+// RWKV-7's time mixing (Rwkv7TimeMix: the token shift, W_r, W_k, W_v, the four LoRAs, kk, the
+// generalized delta rule, ln_x, the bonus, the gate) against its two floors in the same binary:
+// the same GEMMs alone on ready inputs (Eigen's sgemm: every projection and LoRA of the
+// layer) and the bare recurrence (DplrDeltaRuleLayer::forward_into on ready r, k, v, a, b and
+// log w); the mixer's time over the two floors' sum says what its glue costs. Shapes: RWKV-7
+// 1.5B (C = 2,048: 32 heads of 64, LoRA ranks 96, 96, 64, 256) at N = 4,096 and its step (the
+// GEMMs at N = B then are matrix-vector products), and a small one (2 heads of 64, ranks 16).
+//
 // A session's blob (SessionPool<>::save_bytes, add_bytes): one Qwen3.5-9B Gated DeltaNet
 // layer's save and load in each storage (exact, bf16, int8), with the blob's bytes and those
 // of the model's 24 linear layers; and the drift of each storage against the states kept in
@@ -25,10 +33,12 @@
 // every step, on Qwen3.5's heads of 128 (2 q/k over 4 v heads: every head runs alike); and
 // a speculative round's rollback through the pool (restore from a snapshot) beside one step.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <linattn/draft_ring.hpp>
 #include <linattn/gated_delta_net.hpp>
 #include <linattn/output_norm.hpp>
+#include <linattn/rwkv7_time_mix.hpp>
 #include <linattn/session_pool.hpp>
 #include <vector>
 
@@ -286,6 +296,143 @@ void BM_GatedDeltaStepBare(benchmark::State& state) {
   linattn_bench::set_rates(state, mixer_flops(shape, batch), double(batch));
 }
 
+/// RWKV-7 1.5B's layer (32 heads of 64, LoRA ranks w 96, a 96, v 64, g 256), or a small one.
+struct Rwkv7Case {
+  Eigen::Index heads, w_rank, a_rank, v_rank, g_rank;
+  Eigen::Index channels() const { return heads * 64; }
+};
+Rwkv7Case rwkv7_case(bool big) {
+  return big ? Rwkv7Case{32, 96, 96, 64, 256} : Rwkv7Case{2, 16, 16, 16, 16};
+}
+
+/// Useful FLOPs per token: the GEMMs (2 C^2 each of W_r, W_k, W_v; 4 C L per LoRA) and the
+/// recurrence (8 Dk Dv per head, the count).
+double rwkv7_flops(const Rwkv7Case& c, Eigen::Index tokens) {
+  const double ch = double(c.channels());
+  const double ranks = double(c.w_rank + c.a_rank + c.v_rank + c.g_rank);
+  return double(tokens) * (6.0 * ch * ch + 4.0 * ch * ranks + 8.0 * 64.0 * 64.0 * double(c.heads));
+}
+
+linattn::Rwkv7TimeMix<float> make_rwkv7(const Rwkv7Case& c) {
+  const Eigen::Index ch = c.channels();
+  const float s = 1.0f / std::sqrt(float(ch));
+  linattn::Rwkv7TimeMixWeights<float> w;
+  std::uint64_t seed = 40;
+  const auto vec = [&](double stddev, double mean) {
+    return Vector<float>(
+        (random_matrix<float>(ch, 1, seed++, stddev).array() + float(mean)).matrix());
+  };
+  const auto mat = [&](Eigen::Index rows, Eigen::Index cols, double stddev) {
+    return random_matrix<float>(rows, cols, seed++, stddev);
+  };
+  for (auto* mix : {&w.x_r, &w.x_w, &w.x_k, &w.x_v, &w.x_a, &w.x_g}) {
+    *mix = vec(0.2, 0.5).cwiseMax(0.0f).cwiseMin(1.0f);
+  }
+  w.receptance = mat(ch, ch, s), w.key = mat(ch, ch, s), w.value = mat(ch, ch, s);
+  w.w1 = mat(ch, c.w_rank, s), w.w2 = mat(c.w_rank, ch, 0.1), w.w0 = vec(0.5, -0.5);
+  w.a1 = mat(ch, c.a_rank, s), w.a2 = mat(c.a_rank, ch, 0.1), w.a0 = vec(0.5, 0);
+  w.v1 = mat(ch, c.v_rank, s), w.v2 = mat(c.v_rank, ch, 0.1), w.v0 = vec(0.5, 0);
+  w.g1 = mat(ch, c.g_rank, s), w.g2 = mat(c.g_rank, ch, 0.1);
+  w.k_k = vec(0.1, 1), w.k_a = vec(0.1, 1), w.r_k = mat(c.heads, 64, 0.5);
+  w.ln_x_weight = vec(0.1, 1), w.ln_x_bias = vec(0.1, 0);
+  linattn::Rwkv7TimeMixShape shape;
+  shape.heads = c.heads;
+  shape.head_dim = 64;
+  linattn::Rwkv7TimeMixOptions options;
+  options.threads = 1;
+  return linattn::Rwkv7TimeMix<float>(shape, w, options);
+}
+
+/// The whole time mixing over one sequence of N tokens (forward_into), or, with N = B, one
+/// decoding step of B sequences (step_into).
+void BM_Rwkv7TimeMix(benchmark::State& state) {
+  const Rwkv7Case c = rwkv7_case(state.range(0) != 0);
+  const Eigen::Index tokens = state.range(1);
+  const bool step = state.range(2) != 0;
+  const linattn::Rwkv7TimeMix<float> mix = make_rwkv7(c);
+  const Eigen::Index ch = c.channels();
+  const Matrix<float> x = random_matrix<float>(tokens, ch, 50);
+  Matrix<float> v_first = random_matrix<float>(tokens, ch, 51), y(tokens, ch);
+  const BnhdShape heads =
+      step ? BnhdShape(tokens, 1, c.heads, 64) : BnhdShape(1, tokens, c.heads, 64);
+  const BnhdShape rows = step ? BnhdShape(tokens, 1, 1, ch) : BnhdShape(1, tokens, 1, ch);
+  const auto xv = ConstHeadsView<float>::bnhd(x.data(), rows);
+  const auto fv = HeadsView<float>::bnhd(v_first.data(), heads);
+  const auto out = HeadsView<float>::bnhd(y.data(), heads);
+  auto states = mix.make_states(step ? tokens : 1);
+  measure(state, [&] {
+    if (step) {
+      mix.step_into(states, xv, fv, out);
+    } else {
+      mix.forward_into(xv, fv, out);
+    }
+    benchmark::DoNotOptimize(y.data());
+  });
+  linattn_bench::set_rates(state, rwkv7_flops(c, tokens), double(tokens));
+}
+
+/// The layer's GEMMs alone (Eigen's sgemm) on N ready rows: r, k, v from three shifted inputs,
+/// and each LoRA's two products.
+void BM_Rwkv7Gemms(benchmark::State& state) {
+  const Rwkv7Case c = rwkv7_case(state.range(0) != 0);
+  const Eigen::Index tokens = state.range(1), ch = c.channels();
+  const Matrix<float> in = random_matrix<float>(6 * tokens, ch, 60);
+  const Matrix<float> w = random_matrix<float>(ch, ch, 61, 0.02);
+  const Eigen::Index ranks[] = {c.w_rank, c.a_rank, c.v_rank, c.g_rank};
+  std::vector<Matrix<float>> down, up;
+  for (const Eigen::Index r : ranks) {
+    down.push_back(random_matrix<float>(ch, r, 62, 0.02));
+    up.push_back(random_matrix<float>(r, ch, 63, 0.1));
+  }
+  Matrix<float> out(3 * tokens, ch), lora(tokens, ch), hidden(tokens, 256);
+  measure(state, [&] {
+    for (Eigen::Index i = 0; i < 3; ++i) {
+      out.middleRows(i * tokens, tokens).noalias() =
+          in.middleRows(i * tokens, tokens) * w.transpose();
+    }
+    for (std::size_t i = 0; i < 4; ++i) {
+      const Eigen::Index r = ranks[i];
+      hidden.leftCols(r).noalias() =
+          in.middleRows((3 + Eigen::Index(i) % 3) * tokens, tokens) * down[i];
+      lora.noalias() = hidden.leftCols(r) * up[i];
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::DoNotOptimize(lora.data());
+  });
+  linattn_bench::set_rates(state, rwkv7_flops(c, tokens), double(tokens));
+}
+
+/// The recurrence alone: DplrDeltaRuleLayer::forward_into on ready [1, N, H, 64] views.
+void BM_Rwkv7Recurrence(benchmark::State& state) {
+  const Rwkv7Case c = rwkv7_case(state.range(0) != 0);
+  const Eigen::Index tokens = state.range(1), ch = c.channels();
+  linattn::DplrOptions options;
+  options.scale = 1.0;
+  options.threads = 1;
+  const linattn::DplrDeltaRuleLayer<float> layer(c.heads, 64, 64, options);
+  const Matrix<float> r = random_matrix<float>(tokens, ch, 70),
+                      k = random_matrix<float>(tokens, ch, 71);
+  const Matrix<float> v = random_matrix<float>(tokens, ch, 72);
+  Matrix<float> kk = random_matrix<float>(tokens, ch, 73);
+  for (Eigen::Index t = 0; t < tokens; ++t) {
+    for (Eigen::Index h = 0; h < c.heads; ++h) kk.row(t).segment(h * 64, 64).normalize();
+  }
+  const Matrix<float> a = -kk, b = 0.5f * kk;
+  const Matrix<float> log_w = Matrix<float>::Constant(tokens, ch, -0.3f);
+  Matrix<float> y(tokens, ch);
+  const BnhdShape shape(1, tokens, c.heads, 64);
+  const auto view = [&](const Matrix<float>& m) {
+    return ConstHeadsView<float>::bnhd(m.data(), shape);
+  };
+  const auto out = HeadsView<float>::bnhd(y.data(), shape);
+  measure(state, [&] {
+    layer.forward_into(view(r), view(k), view(v), view(a), view(b), linattn::log_gates(view(log_w)),
+                       out);
+    benchmark::DoNotOptimize(y.data());
+  });
+  linattn_bench::set_rates(state, rwkv7_flops(c, tokens), double(tokens));
+}
+
 /// One round of speculative decoding through the mixer, K = 4 drafts of which m = 2 are kept,
 /// B sequences: mode 0 plain (4 steps, no rollback: the cost to compare with), 1 the DraftRing
 /// (begin, 4 steps each recorded, rollback to 2), 2 replay (a copy of the accepted states, 4
@@ -503,6 +650,34 @@ int main(int argc, char** argv) {
           ->UseRealTime()
           ->Unit(benchmark::kMillisecond);
     }
+  }
+  // (RWKV-7 1.5B or small, N): the whole time mixing and its two floors side by side, then
+  // its step at B = 1 beside the GEMMs of one row.
+  std::vector<std::pair<std::int64_t, std::int64_t>> rwkv7{{0, 1024}};
+  if (!quick) rwkv7.push_back({1, 4096});
+  for (const auto& [big, tokens] : rwkv7) {
+    benchmark::RegisterBenchmark("BM_Rwkv7TimeMix<float>", BM_Rwkv7TimeMix)
+        ->Args({big, tokens, 0})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("BM_Rwkv7Gemms<float>", BM_Rwkv7Gemms)
+        ->Args({big, tokens})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("BM_Rwkv7Recurrence<float>", BM_Rwkv7Recurrence)
+        ->Args({big, tokens})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (const std::int64_t big : {0, 1}) {
+    benchmark::RegisterBenchmark("BM_Rwkv7TimeMix<float>", BM_Rwkv7TimeMix)
+        ->Args({big, 1, 1})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark("BM_Rwkv7Gemms<float>", BM_Rwkv7Gemms)
+        ->Args({big, 1})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
   }
   for (const std::int64_t qwen : {0, 1}) {
     for (const std::int64_t batch : {1, 8}) {

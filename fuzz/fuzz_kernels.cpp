@@ -163,6 +163,7 @@ void run(const Input& in) {
   run_conv<T>(in, q, k, v, bounded);
   run_gated_delta_net<T>(in, q, k, v, bounded);
   run_mamba2<T>(in, q, k, v, bounded);
+  run_rwkv7_time_mix<T>(in, q, k, bounded);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <linattn/gated_delta_net.hpp>
 #include <linattn/layer.hpp>
 #include <linattn/mamba2.hpp>
+#include <linattn/rwkv7_time_mix.hpp>
 #include <linattn/session_pool.hpp>
 #include <linattn/short_conv.hpp>
 
@@ -767,6 +768,90 @@ void run_mamba2(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const M
   require_close("Mamba2: prefill then steps vs forward", pieces, forward, tol);
 }
 
+/// RWKV-7's time mixing over one sequence: H = 1 head of D = Dk, its x from q, every weight a
+/// fixed pattern scaled by 1 / D (LoRA ranks 1 + seed % 3), the first layer or not by a seed bit
+/// (v_first from k). With bounded input it never throws and is finite; prefill of the first
+/// `split` tokens then steps stay close to the forward (the GroupNorm divides the recurrence's
+/// rounding by at most sqrt(64e-5)); a copy of the states steps to the same bits.
+template <class T>
+void run_rwkv7_time_mix(const Input& in, const Matrix<T>& q, const Matrix<T>& k, bool bounded) {
+  linattn::Rwkv7TimeMixShape shape;
+  shape.heads = 1;
+  shape.head_dim = in.dk;
+  shape.first_layer = (in.seed & 128u) != 0;
+  const Index c = in.dk, n = in.n, rank = 1 + static_cast<Index>(in.seed % 3);
+  const auto pattern = [&](Index rows, Index cols, int salt) {
+    Matrix<T> m(rows, cols);
+    for (Index r = 0; r < rows; ++r) {
+      for (Index j = 0; j < cols; ++j) {
+        m(r, j) = T(((r * 7 + j * 3 + salt) % 11) - 5) / T(5 * c);
+      }
+    }
+    return m;
+  };
+  const auto vector = [&](double low, double high) {
+    return Vector<T>::LinSpaced(c, static_cast<T>(low), static_cast<T>(high));
+  };
+  linattn::Rwkv7TimeMixWeights<T> w;
+  w.x_r = vector(0, 1), w.x_w = vector(1, 0), w.x_k = vector(0.2, 0.8);
+  w.x_v = vector(0.5, 0.5), w.x_a = vector(0.9, 0.1), w.x_g = vector(0.3, 0.6);
+  w.receptance = pattern(c, c, 1), w.key = pattern(c, c, 2), w.value = pattern(c, c, 3);
+  w.w1 = pattern(c, rank, 4), w.w2 = pattern(rank, c, 5), w.w0 = vector(-1, 1);
+  w.a1 = pattern(c, rank, 6), w.a2 = pattern(rank, c, 7), w.a0 = vector(1, -1);
+  w.v1 = pattern(c, rank, 8), w.v2 = pattern(rank, c, 9), w.v0 = vector(0, 0.5);
+  w.g1 = pattern(c, rank, 10), w.g2 = pattern(rank, c, 11);
+  w.k_k = vector(0.8, 1.2), w.k_a = vector(0.5, 1), w.r_k = pattern(1, c, 12);
+  w.ln_x_weight = vector(0.5, 1.5), w.ln_x_bias = vector(-0.1, 0.1);
+  linattn::Rwkv7TimeMixOptions options;
+  options.check_finite = in.options.check_finite;
+  options.chunk = in.options.chunk;
+  std::optional<linattn::Rwkv7TimeMix<T>> mixer;
+  if (!attempt("Rwkv7TimeMix", options.chunk >= 1, [&] { mixer.emplace(shape, w, options); })) {
+    return;
+  }
+  const auto x_view = [&](Index first, Index count) {
+    return linattn::ConstHeadsView<T>(q.data() + first * c, 1, 1, count, c,
+                                      linattn::HeadStrides{0, c, c, 1});
+  };
+  const auto heads = [&](Matrix<T>& m, Index first, Index count) {
+    return linattn::HeadsView<T>(m.data() + first * c, 1, 1, count, c,
+                                 linattn::HeadStrides{0, c, c, 1});
+  };
+  Matrix<T> v_first = k.leftCols(c), forward(n, c), pieces(n, c);
+  if (!attempt("Rwkv7TimeMix::forward", bounded, [&] {
+        mixer->forward_into(x_view(0, n), heads(v_first, 0, n), heads(forward, 0, n));
+      })) {
+    return;
+  }
+  if (!bounded) return;
+  require_finite("Rwkv7TimeMix::forward", forward);
+  auto states = mixer->make_states(1);
+  std::optional<linattn::Rwkv7TimeMixStates<T>> copy;
+  Matrix<T> from_copy(1, c), first_copy = v_first.bottomRows(1);
+  attempt("Rwkv7TimeMix::prefill and step", true, [&] {
+    if (in.split > 0) {
+      mixer->prefill_into(states, x_view(0, in.split), heads(v_first, 0, in.split),
+                          heads(pieces, 0, in.split));
+    }
+    for (Index t = in.split; t < n; ++t) {
+      if (t == n - 1) copy.emplace(states);
+      mixer->step_into(states, x_view(t, 1), heads(v_first, t, 1), heads(pieces, t, 1));
+    }
+    if (copy)
+      mixer->step_into(*copy, x_view(n - 1, 1), heads(first_copy, 0, 1), heads(from_copy, 0, 1));
+  });
+  const Matrix<T> last = pieces.bottomRows(1);
+  if (copy && !bit_equal(from_copy, last)) {
+    fail("Rwkv7TimeMix: a copy of the states steps to other bits");
+  }
+  // |r|, |k|, |v| <= |x| (each weight row sums to at most 1 in absolute value); S's entries
+  // stay below n |k| |v|; the GroupNorm multiplies errors by 1 / sqrt(64e-5) = 40 at most.
+  const double x = std::max(max_abs(q), 1.0), values = std::max(max_abs(k), x);
+  const double tol = kRelTol<T> * (1.0 + 2.0 * static_cast<double>(n)) * 40.0 * 1.5 * x * values *
+                     x * std::sqrt(static_cast<double>(c)) * 10.0;
+  require_close("Rwkv7TimeMix: prefill then steps vs forward", pieces, forward, tol);
+}
+
 template void run_softmax<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
                                  const Matrix<float>&, bool);
 template void run_softmax<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
@@ -792,5 +877,9 @@ template void run_mamba2<float>(const Input&, const Matrix<float>&, const Matrix
                                 const Matrix<float>&, bool);
 template void run_mamba2<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
                                  const Matrix<double>&, bool);
+template void run_rwkv7_time_mix<float>(const Input&, const Matrix<float>&, const Matrix<float>&,
+                                        bool);
+template void run_rwkv7_time_mix<double>(const Input&, const Matrix<double>&, const Matrix<double>&,
+                                         bool);
 
 }  // namespace linattn_fuzz

@@ -278,4 +278,8 @@ template <class T>
 void run_mamba2(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                 bool bounded);
 
+/// RWKV-7's time-mixing mixer, forward, prefill and steps (fuzz_kernels_delta.cpp).
+template <class T>
+void run_rwkv7_time_mix(const Input& in, const Matrix<T>& q, const Matrix<T>& k, bool bounded);
+
 }  // namespace linattn_fuzz

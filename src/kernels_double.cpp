@@ -6,6 +6,7 @@
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
 #include <linattn/detail/dplr_delta_rule.hpp>
+#include <linattn/detail/dplr_chunk_backward.hpp>
 #include <linattn/detail/dplr_delta_rule_backward.hpp>
 #include <linattn/detail/gradient_stream.hpp>
 #include <linattn/dplr_delta_rule.hpp>
@@ -30,6 +31,7 @@ LINATTN_DELTA_STEP_INSTANCES(template, double)
 LINATTN_DPLR_STEP_INSTANCES(template, double)
 LINATTN_DELTA_BACKWARD_INSTANCES(template, double)
 template class linattn::detail::DplrBackward<double>;
+template class linattn::detail::DplrChunkBackward<double>;
 LINATTN_GRADIENT_INSTANCES(template, double)
 LINATTN_SOFTMAX_INSTANCES(template, double)
 LINATTN_CONV_INSTANCES(template, double)

@@ -6,6 +6,7 @@
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
 #include <linattn/detail/dplr_delta_rule.hpp>
+#include <linattn/detail/dplr_chunk_backward.hpp>
 #include <linattn/detail/dplr_delta_rule_backward.hpp>
 #include <linattn/detail/gradient_stream.hpp>
 #include <linattn/dplr_delta_rule.hpp>
@@ -31,6 +32,7 @@ LINATTN_DELTA_STEP_INSTANCES(template, float)
 LINATTN_DPLR_STEP_INSTANCES(template, float)
 LINATTN_DELTA_BACKWARD_INSTANCES(template, float)
 template class linattn::detail::DplrBackward<float>;
+template class linattn::detail::DplrChunkBackward<float>;
 LINATTN_GRADIENT_INSTANCES(template, float)
 LINATTN_SOFTMAX_INSTANCES(template, float)
 LINATTN_CONV_INSTANCES(template, float)

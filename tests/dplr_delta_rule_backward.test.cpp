@@ -112,6 +112,47 @@ TEST_CASE("the generalized delta rule's backward matches central finite differen
   }
 }
 
+TEMPLATE_TEST_CASE("the generalized delta rule's chunked backward equals its recurrent one",
+                   "[dplr_delta_rule_backward]", float, double) {
+  using T = TestType;
+  // N = 150 over chunks of 16 and 64 (the last shorter); resets of a whole token mid-chunk and
+  // at a chunk's first token, per feature one row's; decays of e^-25 (sub-blocks pairing
+  // directly) and exactly 1; Dk != Dv. The recurrent form in double is the reference.
+  const Eigen::Index n = 150, dk = 12, dv = 7;
+  for (const Eigen::Index gate_cols : {Eigen::Index{1}, dk}) {
+    for (const Eigen::Index chunk : {Eigen::Index{16}, Eigen::Index{64}}) {
+      CAPTURE(gate_cols, chunk);
+      Inputs in(n, dk, dv, gate_cols, 600 + static_cast<std::uint64_t>(gate_cols));
+      in.log_gates.row(40).setConstant(kMinusInf);
+      in.log_gates.row(64).setConstant(kMinusInf);
+      in.log_gates.row(90).setConstant(-25.0);
+      in.log_gates.row(91).setZero();
+      if (gate_cols > 1) {
+        in.log_gates(70, 3) = kMinusInf;
+        in.log_gates(100, 5) = -25.0;
+      }
+      const Matrix<double> grad_out = gaussian<double>(n, dv, 11);
+      DplrOptions options;
+      options.chunk = chunk;
+      options.form = linattn::DeltaForm::streamed;
+      const DplrGradients<double> reference = linattn::causal_dplr_delta_rule_backward(
+          in.q, in.k, in.v, in.a, in.b, linattn::log_gates(in.log_gates), grad_out, options);
+      options.form = linattn::DeltaForm::chunked;
+      const auto t = [](const Matrix<double>& x) { return Matrix<T>(x.cast<T>()); };
+      const DplrGradients<T> got = linattn::causal_dplr_delta_rule_backward(
+          t(in.q), t(in.k), t(in.v), t(in.a), t(in.b), linattn::log_gates(t(in.log_gates)),
+          t(grad_out), options);
+      DplrGradients<double> as_double{got.q.template cast<double>(), got.k.template cast<double>(),
+                                      got.v.template cast<double>(), got.a.template cast<double>(),
+                                      got.b.template cast<double>(),
+                                      got.gates.template cast<double>()};
+      CHECK(gradient_error(as_double, reference) <= (std::is_same_v<T, float> ? 1e-4 : 1e-10));
+      CHECK((got.gates.row(40).array() == T(0)).all());
+      CHECK((got.gates.row(64).array() == T(0)).all());
+    }
+  }
+}
+
 TEST_CASE("the generalized delta rule's backward for decays w_t: d / d log w = (d / d w) w",
           "[dplr_delta_rule_backward]") {
   const Eigen::Index n = 30, dk = 6, dv = 7;

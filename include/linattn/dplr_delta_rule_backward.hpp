@@ -4,6 +4,7 @@
 #pragma once
 
 #include <linattn/config.hpp>
+#include <linattn/detail/dplr_chunk_backward.hpp>
 #include <linattn/detail/dplr_delta_rule_backward.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
@@ -64,6 +65,13 @@ void dplr_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<
   grads.b.resize(n, dk);
   grads.gates.resize(n, gate_dim);
   const GateMatrix<Gates> gate_rows(gates);
+  if (chunked_dplr_backward(options)) {
+    DplrChunkBackward<T> backward;
+    backward.reshape(n, dk, dv, gate_dim, options);
+    backward.template run<Traits::log_space>(q.derived(), k.derived(), v.derived(), a.derived(),
+                                             b.derived(), gate_rows, grad_out.derived(), grads);
+    return;
+  }
   DplrBackward<T> backward;
   backward.reshape(n, dk, dv, gate_dim, options);
   backward.template run<Traits::log_space>(q.derived(), k.derived(), v.derived(), a.derived(),
