@@ -262,11 +262,13 @@ void BM_DeltaBackward(benchmark::State& state, bool recurrent) {
   set_rates(state, 6.0 * double(n) * double(kDeltaDim) * double(kDeltaDim), double(n));
 }
 
-/// RWKV-7's shape for the generalized delta rule: one head of Dk = Dv = 64, a = -kk, b = kk
-/// alpha, per-feature log decays in [-0.6, 0), scale 1. Arg: backward (1) or the forward (0).
+/// RWKV-7's shape for the generalized delta rule: one head of Dk = Dv = D (RWKV-7: 64), a =
+/// -kk, b = kk alpha, per-feature log decays in [-0.6, 0), scale 1. Args: N; the forward (0),
+/// the backward in its chunked form (1, the default at D >= 64) or its recurrent one (2,
+/// DeltaForm::streamed); D.
 template <class T>
 void BM_DplrBackward(benchmark::State& state) {
-  const Eigen::Index n = state.range(0), d = 64;
+  const Eigen::Index n = state.range(0), d = state.range(2);
   const Matrix<T> q = random_matrix<T>(n, d, 41), v = random_matrix<T>(n, d, 43);
   Matrix<T> k = random_matrix<T>(n, d, 42), kk = k;
   for (Eigen::Index t = 0; t < n; ++t) kk.row(t).normalize();
@@ -280,7 +282,11 @@ void BM_DplrBackward(benchmark::State& state) {
   options.check_finite = false;
   Matrix<T> out(n, d);
   linattn::DplrGradients<T> grads;
-  const bool backward = state.range(1) == 1;
+  const bool backward = state.range(1) != 0;
+  // The forward in its automatic (faster) form; the backward in the form named.
+  const linattn::DeltaForm forms[] = {linattn::DeltaForm::automatic, linattn::DeltaForm::chunked,
+                                      linattn::DeltaForm::streamed};
+  options.form = forms[state.range(1)];
   linattn_bench::measure(state, [&] {
     if (backward) {
       linattn::causal_dplr_delta_rule_backward_into(q, k, v, a, b, linattn::log_gates(g), grad_out,
@@ -373,10 +379,15 @@ int main(int argc, char** argv) {
                                : std::vector<Eigen::Index>{256, 1024, 4096, 16384, 65536});
   register_delta<float>(quick ? std::vector<Eigen::Index>{4096}
                               : std::vector<Eigen::Index>{4096, 16384});
-  for (const int backward : {0, 1}) {
-    benchmark::RegisterBenchmark("BM_DplrBackward<float>", BM_DplrBackward<float>)
-        ->Args({4096, backward})
-        ->Unit(benchmark::kMillisecond);
+  for (const Eigen::Index n :
+       quick ? std::vector<Eigen::Index>{4096} : std::vector<Eigen::Index>{4096, 16384}) {
+    for (const Eigen::Index d : {32, 64, 128}) {
+      for (const int form : {0, 1, 2}) {
+        benchmark::RegisterBenchmark("BM_DplrBackward<float>", BM_DplrBackward<float>)
+            ->Args({n, form, d})
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -377,18 +377,21 @@ void BM_Rwkv7Gemms(benchmark::State& state) {
   const Rwkv7Case c = rwkv7_case(state.range(0) != 0);
   const Eigen::Index tokens = state.range(1), ch = c.channels();
   const Matrix<float> in = random_matrix<float>(6 * tokens, ch, 60);
-  const Matrix<float> w = random_matrix<float>(ch, ch, 61, 0.02);
+  // Three matrices, as the layer's: at one token their 3 C^2 floats stream from memory.
+  const Matrix<float> w[] = {random_matrix<float>(ch, ch, 61, 0.02),
+                             random_matrix<float>(ch, ch, 64, 0.02),
+                             random_matrix<float>(ch, ch, 65, 0.02)};
   const Eigen::Index ranks[] = {c.w_rank, c.a_rank, c.v_rank, c.g_rank};
   std::vector<Matrix<float>> down, up;
   for (const Eigen::Index r : ranks) {
-    down.push_back(random_matrix<float>(ch, r, 62, 0.02));
-    up.push_back(random_matrix<float>(r, ch, 63, 0.1));
+    down.push_back(random_matrix<float>(ch, r, 62 + 10 * std::uint64_t(r), 0.02));
+    up.push_back(random_matrix<float>(r, ch, 63 + 10 * std::uint64_t(r), 0.1));
   }
   Matrix<float> out(3 * tokens, ch), lora(tokens, ch), hidden(tokens, 256);
   measure(state, [&] {
     for (Eigen::Index i = 0; i < 3; ++i) {
       out.middleRows(i * tokens, tokens).noalias() =
-          in.middleRows(i * tokens, tokens) * w.transpose();
+          in.middleRows(i * tokens, tokens) * w[i].transpose();
     }
     for (std::size_t i = 0; i < 4; ++i) {
       const Eigen::Index r = ranks[i];
@@ -399,7 +402,10 @@ void BM_Rwkv7Gemms(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data());
     benchmark::DoNotOptimize(lora.data());
   });
-  linattn_bench::set_rates(state, rwkv7_flops(c, tokens), double(tokens));
+  // The GEMMs' own FLOPs: the layer's but the recurrence's.
+  linattn_bench::set_rates(
+      state, rwkv7_flops(c, tokens) - 8.0 * 64.0 * 64.0 * double(c.heads) * double(tokens),
+      double(tokens));
 }
 
 /// The recurrence alone: DplrDeltaRuleLayer::forward_into on ready [1, N, H, 64] views.
@@ -430,7 +436,9 @@ void BM_Rwkv7Recurrence(benchmark::State& state) {
                        out);
     benchmark::DoNotOptimize(y.data());
   });
-  linattn_bench::set_rates(state, rwkv7_flops(c, tokens), double(tokens));
+  // The recurrence's own FLOPs (8 Dk Dv a head and token), not the layer's.
+  linattn_bench::set_rates(state, 8.0 * 64.0 * 64.0 * double(c.heads) * double(tokens),
+                           double(tokens));
 }
 
 /// One round of speculative decoding through the mixer, K = 4 drafts of which m = 2 are kept,

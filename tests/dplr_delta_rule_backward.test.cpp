@@ -10,6 +10,7 @@
 #include <linattn/dplr_delta_rule.hpp>
 #include <linattn/dplr_delta_rule_backward.hpp>
 #include <string>
+#include <utility>
 
 #include "support.hpp"
 
@@ -88,12 +89,16 @@ double gradient_error(const DplrGradients<double>& got, const DplrGradients<doub
 
 TEST_CASE("the generalized delta rule's backward matches central finite differences",
           "[dplr_delta_rule_backward]") {
-  // Dk != Dv so that a transposed state cannot pass; N = 23 over checkpoints of 8 tokens (the
-  // last block shorter); a reset of a whole token and, per feature, of one row.
+  // Dk != Dv so that a transposed state cannot pass; N = 23 over chunks (or checkpoints) of 8
+  // tokens (the last shorter); a reset of a whole token and, per feature, of one row; both
+  // forms.
   const Eigen::Index n = 23, dk = 5, dv = 4;
+  using linattn::DeltaForm;
   for (const Eigen::Index gate_cols : {Eigen::Index{1}, dk}) {
-    for (const double scale : {-1.0, 1.0}) {
-      CAPTURE(gate_cols, scale);
+    for (const auto& [scale, form] :
+         {std::pair(-1.0, DeltaForm::chunked), std::pair(1.0, DeltaForm::chunked),
+          std::pair(1.0, DeltaForm::streamed)}) {
+      CAPTURE(gate_cols, scale, form == DeltaForm::chunked);
       Inputs in(n, dk, dv, gate_cols, 100 + static_cast<std::uint64_t>(gate_cols));
       in.log_gates.row(9).setConstant(kMinusInf);
       if (gate_cols > 1) in.log_gates(15, 2) = kMinusInf;
@@ -101,6 +106,7 @@ TEST_CASE("the generalized delta rule's backward matches central finite differen
       DplrOptions options;
       options.chunk = 8;
       options.scale = scale;
+      options.form = form;
       const DplrGradients<double> got = linattn::causal_dplr_delta_rule_backward(
           in.q, in.k, in.v, in.a, in.b, linattn::log_gates(in.log_gates), grad_out, options);
       // Step 1e-5 (1 + |x|): the loss's rounding over the step and the h^2 term both stay near
@@ -142,10 +148,10 @@ TEMPLATE_TEST_CASE("the generalized delta rule's chunked backward equals its rec
       const DplrGradients<T> got = linattn::causal_dplr_delta_rule_backward(
           t(in.q), t(in.k), t(in.v), t(in.a), t(in.b), linattn::log_gates(t(in.log_gates)),
           t(grad_out), options);
-      DplrGradients<double> as_double{got.q.template cast<double>(), got.k.template cast<double>(),
-                                      got.v.template cast<double>(), got.a.template cast<double>(),
-                                      got.b.template cast<double>(),
-                                      got.gates.template cast<double>()};
+      DplrGradients<double> as_double{
+          got.q.template cast<double>(), got.k.template cast<double>(),
+          got.v.template cast<double>(), got.a.template cast<double>(),
+          got.b.template cast<double>(), got.gates.template cast<double>()};
       CHECK(gradient_error(as_double, reference) <= (std::is_same_v<T, float> ? 1e-4 : 1e-10));
       CHECK((got.gates.row(40).array() == T(0)).all());
       CHECK((got.gates.row(64).array() == T(0)).all());

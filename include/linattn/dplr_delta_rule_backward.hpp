@@ -15,15 +15,19 @@
 #include <type_traits>
 
 /// Reverse mode through causal_dplr_delta_rule (S_t = diag(w_t) S_{t-1} + b_t (a_t^T S_{t-1})
-/// + k_t v_t^T, out_t = S_t^T (s q_t)) in its recurrent form, the reference a chunked backward
-/// will be tested against:
-///   1. the forward runs once, keeping the state at the start of every block of
-///      L = min(N, max(chunk, ceil(sqrt(N)))) tokens;
-///   2. block by block from the last, the block's states are recomputed token by token from its
-///      checkpoint, then reverse mode runs over its tokens from the last, carrying dS.
-/// Time O(N Dk Dv): per token the recomputed step and ten matrix-vector and rank-1 passes over
-/// S_{t-1} and dS, on one thread. Workspace (ceil(N / L) + L) Dk Dv for the checkpoints and one
-/// block's states, about 2 sqrt(N) Dk Dv, plus O(L (Dk + Dv)).
+/// + k_t v_t^T, out_t = S_t^T (s q_t)) in one of two forms, on one thread:
+///   - chunked (WY; DeltaForm::chunked, and automatic at Dk Dv >= 64 x 64): the forward runs
+///     once by chunks of min(chunk, 16) tokens keeping S at each chunk's start, U and the
+///     chunk's a-side pairs, then reverse mode runs through each chunk's GEMMs from the last
+///     (detail/dplr_chunk_backward.hpp; docs/math.md section 13). Workspace (N / L) Dk Dv +
+///     N (Dv + 2L) numbers.
+///   - recurrent (DeltaForm::streamed, and automatic below 64 x 64): the forward keeps the
+///     state at the start of every block of L = min(N, max(chunk, ceil(sqrt(N)))) tokens; block
+///     by block from the last, the block's states are recomputed token by token from its
+///     checkpoint, then reverse mode runs over its tokens, carrying dS: ten matrix-vector and
+///     rank-1 passes over S_{t-1} and dS a token, about 2 sqrt(N) Dk Dv numbers of workspace.
+/// Both are O(N Dk Dv) time; the chunked form is 1.15x faster at 64 x 64 and 1.6x at 128 x 128,
+/// the recurrent one 1.2x at 32 x 32 (docs/performance.md).
 namespace linattn {
 
 namespace detail {
@@ -65,7 +69,7 @@ void dplr_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<
   grads.b.resize(n, dk);
   grads.gates.resize(n, gate_dim);
   const GateMatrix<Gates> gate_rows(gates);
-  if (chunked_dplr_backward(options)) {
+  if (chunked_dplr_backward(options, dk, dv)) {
     DplrChunkBackward<T> backward;
     backward.reshape(n, dk, dv, gate_dim, options);
     backward.template run<Traits::log_space>(q.derived(), k.derived(), v.derived(), a.derived(),
@@ -93,8 +97,7 @@ void dplr_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<
 /// @param grad_out  N x Dv gradient of the loss with respect to the forward's output
 /// @param grads     result: the gradients with respect to q, k, v, a, b and the gates (d / d g_t
 ///                  for log_gates(g), 0 where g_t = -infinity; d / d w_t for decays w_t)
-/// @param options   the forward's options (scale, chunk: the least checkpoint interval,
-///                  check_finite)
+/// @param options   the forward's options (scale, chunk, form: see above, check_finite)
 template <class Acc = void, class DQ, class DK, class DV, class DA, class DB, class Gates, class DO,
           class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
 void causal_dplr_delta_rule_backward_into(

@@ -18,8 +18,9 @@
 // G_{t-1}, so they run as pairs of the rows shifted by one token. Resets (log gate -infinity)
 // run inside the chunk as kFeatureResetLog, whose exp is 0, their gradient 0; scalar gates run
 // as per-feature ones, their gradient the sum over the features.
-// The forward runs once first, keeping S0 at every chunk's start and U: O(N Dv + (N / L) Dk
-// Dv) memory. One thread per sequence (the heads' drivers thread over sequences and heads).
+// The forward runs once first, keeping S0 at every chunk's start, U, Ab and Ak: O(N (Dv + 2L)
+// + (N / L) Dk Dv) memory. One thread per sequence (the heads' drivers thread over sequences and
+// heads).
 #pragma once
 
 #include <algorithm>
@@ -39,10 +40,18 @@
 
 namespace linattn::detail {
 
-/// True when the chunked backward runs for these options: all but DeltaForm::streamed, which
-/// keeps the recurrent backward (the reference the chunked one is tested against).
-inline bool chunked_dplr_backward(const DplrOptions& options) {
-  return options.form != DeltaForm::streamed;
+/// The longest chunk of the backward: past it the in-chunk pairs (L Dk a token, four of them
+/// and their gradients) cost more than the GEMMs they save (measured at Dk = 32 to 128).
+inline constexpr Eigen::Index kDplrBackwardChunk = 16;
+
+/// True when the chunked backward runs for these options and shape: DeltaForm::chunked, or
+/// automatic at Dk Dv >= 64 x 64 (measured: at 32 x 32 the recurrent form is 1.2x faster, at
+/// 64 x 64 the chunked one 1.15x, at 128 x 128 1.6x); DeltaForm::streamed keeps the recurrent
+/// backward (the reference the chunked one is tested against).
+inline bool chunked_dplr_backward(const DplrOptions& options, Eigen::Index key_dim,
+                                  Eigen::Index value_dim) {
+  if (options.form == DeltaForm::automatic) return key_dim * value_dim >= 64 * 64;
+  return options.form == DeltaForm::chunked;
 }
 
 /// The chunked backward of one sequence of the generalized delta rule on validated inputs, in
@@ -58,7 +67,7 @@ class DplrChunkBackward {
     n_ = rows;
     dk_ = key_dim;
     gates_ = gate_dim;
-    chunk_ = std::max<Eigen::Index>(1, std::min(options.chunk, rows));
+    chunk_ = std::max<Eigen::Index>(1, std::min({options.chunk, kDplrBackwardChunk, rows}));
     scale_ = static_cast<T>(dplr_scale(options, key_dim));
     layout(this, n_, dk_, value_dim, chunk_, gates_, [](auto* m, Eigen::Index r, Eigen::Index c) {
       if (m->rows() != r || m->cols() != c) m->resize(r, c);
@@ -132,6 +141,7 @@ class DplrChunkBackward {
     auto at = [&](auto member) { return self == nullptr ? nullptr : &(self->*member); };
     visit(at(&B::checkpoints_), ((n + l - 1) / l) * dk, dv);
     visit(at(&B::u_all_), n, dv);
+    for (auto m : {&B::ab_all_, &B::ak_all_}) visit(at(m), n, l);
     for (auto m : {&B::state_, &B::ds_}) visit(at(m), dk, dv);
     for (auto m :
          {&B::q_, &B::k_, &B::a_, &B::b_, &B::a_next_, &B::q_decayed_, &B::a_decayed_,
@@ -140,7 +150,7 @@ class DplrChunkBackward {
       visit(at(m), l, dk);
     }
     for (auto m : {&B::v_, &B::dout_, &B::du_, &B::grad_v_}) visit(at(m), l, dv);
-    for (auto m : {&B::ab_, &B::ak_, &B::qb_, &B::qk_, &B::dab_, &B::dak_}) visit(at(m), l, l);
+    for (auto m : {&B::qb_, &B::qk_, &B::dab_}) visit(at(m), l, l);
     for (auto m : {&B::log_gate_, &B::cum_}) visit(at(m), l, dk);
     visit(at(&B::logs_), l, gates);
     visit(at(&B::grad_gate_), l, gates);
@@ -154,12 +164,20 @@ class DplrChunkBackward {
   void load_gates(const GateRows& gate_rows, Eigen::Index begin, Eigen::Index len) {
     constexpr double minus_inf = -std::numeric_limits<double>::infinity();
     gate_rows.log_rows(begin, len, logs_);
-    for (Eigen::Index i = 0; i < len; ++i) {
-      for (Eigen::Index f = 0; f < dk_; ++f) {
-        const double g = logs_(i, gates_ == 1 ? 0 : f);
-        reset_[static_cast<std::size_t>(i * dk_ + f)] = g == minus_inf ? 1 : 0;
-        log_gate_(i, f) = std::max(g, kFeatureResetLog);
+    const auto logs = logs_.topRows(len);
+    has_reset_ = logs.minCoeff() == minus_inf;  // a vectorised reduction
+    if (has_reset_) {
+      for (Eigen::Index i = 0; i < len; ++i) {
+        for (Eigen::Index f = 0; f < dk_; ++f) {
+          const bool reset = logs(i, gates_ == 1 ? 0 : f) == minus_inf;
+          reset_[static_cast<std::size_t>(i * dk_ + f)] = reset ? 1 : 0;
+        }
       }
+    }
+    if (gates_ == 1) {
+      log_gate_.topRows(len) = logs.col(0).max(kFeatureResetLog).matrix().replicate(1, dk_);
+    } else {
+      log_gate_.topRows(len) = logs.max(kFeatureResetLog).matrix();
     }
     auto cum = cum_.topRows(len);
     cum.row(0) = log_gate_.row(0);
@@ -171,21 +189,30 @@ class DplrChunkBackward {
     exp_of(cum, gamma_.topRows(len));
     gamma_prev_.row(0).setOnes();
     if (len > 1) gamma_prev_.middleRows(1, len - 1) = gamma_.topRows(len - 1);
-    exp_of(cum.row(len - 1).replicate(len, 1) - cum, to_end_.topRows(len));
+    // G_m - G_t in log_gate_'s rows (read no more), then converted: a cast of the difference
+    // itself would run one element at a time.
+    log_gate_.topRows(len) = cum.row(len - 1).replicate(len, 1) - cum;
+    exp_of(log_gate_.topRows(len), to_end_.topRows(len));
     pairs_.decays(cum_, len);
   }
 
-  /// Ab and Ak of the loaded chunk (strictly lower, zeros above): the pairs of the a rows
-  /// shifted up one token (a_{t+1} against G_t) moved down one row.
-  void a_pairs(Eigen::Index m) {
+  /// a shifted up one token (a_{t+1}, read against G_t; the last row 0).
+  void shift_a(Eigen::Index m) {
     a_next_.topRows(m - 1) = a_.middleRows(1, m - 1);
     a_next_.row(m - 1).setZero();
-    for (Matrix<T>* out : {&ab_, &ak_}) {
-      const Matrix<T>& y = out == &ab_ ? b_ : k_;
+  }
+
+  /// Ab and Ak of the loaded chunk (strictly lower, zeros above) into rows [begin, begin + m)
+  /// of ab_all_ and ak_all_: the pairs of the shifted a rows moved down one row.
+  void a_pairs(Eigen::Index begin, Eigen::Index m) {
+    shift_a(m);
+    for (Matrix<T>* all : {&ab_all_, &ak_all_}) {
+      const Matrix<T>& y = all == &ab_all_ ? b_ : k_;
       auto pairs = dab_.topLeftCorner(m, m);  // scratch: the shifted pairs
       pairs_.pairs(a_next_.topRows(m), y.topRows(m), m, pairs);
-      out->row(0).head(m).setZero();
-      out->block(1, 0, m - 1, m) = pairs.topRows(m - 1);
+      auto out = all->block(begin, 0, m, m);
+      out.row(0).setZero();
+      out.bottomRows(m - 1) = pairs.topRows(m - 1);
     }
   }
 
@@ -198,17 +225,19 @@ class DplrChunkBackward {
 
   Eigen::Index n_ = 0, dk_ = 0, chunk_ = 1, gates_ = 1;
   T scale_ = T(1);
+  bool has_reset_ = false;  ///< the loaded chunk holds a reset
   FeaturePairs<T> pairs_;
   Matrix<T> checkpoints_;                        ///< (chunks Dk) x Dv: S before each chunk
   Matrix<T> u_all_;                              ///< N x Dv: U of every token
+  Matrix<T> ab_all_, ak_all_;                    ///< N x L: each chunk's Ab and Ak
   Matrix<T> state_, ds_;                         ///< Dk x Dv: S; dS
   Matrix<T> q_, k_, a_, b_;                      ///< L x Dk: the chunk's s q, k, a, b
   Matrix<T> a_next_;                             ///< L x Dk: a shifted up one token
   Matrix<T> q_decayed_, a_decayed_;              ///< L x Dk: Q~, A~
   Matrix<T> b_decayed_, k_decayed_;              ///< L x Dk: B~, K~
   Matrix<T> v_, dout_, du_;                      ///< L x Dv: v, dO, dU then dY
-  Matrix<T> ab_, ak_, qb_, qk_;                  ///< L x L: the pairs
-  Matrix<T> dab_, dak_;                          ///< L x L: their gradients, then the shifted ones
+  Matrix<T> qb_, qk_;                            ///< L x L: the q-side pairs
+  Matrix<T> dab_;                                ///< L x L: scratch (the shifted pairs, I - Ab, dP)
   Matrix<double> log_gate_, cum_;                ///< L x Dk: the chunk's log gates; summed
   LogRows logs_;                                 ///< L x G: the gates' rows as GateRows gives them
   Matrix<T> gamma_, gamma_prev_, to_end_;        ///< L x Dk: exp(G_t), exp(G_{t-1}), exp(G_m - G_t)
@@ -227,16 +256,17 @@ class DplrChunkBackward {
 
 template <class T>
 void DplrChunkBackward<T>::forward_chunk(Eigen::Index begin, Eigen::Index m) {
-  a_pairs(m);
+  a_pairs(begin, m);
+  const auto ab = ab_all_.block(begin, 0, m, m);
+  const auto ak = ak_all_.block(begin, 0, m, m);
   auto u = u_all_.middleRows(begin, m);
   auto a_decayed = a_decayed_.topRows(m);
   a_decayed.array() = a_.topRows(m).array() * gamma_prev_.topRows(m).array();
   // U = (I - Ab)^-1 (A~ S + Ak V).
   u.noalias() = a_decayed * state_;
-  u.noalias() +=
-      ak_.topLeftCorner(m, m).template triangularView<Eigen::StrictlyLower>() * v_.topRows(m);
+  u.noalias() += ak.template triangularView<Eigen::StrictlyLower>() * v_.topRows(m);
   auto solve = dab_.topLeftCorner(m, m);
-  solve = -ab_.topLeftCorner(m, m);
+  solve = -ab;
   solve.template triangularView<Eigen::UnitLower>().solveInPlace(u);
   if (begin + m == n_) return;  // the state after the last token is not needed
   auto b_decayed = b_decayed_.topRows(m);
@@ -264,13 +294,13 @@ void DplrChunkBackward<T>::backward_chunk(Eigen::Index c, Eigen::Index m, bool l
   a_decayed.array() = a_.topRows(m).array() * gamma_prev_.topRows(m).array();
   b_decayed.array() = b_.topRows(m).array() * to_end_.topRows(m).array();
   k_decayed.array() = k_.topRows(m).array() * to_end_.topRows(m).array();
-  a_pairs(m);
+  shift_a(m);
   auto qb = qb_.topLeftCorner(m, m);
   auto qk = qk_.topLeftCorner(m, m);
   pairs_.pairs(q, b_.topRows(m), m, qb);
   pairs_.pairs(q, k_.topRows(m), m, qk);
-  const auto ab = ab_.topLeftCorner(m, m);
-  const auto ak = ak_.topLeftCorner(m, m);
+  const auto ab = ab_all_.block(c * chunk_, 0, m, m);
+  const auto ak = ak_all_.block(c * chunk_, 0, m, m);
   auto du = du_.topRows(m);
   auto dv = grad_v_.topRows(m);
   // dU = Qb^T dO + B~ dS; dY = (I - Ab)^-T dU.
@@ -348,7 +378,7 @@ void DplrChunkBackward<T>::backward_chunk(Eigen::Index c, Eigen::Index m, bool l
   // Per-token log gates from the cumulative ones: dg_t = the sum of dG over t' >= t; a reset
   // has no neighbourhood in log space: its gradient is 0 (FLA's convention).
   for (Eigen::Index i = m - 2; i >= 0; --i) dcum.row(i) += dcum.row(i + 1);
-  for (Eigen::Index i = 0; i < m; ++i) {
+  for (Eigen::Index i = 0; has_reset_ && i < m; ++i) {
     for (Eigen::Index f = 0; f < dk_; ++f) {
       if (reset_[static_cast<std::size_t>(i * dk_ + f)] != 0) dcum(i, f) = T(0);
     }
