@@ -32,6 +32,7 @@
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/delta_rule.hpp>
+#include <linattn/detail/feature_pairs.hpp>
 #include <linattn/detail/openmp.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/gates.hpp>
@@ -94,14 +95,8 @@ struct DeltaChunkPart {
   Matrix<T> s0_products;              ///< 2L x max(Dk, W): [W S0]; [dO; -dY] S0^T
   Matrix<T> du, ratio;                ///< L x W: dU then dY; R
   Matrix<T> kd, dkd;                  ///< L x Dk: e o K; dK_e = U dS^T
-  Matrix<T> right_factor;             ///< (L / B) L x Dk, per feature: exp(G_r - G_j), each
-                                      ///< sub-block's reference r and the keys j up to its end
-  Matrix<T> left_factor;              ///< L x Dk, per feature: exp(G_i - G_r) of i's sub-block
-  Matrix<T> right, left;              ///< L x Dk, B x Dk, per feature: rows times the factors
-  Matrix<T> block_grad;               ///< L x Dk, per feature: one sub-block's products
-  Matrix<T> pair_terms;               ///< 3 x Dk, per feature: one pair's terms, computed alone
-  Matrix<double> spread;              ///< L x Dk, per feature: log factors before their exp
-  std::vector<unsigned char> inside;  ///< L / B: sub-blocks whose pairs go through a GEMM
+  FeaturePairs<T> feature_pairs;      ///< per feature: the decayed pairs by sub-blocks
+  Matrix<T> block_grad;               ///< L x Dk, per feature: dK_e o K_e
   Matrix<T> grad_q, grad_k;           ///< L x Dk
   Matrix<T> grad_v;                   ///< L x W
   Matrix<T> grad_beta;                ///< L x 1
@@ -138,7 +133,6 @@ struct DeltaChunkPart {
     }
     for (auto m : {&DeltaChunkPart::log_gate, &DeltaChunkPart::cum}) visit(at(m), l, gates);
     visit(at(&DeltaChunkPart::logs), l, gates);
-    visit(at(&DeltaChunkPart::pair_terms), per_feature * 3, dk);
     visit(at(&DeltaChunkPart::decay), per_feature ? 0 : l, per_feature ? 0 : l);
     for (auto m : {&DeltaChunkPart::pairs, &DeltaChunkPart::dpairs, &DeltaChunkPart::kk,
                    &DeltaChunkPart::dkk}) {
@@ -148,15 +142,7 @@ struct DeltaChunkPart {
     visit(at(&DeltaChunkPart::lhs), 2 * l, dk);
     visit(at(&DeltaChunkPart::rhs), 2 * l, w);
     visit(at(&DeltaChunkPart::s0_products), 2 * l, std::max(dk, w));
-    const Eigen::Index sub_block = std::min(l, kDeltaSubBlock);
-    const Eigen::Index sub_blocks = (l + sub_block - 1) / sub_block;
-    visit(at(&DeltaChunkPart::right_factor), per_feature * sub_blocks * l, dk);
-    for (auto m :
-         {&DeltaChunkPart::left_factor, &DeltaChunkPart::right, &DeltaChunkPart::block_grad}) {
-      visit(at(m), per_feature * l, dk);
-    }
-    visit(at(&DeltaChunkPart::left), per_feature * sub_block, dk);
-    visit(at(&DeltaChunkPart::spread), per_feature * l, dk);
+    visit(at(&DeltaChunkPart::block_grad), per_feature * l, dk);
     for (auto m : {&DeltaChunkPart::sum_q, &DeltaChunkPart::sum_k}) visit(at(m), kept_n, dk);
     visit(at(&DeltaChunkPart::sum_beta), kept_n, 1);
     visit(at(&DeltaChunkPart::sum_gate), kept_n, gates);
@@ -190,8 +176,7 @@ class DeltaChunkBackward {
                                   if (m->rows() != r || m->cols() != c) m->resize(r, c);
                                 });
       part.reset.assign(static_cast<std::size_t>(chunk_ * std::max<Eigen::Index>(gates_, 1)), 0);
-      part.inside.assign(static_cast<std::size_t>((chunk_ + kDeltaSubBlock - 1) / kDeltaSubBlock),
-                         0);
+      if (gates_ > 1) part.feature_pairs.reshape(chunk_, key_dim);
     }
   }
 
@@ -207,7 +192,8 @@ class DeltaChunkBackward {
                                   total += static_cast<std::size_t>(m->size()) *
                                            sizeof(typename std::decay_t<decltype(*m)>::Scalar);
                                 });
-      total += part.reset.size() + part.inside.size();
+      total += part.reset.size();
+      if (gates_ > 1) total += FeaturePairs<T>::bytes(chunk_, dk_);
     }
     return total;
   }
@@ -226,8 +212,8 @@ class DeltaChunkBackward {
             using Buffer = std::decay_t<decltype(*m)>;
             total += static_cast<std::size_t>(r * c) * sizeof(typename Buffer::Scalar);
           });
-      total += static_cast<std::size_t>(chunk * std::max<Eigen::Index>(gate_dim, 1) +
-                                        (chunk + kDeltaSubBlock - 1) / kDeltaSubBlock);
+      total += static_cast<std::size_t>(chunk * std::max<Eigen::Index>(gate_dim, 1));
+      if (gate_dim > 1) total += FeaturePairs<T>::bytes(chunk, key_dim);
     }
     return total;
   }
@@ -339,28 +325,6 @@ class DeltaChunkBackward {
   /// Piece [p, p + m) of the loaded chunk: G, g, e, and D for scalar gates.
   void piece_decays(DeltaChunkPart<T>& part, Eigen::Index p, Eigen::Index m) const;
 
-  /// x_i . k_j decayed (per feature), j <= i < m, into out; zeros above the diagonal.
-  void feature_pairs(DeltaChunkPart<T>& part, const RowsRef& x, const RowsRef& k, Eigen::Index m,
-                     PairsRef out) const;
-
-  /// The backward of feature_pairs for dP (m x m, zeros above the diagonal): dx += its row
-  /// share, dk += its column share, dG += x o the row share - k o the column share.
-  void feature_pair_gradients(DeltaChunkPart<T>& part, const RowsRef& x, const RowsRef& k,
-                              const RowsRef& dpairs, Eigen::Index m, PairsRef dx, PairsRef dk,
-                              PairsRef dcum) const;
-
-  /// f(i0, b, s, inside, width) for each sub-block s of a piece of m tokens (per feature), as
-  /// piece_decays left them: tokens [i0, i0 + b), the keys [0, width) reached through the
-  /// factors (up to its end when `inside`, else the keys before it; the rest pair directly).
-  template <class F>
-  void for_each_sub_block(const DeltaChunkPart<T>& part, Eigen::Index m, const F& f) const {
-    for (Eigen::Index i0 = 0, s = 0; i0 < m; i0 += kDeltaSubBlock, ++s) {
-      const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
-      const bool inside = part.inside[static_cast<std::size_t>(s)] != 0;
-      f(i0, b, s, inside, inside ? i0 + b : i0);
-    }
-  }
-
   /// Reverse mode over piece [p, p + m) of chunk c.
   void backward_piece(DeltaChunkPart<T>& part, Eigen::Index c, Eigen::Index p, Eigen::Index m);
 
@@ -453,110 +417,8 @@ void DeltaChunkBackward<T>::piece_decays(DeltaChunkPart<T>& part, Eigen::Index p
     decay.template triangularView<Eigen::StrictlyUpper>().setZero();
     return;
   }
-  // Per feature, by sub-blocks: pairs (i, j), j <= i, i in the sub-block after token r (G_r = 0
-  // before the piece), decay by exp(G_i - G_r) exp(G_r - G_j): the first <= 1, the second <= 1
-  // for j <= r and at most e^kDeltaSpread inside the sub-block, else the sub-block computes
-  // its own pairs directly (and its keys up to r through the factors).
-  for (Eigen::Index i0 = 0, s = 0; i0 < m; i0 += kDeltaSubBlock, ++s) {
-    const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
-    // G_r - G_j for j in [0, rows) into `spread`.
-    const auto from_ref = [&](auto&& spread, Eigen::Index rows) {
-      spread = -cum.topRows(rows);
-      if (i0 > 0) spread.rowwise() += cum.row(i0 - 1);
-    };
-    auto last = part.spread.topRows(1);
-    last = cum.row(i0 + b - 1);
-    if (i0 > 0) last -= cum.row(i0 - 1);
-    const bool inside = -last.minCoeff() <= kDeltaSpread;
-    part.inside[static_cast<std::size_t>(s)] = inside ? 1 : 0;
-    const Eigen::Index width = inside ? i0 + b : i0;
-    if (width > 0) {
-      auto spread = part.spread.topRows(width);
-      from_ref(spread, width);
-      exp_of(spread, part.right_factor.middleRows(s * chunk_, width));
-    }
-    auto spread = part.spread.topRows(b);
-    spread = cum.middleRows(i0, b);
-    if (i0 > 0) spread.rowwise() -= cum.row(i0 - 1);
-    exp_of(spread, part.left_factor.middleRows(i0, b));
-  }
-}
-
-template <class T>
-void DeltaChunkBackward<T>::feature_pairs(DeltaChunkPart<T>& part, const RowsRef& x,
-                                          const RowsRef& k, Eigen::Index m, PairsRef out) const {
-  const auto cum = part.cum.topRows(m).array();
-  for_each_sub_block(
-      part, m,
-      [&](Eigen::Index i0, Eigen::Index b, Eigen::Index s, bool inside, Eigen::Index width) {
-        if (width > 0) {
-          auto right = part.right.topRows(width);
-          auto left = part.left.topRows(b);
-          right.array() =
-              k.topRows(width).array() * part.right_factor.middleRows(s * chunk_, width).array();
-          left.array() = x.middleRows(i0, b).array() * part.left_factor.middleRows(i0, b).array();
-          out.block(i0, 0, b, width).noalias() = left * right.transpose();
-        }
-        if (inside) return;
-        for (Eigen::Index i = i0; i < i0 + b; ++i) {
-          for (Eigen::Index j = i0; j <= i; ++j) {
-            out(i, j) = (x.row(i).array() * k.row(j).array() *
-                         (cum.row(i) - cum.row(j)).template cast<T>().exp())
-                            .sum();
-          }
-        }
-      });
-  out.template triangularView<Eigen::StrictlyUpper>().setZero();
-}
-
-template <class T>
-void DeltaChunkBackward<T>::feature_pair_gradients(DeltaChunkPart<T>& part, const RowsRef& x,
-                                                   const RowsRef& k, const RowsRef& dpairs,
-                                                   Eigen::Index m, PairsRef dx, PairsRef dk,
-                                                   PairsRef dcum) const {
-  const auto cum = part.cum.topRows(m).array();
-  for_each_sub_block(
-      part, m,
-      [&](Eigen::Index i0, Eigen::Index b, Eigen::Index s, bool inside, Eigen::Index width) {
-        if (width > 0) {
-          // exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j): the rows' and the columns' factors.
-          const auto right_factor = part.right_factor.middleRows(s * chunk_, width);
-          const auto left_factor = part.left_factor.middleRows(i0, b);
-          const auto block = dpairs.block(i0, 0, b, width);
-          // The rows' share: left o (dP (k o right)).
-          auto right = part.right.topRows(width);
-          right.array() = k.topRows(width).array() * right_factor.array();
-          auto row_grad = part.block_grad.topRows(b);
-          row_grad.noalias() = block * right;
-          row_grad.array() *= left_factor.array();
-          dx.middleRows(i0, b) += row_grad;
-          dcum.middleRows(i0, b).array() += x.middleRows(i0, b).array() * row_grad.array();
-          // The columns' share: right o (dP^T (x o left)).
-          auto left = part.left.topRows(b);
-          left.array() = x.middleRows(i0, b).array() * left_factor.array();
-          auto col_grad = part.block_grad.topRows(width);
-          col_grad.noalias() = block.transpose() * left;
-          col_grad.array() *= right_factor.array();
-          dk.topRows(width) += col_grad;
-          dcum.topRows(width).array() -= k.topRows(width).array() * col_grad.array();
-        }
-        if (inside) return;
-        for (Eigen::Index i = i0; i < i0 + b; ++i) {
-          for (Eigen::Index j = i0; j <= i; ++j) {
-            if (dpairs(i, j) == T(0)) continue;
-            auto terms = part.pair_terms.array();
-            terms.row(0) = dpairs(i, j) * (cum.row(i) - cum.row(j)).template cast<T>().exp();
-            terms.row(1) = terms.row(0) * k.row(j).array();
-            terms.row(2) = terms.row(0) * x.row(i).array();
-            const auto to_row = terms.row(1);
-            const auto to_col = terms.row(2);
-            dx.row(i).array() += to_row;
-            dk.row(j).array() += to_col;
-            dcum.row(i).array() += x.row(i).array() * to_row;
-            dcum.row(j).array() -= k.row(j).array() * to_col;
-          }
-        }
-      });
+  // Per feature: the pairs' factors by sub-blocks.
+  part.feature_pairs.decays(part.cum, m);
 }
 
 template <class T>
@@ -571,7 +433,7 @@ void DeltaChunkBackward<T>::forward_chunk(DeltaChunkPart<T>& part, Eigen::Index 
     const auto beta = part.beta.col(0).segment(p, m).array();
     auto kk = part.kk.topLeftCorner(m, m);
     if (gates_ > 1) {
-      feature_pairs(part, k, k, m, kk);
+      part.feature_pairs.pairs(k, k, m, kk);
     } else {
       kk.noalias() = k * k.transpose();
       kk.array() *= part.decay.topLeftCorner(m, m).array();
@@ -665,7 +527,7 @@ void DeltaChunkBackward<T>::backward_piece(DeltaChunkPart<T>& part, Eigen::Index
   auto dcum = part.dcum.topRows(gates_ > 0 ? m : 0);  // empty without gates
   // The forward's pieces: P = tril(Q . K), K_e = e o K.
   if (gates_ > 1) {
-    feature_pairs(part, q, k, m, pairs);
+    part.feature_pairs.pairs(q, k, m, pairs);
   } else {
     pairs.noalias() = q * k.transpose();
     pairs.array() *= part.decay.topLeftCorner(m, m).array();
@@ -763,8 +625,8 @@ void DeltaChunkBackward<T>::backward_piece(DeltaChunkPart<T>& part, Eigen::Index
   }
   // The pairs' shares: dQ, dK from dP o D and dB o D.
   if (gates_ > 1) {
-    feature_pair_gradients(part, q, k, dpairs, m, grad_q, grad_k, dcum);
-    feature_pair_gradients(part, k, k, dkk, m, grad_k, grad_k, dcum);
+    part.feature_pairs.gradients(q, k, dpairs, m, grad_q, grad_k, dcum);
+    part.feature_pairs.gradients(k, k, dkk, m, grad_k, grad_k, dcum);
   } else {
     dpairs.array() *= part.decay.topLeftCorner(m, m).array();
     dkk.array() *= part.decay.topLeftCorner(m, m).array();
