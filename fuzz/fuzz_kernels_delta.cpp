@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// fuzz_kernels: the checks of the softmax baselines, the delta rule and the short convolution.
+// fuzz_kernels: the checks of the softmax baselines, the delta rules, the short convolution and
+// the mixers.
 #include <linattn/dplr_delta_rule.hpp>
 #include <linattn/dplr_delta_rule_backward.hpp>
 #include <linattn/gated_delta_net.hpp>
@@ -8,6 +9,7 @@
 #include <linattn/rwkv7_time_mix.hpp>
 #include <linattn/session_pool.hpp>
 #include <linattn/short_conv.hpp>
+#include <utility>
 
 #include "kernel_checks.hpp"
 
@@ -485,6 +487,34 @@ void run_dplr(const Input& in, const Matrix<T>& q, const Matrix<T>& k, const Mat
   require_finite("causal_dplr_delta_rule", streamed);
   for (const Matrix<T>* grad : {&grads.q, &grads.k, &grads.v, &grads.a, &grads.b, &grads.gates}) {
     require_finite("causal_dplr_delta_rule_backward", *grad);
+  }
+  // The backward's two forms (chunked, WY; recurrent, the reference) agree within rounding
+  // grown over the sequence, relative to the largest gradient.
+  {
+    linattn::DplrOptions forms = opt;
+    forms.form = linattn::DeltaForm::chunked;
+    linattn::DplrGradients<T> chunked_grads, recurrent_grads;
+    attempt("causal_dplr_delta_rule_backward, both forms", true, [&] {
+      const Matrix<T> dout = v.colwise().reverse();
+      chunked_grads = linattn::causal_dplr_delta_rule_backward(q, k, v, a, b, linattn::log_gates(g),
+                                                               dout, forms);
+      forms.form = linattn::DeltaForm::streamed;
+      recurrent_grads = linattn::causal_dplr_delta_rule_backward(
+          q, k, v, a, b, linattn::log_gates(g), dout, forms);
+    });
+    const auto pairs = {std::pair(&chunked_grads.q, &recurrent_grads.q),
+                        std::pair(&chunked_grads.k, &recurrent_grads.k),
+                        std::pair(&chunked_grads.v, &recurrent_grads.v),
+                        std::pair(&chunked_grads.a, &recurrent_grads.a),
+                        std::pair(&chunked_grads.b, &recurrent_grads.b),
+                        std::pair(&chunked_grads.gates, &recurrent_grads.gates)};
+    double scale = 1.0;
+    for (const auto& [c, r] : pairs) scale = std::max(scale, max_abs(*r));
+    const double grad_tol =
+        kRelTol<T> * 10.0 * static_cast<double>(in.n) * static_cast<double>(in.dk) * scale;
+    for (const auto& [c, r] : pairs) {
+      require_close("dplr backward: chunked vs recurrent", *c, *r, grad_tol);
+    }
   }
   // |a| <= 1 and |b| <= 1 with a = -kk keep the transition's norm at most 1 with the decays:
   // |S| stays within sum_t |k_t| |v_t|; q reads it with |s q|.

@@ -9,8 +9,10 @@
 #include <linattn/delta_rule_backward.hpp>
 #include <linattn/dplr_delta_rule.hpp>
 #include <linattn/dplr_delta_rule_backward.hpp>
+#include <linattn/heads_view.hpp>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "support.hpp"
 
@@ -157,6 +159,124 @@ TEMPLATE_TEST_CASE("the generalized delta rule's chunked backward equals its rec
       CHECK((got.gates.row(64).array() == T(0)).all());
     }
   }
+}
+
+TEST_CASE(
+    "the generalized delta rule's view and varlen backward give each head's matrix "
+    "backward",
+    "[dplr_delta_rule_backward]") {
+  using linattn::BnhdShape;
+  using linattn::ConstHeadsView;
+  using linattn::HeadsView;
+  // B = 2 sequences of N = 40, H = 2 heads reading one q/k head (grouped), Dk != Dv, gates
+  // per feature; [B, N, H, D] buffers. q's and k's gradients sum over both heads.
+  const Eigen::Index batch = 2, n = 40, heads = 2, dk = 8, dv = 6;
+  const auto rows_of = [&](Eigen::Index h_count, Eigen::Index d, std::uint64_t seed) {
+    return gaussian<double>(batch * n, h_count * d, seed);
+  };
+  const Matrix<double> q = rows_of(1, dk, 700), k = rows_of(1, dk, 701),
+                       v = rows_of(heads, dv, 702);
+  Matrix<double> a(batch * n, heads * dk), b = rows_of(heads, dk, 703);
+  const Matrix<double> g = -(0.05 + 0.4 * rows_of(heads, dk, 704).array().abs().min(1.0)).matrix();
+  for (Eigen::Index r = 0; r < batch * n; ++r) {
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      auto bh = b.row(r).segment(h * dk, dk);
+      bh.normalize();
+      a.row(r).segment(h * dk, dk) = -0.7 * bh;
+    }
+  }
+  const Matrix<double> grad_out = rows_of(heads, dv, 705);
+  const auto view = [&](const Matrix<double>& m, Eigen::Index h_count) {
+    return ConstHeadsView<double>::bnhd(m.data(), BnhdShape(batch, n, h_count, m.cols() / h_count));
+  };
+  // The expectation: each (sequence, head) through the matrix call.
+  DplrOptions options;
+  options.chunk = 16;
+  options.form = linattn::DeltaForm::chunked;
+  Matrix<double> eq = Matrix<double>::Zero(batch * n, dk), ek = eq;
+  Matrix<double> ev(batch * n, heads * dv), ea(batch * n, heads * dk), eb = ea, eg = ea;
+  for (Eigen::Index s = 0; s < batch; ++s) {
+    for (Eigen::Index h = 0; h < heads; ++h) {
+      const auto rows = [&](const Matrix<double>& m, Eigen::Index col, Eigen::Index d) {
+        return Matrix<double>(m.block(s * n, col, n, d));
+      };
+      const DplrGradients<double> one = linattn::causal_dplr_delta_rule_backward(
+          rows(q, 0, dk), rows(k, 0, dk), rows(v, h * dv, dv), rows(a, h * dk, dk),
+          rows(b, h * dk, dk), linattn::log_gates(rows(g, h * dk, dk)), rows(grad_out, h * dv, dv),
+          options);
+      eq.middleRows(s * n, n) += one.q;
+      ek.middleRows(s * n, n) += one.k;
+      ev.block(s * n, h * dv, n, dv) = one.v;
+      ea.block(s * n, h * dk, n, dk) = one.a;
+      eb.block(s * n, h * dk, n, dk) = one.b;
+      eg.block(s * n, h * dk, n, dk) = one.gates;
+    }
+  }
+  for (const int threads : {1, 2}) {
+    CAPTURE(threads);
+    options.threads = threads;
+    Matrix<double> gq(batch * n, dk), gk = gq, gv(batch * n, heads * dv), ga = ea, gb = ea, gg = ea;
+    const auto out = [&](Matrix<double>& m, Eigen::Index h_count) {
+      return HeadsView<double>::bnhd(m.data(), BnhdShape(batch, n, h_count, m.cols() / h_count));
+    };
+    linattn::causal_dplr_delta_rule_backward_into(
+        view(q, 1), view(k, 1), view(v, heads), view(a, heads), view(b, heads),
+        linattn::log_gates(view(g, heads)), view(grad_out, heads),
+        linattn::DplrGradientViews<double>{out(gq, 1), out(gk, 1), out(gv, heads), out(ga, heads),
+                                           out(gb, heads), out(gg, heads)},
+        options);
+    CHECK(relative_error(gq, eq) <= 1e-14);
+    CHECK(relative_error(gk, ek) <= 1e-14);
+    CHECK(gv == ev);
+    CHECK(ga == ea);
+    CHECK(gb == eb);
+    CHECK(gg == eg);
+  }
+  // Packed: the same rows as one sequence of 15 tokens, an empty one and one of 65 ([1, total,
+  // H, D]); each sequence's gradients are the matrix backward of its rows.
+  const std::vector<std::int64_t> offsets{0, 15, 15, 80};
+  const auto packed = [&](const Matrix<double>& m, Eigen::Index h_count) {
+    return ConstHeadsView<double>::bnhd(m.data(),
+                                        BnhdShape(1, batch * n, h_count, m.cols() / h_count));
+  };
+  Matrix<double> gq(batch * n, dk), gk = gq, gv(batch * n, heads * dv), ga = ea, gb = ea, gg = ea;
+  const auto packed_out = [&](Matrix<double>& m, Eigen::Index h_count) {
+    return HeadsView<double>::bnhd(m.data(), BnhdShape(1, batch * n, h_count, m.cols() / h_count));
+  };
+  linattn::causal_dplr_delta_rule_varlen_backward_into(
+      packed(q, 1), packed(k, 1), packed(v, heads), packed(a, heads), packed(b, heads),
+      linattn::log_gates(packed(g, heads)), packed(grad_out, heads), offsets,
+      linattn::DplrGradientViews<double>{packed_out(gq, 1), packed_out(gk, 1),
+                                         packed_out(gv, heads), packed_out(ga, heads),
+                                         packed_out(gb, heads), packed_out(gg, heads)},
+      options);
+  for (const auto& [begin, len] : {std::pair<Eigen::Index, Eigen::Index>(0, 15), {15, 65}}) {
+    const Eigen::Index h = 1;
+    const auto rows = [&](const Matrix<double>& m, Eigen::Index col, Eigen::Index d) {
+      return Matrix<double>(m.block(begin, col, len, d));
+    };
+    const DplrGradients<double> one = linattn::causal_dplr_delta_rule_backward(
+        rows(q, 0, dk), rows(k, 0, dk), rows(v, h * dv, dv), rows(a, h * dk, dk),
+        rows(b, h * dk, dk), linattn::log_gates(rows(g, h * dk, dk)), rows(grad_out, h * dv, dv),
+        options);
+    CHECK(gv.block(begin, h * dv, len, dv) == one.v);
+    CHECK(ga.block(begin, h * dk, len, dk) == one.a);
+    CHECK(gg.block(begin, h * dk, len, dk) == one.gates);
+  }
+  // A gradient view of the wrong shape: an Error before anything is written.
+  const auto out = [&](Matrix<double>& m, Eigen::Index h_count) {
+    return HeadsView<double>::bnhd(m.data(), BnhdShape(batch, n, h_count, m.cols() / h_count));
+  };
+  gv.setConstant(3.0);
+  CHECK_THROWS_WITH(
+      linattn::causal_dplr_delta_rule_backward_into(
+          view(q, 1), view(k, 1), view(v, heads), view(a, heads), view(b, heads),
+          linattn::log_gates(view(g, heads)), view(grad_out, heads),
+          linattn::DplrGradientViews<double>{out(gq, 1), out(gk, 1), out(gv, heads), out(ga, heads),
+                                             out(gb, heads), out(gk, 1)},
+          options),
+      Catch::Matchers::Contains("grads.gates"));
+  CHECK((gv.array() == 3.0).all());
 }
 
 TEST_CASE("the generalized delta rule's backward for decays w_t: d / d log w = (d / d w) w",

@@ -3,16 +3,20 @@
 // q, k, v, a, b and the gates of causal_dplr_delta_rule.
 #pragma once
 
+#include <cstdint>
 #include <linattn/config.hpp>
 #include <linattn/detail/dplr_chunk_backward.hpp>
 #include <linattn/detail/dplr_delta_rule_backward.hpp>
+#include <linattn/detail/heads_backward.hpp>
 #include <linattn/detail/parallel.hpp>
 #include <linattn/detail/validate.hpp>
 #include <linattn/dplr_delta_rule.hpp>
 #include <linattn/gates.hpp>
 #include <linattn/gradients.hpp>
+#include <linattn/heads_view.hpp>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 /// Reverse mode through causal_dplr_delta_rule (S_t = diag(w_t) S_{t-1} + b_t (a_t^T S_{t-1})
 /// + k_t v_t^T, out_t = S_t^T (s q_t)) in one of two forms, on one thread:
@@ -30,16 +34,37 @@
 /// the recurrent one 1.2x at 32 x 32 (docs/performance.md).
 namespace linattn {
 
+/// Where a view backward of the generalized delta rule writes its gradients: one view per
+/// input, each of that input's shape (float or double).
+template <class T>
+struct DplrGradientViews {
+  HeadsView<T> q;      ///< B x Hq x N x Dk
+  HeadsView<T> k;      ///< B x Hk x N x Dk
+  HeadsView<T> v;      ///< B x Hv x N x Dv
+  HeadsView<T> a;      ///< B x H x N x Dk
+  HeadsView<T> b;      ///< B x H x N x Dk
+  HeadsView<T> gates;  ///< B x H x N x Dk or x 1, the gates' shape
+};
+
 namespace detail {
 
-/// The checks of a generalized delta-rule backward call, then the backward in Acc.
+/// The generalized delta rule's backward buffers in T: the chunked form's and the recurrent
+/// form's, kept from call to call (a view call's thread, from head to head).
+template <class T>
+struct DplrBackwardBuffers {
+  DplrChunkBackward<T> chunked;
+  DplrBackward<T> recurrent;
+};
+
+/// The checks of a generalized delta-rule backward call, then the backward in Acc (in
+/// `buffers`, or in buffers of its own when null).
 template <class Acc, class DQ, class DK, class DV, class DA, class DB, class Gates, class DO>
-void dplr_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                        const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DA>& a,
-                        const Eigen::MatrixBase<DB>& b, const Gates& gates,
-                        const Eigen::MatrixBase<DO>& grad_out,
-                        DplrGradients<typename DQ::Scalar>& grads, const DplrOptions& options,
-                        const char* where) {
+void dplr_backward_into(
+    const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+    const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b, const Gates& gates,
+    const Eigen::MatrixBase<DO>& grad_out, DplrGradients<typename DQ::Scalar>& grads,
+    const DplrOptions& options, const char* where,
+    DplrBackwardBuffers<accumulator_t<Acc, typename DQ::Scalar>>* buffers = nullptr) {
   using Scalar = typename DQ::Scalar;
   using T = accumulator_t<Acc, Scalar>;
   check_dplr_call_scalars<Acc, DQ, DK, DV, DA, DB, Gates>();
@@ -69,18 +94,97 @@ void dplr_backward_into(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<
   grads.b.resize(n, dk);
   grads.gates.resize(n, gate_dim);
   const GateMatrix<Gates> gate_rows(gates);
+  DplrBackwardBuffers<T> own;
+  DplrBackwardBuffers<T>& use = buffers != nullptr ? *buffers : own;
   if (chunked_dplr_backward(options, dk, dv)) {
-    DplrChunkBackward<T> backward;
-    backward.reshape(n, dk, dv, gate_dim, options);
-    backward.template run<Traits::log_space>(q.derived(), k.derived(), v.derived(), a.derived(),
-                                             b.derived(), gate_rows, grad_out.derived(), grads);
+    use.chunked.reshape(n, dk, dv, gate_dim, options);
+    use.chunked.template run<Traits::log_space>(q.derived(), k.derived(), v.derived(), a.derived(),
+                                                b.derived(), gate_rows, grad_out.derived(), grads);
     return;
   }
-  DplrBackward<T> backward;
-  backward.reshape(n, dk, dv, gate_dim, options);
-  backward.template run<Traits::log_space>(q.derived(), k.derived(), v.derived(), a.derived(),
-                                           b.derived(), gate_rows, grad_out.derived(), grads,
-                                           where);
+  use.recurrent.reshape(n, dk, dv, gate_dim, options);
+  use.recurrent.template run<Traits::log_space>(q.derived(), k.derived(), v.derived(), a.derived(),
+                                                b.derived(), gate_rows, grad_out.derived(), grads,
+                                                where);
+}
+
+/// A thread's buffers of the generalized delta rule's view backward, kept from head to head:
+/// one head's gradients (copied or added into the views) and the backward's.
+template <class T, class A>
+struct DplrHeadBuffers {
+  DplrGradients<T> grads;
+  DplrBackwardBuffers<A> backward;
+};
+
+/// The one driver of the generalized delta rule's view backward calls: checks and scans
+/// everything before anything is written, then runs the matrix backward of each (sequence,
+/// head) on the threads, over groups of heads that share no input head with another group.
+template <class Acc, class Q, class K, class V, class A, class B, class Gates, class G, class T>
+void heads_dplr_backward(const HeadsView<Q>& q, const HeadsView<K>& k, const HeadsView<V>& v,
+                         const HeadsView<A>& a, const HeadsView<B>& b, const Gates& gates,
+                         const HeadsView<G>& grad_out, const std::vector<std::int64_t>* offsets,
+                         const DplrGradientViews<T>& grads, const DplrOptions& options,
+                         const char* where) {
+  static_assert(!std::is_const_v<T>,
+                "the gradients must be writable views (HeadsView<float>, not "
+                "HeadsView<const float>)");
+  static_assert(is_supported_scalar<T>,
+                "the generalized delta rule's view backward takes float or double views (the "
+                "matrix backward takes Eigen::half and bfloat16)");
+  using Acc_ = accumulator_t<Acc, T>;
+  const auto transition = delta_head_gates<Gates, T>::read(gates);
+  const ConstHeadsView<T>& gate_view = transition.view;
+  require_gradient_view(grads.q, q, where, "grads.q", "q");
+  require_gradient_view(grads.k, k, where, "grads.k", "k");
+  require_gradient_view(grads.v, v, where, "grads.v", "v");
+  require_gradient_view(grads.a, a, where, "grads.a", "a");
+  require_gradient_view(grads.b, b, where, "grads.b", "b");
+  require_gradient_view(grads.gates, gate_view, where, "grads.gates", "gates");
+  const SequenceRows sequences =
+      check_heads_dplr_rule<Acc>(q, k, v, a, b, gates, grad_out, offsets, options, where);
+  const Options engine = engine_options(options);
+  scan_grad_out(grad_out, engine, where);
+
+  // Checked and scanned above: each head's call runs on one thread and rescans nothing.
+  DplrOptions head_options = options;
+  head_options.threads = 1;
+  head_options.check_finite = false;
+  const Eigen::Index heads = grad_out.heads();
+  const HeadGrouping grouping = options.head_grouping;
+  const Eigen::Index group = backward_head_group(
+      heads, {q.heads(), k.heads(), v.heads(), a.heads(), b.heads(), gate_view.heads()}, grouping);
+  auto one_head = [&](Eigen::Index s, Eigen::Index h, DplrHeadBuffers<T, Acc_>& buffers) {
+    const Eigen::Index batch = sequences.batch_of(s), begin = sequences.begin(s),
+                       rows = sequences.rows(s);
+    const Eigen::Index hq = input_head(q, heads, h, grouping),
+                       hk = input_head(k, heads, h, grouping),
+                       hv = input_head(v, heads, h, grouping);
+    // The first reader of an input head writes its gradient, the later ones add to it.
+    auto later = [&](const auto& input) { return adds_to_input_head(input, heads, h, grouping); };
+    const auto head_rows = [&](const auto& view, Eigen::Index head) {
+      return view.head(batch, head).middleRows(begin, rows);
+    };
+    const auto gate_rows = head_rows(gate_view, h);
+    DplrGradients<T>& g = buffers.grads;
+    if constexpr (decltype(transition)::log_space) {
+      const LogGates<std::decay_t<decltype(gate_rows)>> logs(gate_rows);
+      dplr_backward_into<Acc>(head_rows(q, hq), head_rows(k, hk), head_rows(v, hv), head_rows(a, h),
+                              head_rows(b, h), logs, head_rows(grad_out, h), g, head_options, where,
+                              &buffers.backward);
+    } else {
+      dplr_backward_into<Acc>(head_rows(q, hq), head_rows(k, hk), head_rows(v, hv), head_rows(a, h),
+                              head_rows(b, h), gate_rows, head_rows(grad_out, h), g, head_options,
+                              where, &buffers.backward);
+    }
+    store_head_rows(grads.q, batch, hq, begin, g.q, later(q));
+    store_head_rows(grads.k, batch, hk, begin, g.k, later(k));
+    store_head_rows(grads.v, batch, hv, begin, g.v, later(v));
+    store_head_rows(grads.a, batch, h, begin, g.a, false);
+    store_head_rows(grads.b, batch, h, begin, g.b, false);
+    store_head_rows(grads.gates, batch, h, begin, g.gates, false);
+  };
+  for_each_head_group<DplrHeadBuffers<T, Acc_>>(sequences, heads, group, resolve_threads(engine),
+                                                one_head);
 }
 
 }  // namespace detail
@@ -128,6 +232,59 @@ DplrGradients<typename DQ::Scalar> causal_dplr_delta_rule_backward(
   DplrGradients<typename DQ::Scalar> grads;
   causal_dplr_delta_rule_backward_into<Acc>(q, k, v, a, b, gates, grad_out, grads, options);
   return grads;
+}
+
+/// Backward of causal_dplr_delta_rule_into on views ([B, H, N, D] or [B, N, H, D], any strides):
+/// the matrix backward of each (sequence, head), on threads over the heads (options.threads).
+/// Grouped q, k or v (fewer heads than the output, LayerHeads) get the sum over the heads that
+/// read them. Checks and scans everything before writing anything.
+/// @param q         B x Hq x N x Dk queries, as given to the forward
+/// @param k         B x Hk x N x Dk keys
+/// @param v         B x Hv x N x Dv values
+/// @param a         B x H x N x Dk
+/// @param b         B x H x N x Dk
+/// @param gates     B x H x N x Dk (or x 1): a view of w_t, or log_gates(view)
+/// @param grad_out  B x H x N x Dv gradient of the loss with respect to out
+/// @param grads     results of the inputs' shapes (float or double views, none overlapping)
+/// @param options   the forward's options, threads
+template <class Acc = void, class Q, class K, class V, class A, class B, class Gates, class G,
+          class T, class = detail::enable_if_backward_views<Q, K, V, G, T>,
+          class = detail::enable_if_gate_view<Gates, T>>
+void causal_dplr_delta_rule_backward_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                          const HeadsView<V>& v, const HeadsView<A>& a,
+                                          const HeadsView<B>& b, const Gates& gates,
+                                          const HeadsView<G>& grad_out,
+                                          const DplrGradientViews<T>& grads,
+                                          const DplrOptions& options = {}) {
+  detail::heads_dplr_backward<Acc>(q, k, v, a, b, gates, grad_out, nullptr, grads, options,
+                                   "causal_dplr_delta_rule_backward");
+}
+
+/// Backward of causal_dplr_delta_rule_varlen_into: sequence s is tokens [offsets[s],
+/// offsets[s+1]) of every view and gets exactly the matrix backward on those rows. See the view
+/// call above.
+/// @param q         1 x Hq x total x Dk queries
+/// @param k         1 x Hk x total x Dk keys
+/// @param v         1 x Hv x total x Dv values
+/// @param a         1 x H x total x Dk
+/// @param b         1 x H x total x Dk
+/// @param gates     1 x H x total x Dk (or x 1): a view of w_t, or log_gates(view)
+/// @param grad_out  1 x H x total x Dv gradient of the loss with respect to out
+/// @param offsets   S + 1 nondecreasing token offsets, offsets[0] = 0, offsets[S] = total
+/// @param grads     results of the inputs' shapes
+/// @param options   the forward's options, threads
+template <class Acc = void, class Q, class K, class V, class A, class B, class Gates, class G,
+          class T, class = detail::enable_if_backward_views<Q, K, V, G, T>,
+          class = detail::enable_if_gate_view<Gates, T>>
+void causal_dplr_delta_rule_varlen_backward_into(const HeadsView<Q>& q, const HeadsView<K>& k,
+                                                 const HeadsView<V>& v, const HeadsView<A>& a,
+                                                 const HeadsView<B>& b, const Gates& gates,
+                                                 const HeadsView<G>& grad_out,
+                                                 const std::vector<std::int64_t>& offsets,
+                                                 const DplrGradientViews<T>& grads,
+                                                 const DplrOptions& options = {}) {
+  detail::heads_dplr_backward<Acc>(q, k, v, a, b, gates, grad_out, &offsets, grads, options,
+                                   "causal_dplr_delta_rule_varlen_backward");
 }
 
 }  // namespace linattn
