@@ -265,7 +265,8 @@ void BM_DeltaBackward(benchmark::State& state, bool recurrent) {
 /// RWKV-7's shape for the generalized delta rule: one head of Dk = Dv = D (RWKV-7: 64), a =
 /// -kk, b = kk alpha, per-feature log decays in [-0.6, 0), scale 1. Args: N; the forward (0),
 /// the backward in its chunked form (1, the default at D >= 64) or its recurrent one (2,
-/// DeltaForm::streamed); D.
+/// DeltaForm::streamed); D; threads (2: the backward splits the value columns, the forward
+/// too).
 template <class T>
 void BM_DplrBackward(benchmark::State& state) {
   const Eigen::Index n = state.range(0), d = state.range(2);
@@ -278,7 +279,7 @@ void BM_DplrBackward(benchmark::State& state) {
   const Matrix<T> grad_out = random_matrix<T>(n, d, 45);
   linattn::DplrOptions options;
   options.scale = 1.0;
-  options.threads = 1;
+  options.threads = static_cast<int>(state.range(3));
   options.check_finite = false;
   Matrix<T> out(n, d);
   linattn::DplrGradients<T> grads;
@@ -383,9 +384,13 @@ int main(int argc, char** argv) {
        quick ? std::vector<Eigen::Index>{4096} : std::vector<Eigen::Index>{4096, 16384}) {
     for (const Eigen::Index d : {32, 64, 128}) {
       for (const int form : {0, 1, 2}) {
-        benchmark::RegisterBenchmark("BM_DplrBackward<float>", BM_DplrBackward<float>)
-            ->Args({n, form, d})
-            ->Unit(benchmark::kMillisecond);
+        for (const int threads : {1, 2}) {
+          if (threads == 2 && (d < 64 || form == 2)) continue;
+          benchmark::RegisterBenchmark("BM_DplrBackward<float>", BM_DplrBackward<float>)
+              ->Args({n, form, d, threads})
+              ->UseRealTime()
+              ->Unit(benchmark::kMillisecond);
+        }
       }
     }
   }

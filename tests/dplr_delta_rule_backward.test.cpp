@@ -161,6 +161,39 @@ TEMPLATE_TEST_CASE("the generalized delta rule's chunked backward equals its rec
   }
 }
 
+TEMPLATE_TEST_CASE(
+    "the generalized delta rule's backward on two threads splits the value "
+    "columns and equals one thread's",
+    "[dplr_delta_rule_backward]", float, double) {
+  using T = TestType;
+  // Dv = 70: two parts of 35 columns (with OpenMP; one part without), both forms.
+  const Eigen::Index n = 90, dk = 10, dv = 70;
+  const Inputs in(n, dk, dv, dk, 800);
+  const auto t = [](const Matrix<double>& x) { return Matrix<T>(x.cast<T>()); };
+  const Matrix<double> grad_out = gaussian<double>(n, dv, 12);
+  for (const auto form : {linattn::DeltaForm::chunked, linattn::DeltaForm::streamed}) {
+    CAPTURE(form == linattn::DeltaForm::chunked);
+    DplrOptions options;
+    options.form = form;
+    options.chunk = 16;
+    options.threads = 1;
+    const DplrGradients<T> one = linattn::causal_dplr_delta_rule_backward(
+        t(in.q), t(in.k), t(in.v), t(in.a), t(in.b), linattn::log_gates(t(in.log_gates)),
+        t(grad_out), options);
+    options.threads = 2;
+    const DplrGradients<T> two = linattn::causal_dplr_delta_rule_backward(
+        t(in.q), t(in.k), t(in.v), t(in.a), t(in.b), linattn::log_gates(t(in.log_gates)),
+        t(grad_out), options);
+    const double bound = std::is_same_v<T, float> ? 1e-5 : 1e-13;
+    CHECK(relative_error(two.v, one.v) <= bound);
+    CHECK(relative_error(two.q, one.q) <= bound);
+    CHECK(relative_error(two.k, one.k) <= bound);
+    CHECK(relative_error(two.a, one.a) <= bound);
+    CHECK(relative_error(two.b, one.b) <= bound);
+    CHECK(relative_error(two.gates, one.gates) <= bound);
+  }
+}
+
 TEST_CASE(
     "the generalized delta rule's view and varlen backward give each head's matrix "
     "backward",

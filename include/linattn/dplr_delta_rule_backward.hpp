@@ -19,7 +19,9 @@
 #include <vector>
 
 /// Reverse mode through causal_dplr_delta_rule (S_t = diag(w_t) S_{t-1} + b_t (a_t^T S_{t-1})
-/// + k_t v_t^T, out_t = S_t^T (s q_t)) in one of two forms, on one thread:
+/// + k_t v_t^T, out_t = S_t^T (s q_t)) in one of two forms; with options.threads > 1 the value
+/// columns split across the threads (at least 32 each: the columns of S evolve apart, each part
+/// repeats the key-side work and the parts' key gradients add):
 ///   - chunked (WY; DeltaForm::chunked, and automatic at Dk Dv >= 64 x 64): the forward runs
 ///     once by chunks of min(chunk, 16) tokens keeping S at each chunk's start, U and the
 ///     chunk's a-side pairs, then reverse mode runs through each chunk's GEMMs from the last
@@ -30,8 +32,8 @@
 ///     by block from the last, the block's states are recomputed token by token from its
 ///     checkpoint, then reverse mode runs over its tokens, carrying dS: ten matrix-vector and
 ///     rank-1 passes over S_{t-1} and dS a token, about 2 sqrt(N) Dk Dv numbers of workspace.
-/// Both are O(N Dk Dv) time; the chunked form is 1.15x faster at 64 x 64 and 1.6x at 128 x 128,
-/// the recurrent one 1.2x at 32 x 32 (docs/performance.md).
+/// Both are O(N Dk Dv) time; the chunked form measured 1.1x faster at 64 x 64 and 1.5-1.8x at
+/// 128 x 128, the recurrent one 1.1x at 32 x 32 (docs/performance.md).
 namespace linattn {
 
 /// Where a view backward of the generalized delta rule writes its gradients: one view per
@@ -94,18 +96,58 @@ void dplr_backward_into(
   grads.b.resize(n, dk);
   grads.gates.resize(n, gate_dim);
   const GateMatrix<Gates> gate_rows(gates);
-  DplrBackwardBuffers<T> own;
-  DplrBackwardBuffers<T>& use = buffers != nullptr ? *buffers : own;
-  if (chunked_dplr_backward(options, dk, dv)) {
-    use.chunked.reshape(n, dk, dv, gate_dim, options);
-    use.chunked.template run<Traits::log_space>(q.derived(), k.derived(), v.derived(), a.derived(),
-                                                b.derived(), gate_rows, grad_out.derived(), grads);
+  const bool chunked = chunked_dplr_backward(options, dk, dv);
+  // Value columns [first, first + width) alone: the columns of S evolve apart, so their
+  // backward is the rule's on those columns of v and grad_out (q, k, a, b and the gates get
+  // that part's share of their gradients).
+  const auto run_part = [&](DplrBackwardBuffers<T>& use, Eigen::Index first, Eigen::Index width,
+                            DplrGradients<Scalar>& out) {
+    const auto vs = v.derived().middleCols(first, width);
+    const auto gs = grad_out.derived().middleCols(first, width);
+    if (chunked) {
+      use.chunked.reshape(n, dk, width, gate_dim, options);
+      use.chunked.template run<Traits::log_space>(q.derived(), k.derived(), vs, a.derived(),
+                                                  b.derived(), gate_rows, gs, out);
+    } else {
+      use.recurrent.reshape(n, dk, width, gate_dim, options);
+      use.recurrent.template run<Traits::log_space>(q.derived(), k.derived(), vs, a.derived(),
+                                                    b.derived(), gate_rows, gs, out, where);
+    }
+  };
+  // Threads over one sequence split the value columns (at least 32 each), as the delta rule's
+  // backward does: each part repeats the key-side work, and the parts' key gradients add.
+  const int threads = resolve_threads(engine_options(options));
+  const Eigen::Index parts = delta_backward_parts(threads, dv);
+  if (parts == 1) {
+    DplrBackwardBuffers<T> own;
+    run_part(buffers != nullptr ? *buffers : own, 0, dv, grads);
     return;
   }
-  use.recurrent.reshape(n, dk, dv, gate_dim, options);
-  use.recurrent.template run<Traits::log_space>(q.derived(), k.derived(), v.derived(), a.derived(),
-                                                b.derived(), gate_rows, grad_out.derived(), grads,
-                                                where);
+  std::vector<DplrBackwardBuffers<T>> part_buffers(static_cast<std::size_t>(parts));
+  std::vector<DplrGradients<Scalar>> part_grads(static_cast<std::size_t>(parts));
+  const auto first_column = [&](Eigen::Index p) { return dv * p / parts; };
+  for (Eigen::Index p = 0; p < parts; ++p) {
+    DplrGradients<Scalar>& g = part_grads[static_cast<std::size_t>(p)];
+    for (Matrix<Scalar>* m : {&g.q, &g.k, &g.a, &g.b}) m->resize(n, dk);
+    g.v.resize(n, first_column(p + 1) - first_column(p));
+    g.gates.resize(n, gate_dim);
+  }
+  parallel_for(parts, threads, [&](Eigen::Index p) {
+    const auto i = static_cast<std::size_t>(p);
+    run_part(part_buffers[i], first_column(p), first_column(p + 1) - first_column(p),
+             part_grads[i]);
+  });
+  grads = std::move(part_grads[0]);
+  grads.v.conservativeResize(n, dv);
+  for (Eigen::Index p = 1; p < parts; ++p) {
+    const DplrGradients<Scalar>& g = part_grads[static_cast<std::size_t>(p)];
+    grads.q += g.q;
+    grads.k += g.k;
+    grads.a += g.a;
+    grads.b += g.b;
+    grads.gates += g.gates;
+    grads.v.middleCols(first_column(p), g.v.cols()) = g.v;
+  }
 }
 
 /// A thread's buffers of the generalized delta rule's view backward, kept from head to head:
@@ -201,7 +243,8 @@ void heads_dplr_backward(const HeadsView<Q>& q, const HeadsView<K>& k, const Hea
 /// @param grad_out  N x Dv gradient of the loss with respect to the forward's output
 /// @param grads     result: the gradients with respect to q, k, v, a, b and the gates (d / d g_t
 ///                  for log_gates(g), 0 where g_t = -infinity; d / d w_t for decays w_t)
-/// @param options   the forward's options (scale, chunk, form: see above, check_finite)
+/// @param options   the forward's options (scale, chunk, form: see above, check_finite,
+///                  threads)
 template <class Acc = void, class DQ, class DK, class DV, class DA, class DB, class Gates, class DO,
           class = std::enable_if_t<detail::gate_traits<Gates>::is_gate>>
 void causal_dplr_delta_rule_backward_into(

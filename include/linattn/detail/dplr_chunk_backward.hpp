@@ -19,8 +19,8 @@
 // run inside the chunk as kFeatureResetLog, whose exp is 0, their gradient 0; scalar gates run
 // as per-feature ones, their gradient the sum over the features.
 // The forward runs once first, keeping S0 at every chunk's start, U, Ab and Ak: O(N (Dv + 2L)
-// + (N / L) Dk Dv) memory. One thread per sequence (the heads' drivers thread over sequences and
-// heads).
+// + (N / L) Dk Dv) memory. One thread: the callers split the value columns (one sequence) or the
+// heads across threads.
 #pragma once
 
 #include <algorithm>
@@ -45,8 +45,8 @@ namespace linattn::detail {
 inline constexpr Eigen::Index kDplrBackwardChunk = 16;
 
 /// True when the chunked backward runs for these options and shape: DeltaForm::chunked, or
-/// automatic at Dk Dv >= 64 x 64 (measured: at 32 x 32 the recurrent form is 1.2x faster, at
-/// 64 x 64 the chunked one 1.15x, at 128 x 128 1.6x); DeltaForm::streamed keeps the recurrent
+/// automatic at Dk Dv >= 64 x 64 (measured: at 32 x 32 the recurrent form is 1.1x faster, at
+/// 64 x 64 the chunked one 1.1x, at 128 x 128 1.5-1.8x); DeltaForm::streamed keeps the recurrent
 /// backward (the reference the chunked one is tested against).
 inline bool chunked_dplr_backward(const DplrOptions& options, Eigen::Index key_dim,
                                   Eigen::Index value_dim) {
