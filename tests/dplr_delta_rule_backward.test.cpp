@@ -283,8 +283,8 @@ TEST_CASE(
                                          packed_out(gv, heads), packed_out(ga, heads),
                                          packed_out(gb, heads), packed_out(gg, heads)},
       options);
-  for (const auto& [begin, len] : {std::pair<Eigen::Index, Eigen::Index>(0, 15), {15, 65}}) {
-    const Eigen::Index h = 1;
+  for (const auto& sequence : {std::pair<Eigen::Index, Eigen::Index>(0, 15), {15, 65}}) {
+    const Eigen::Index begin = sequence.first, len = sequence.second, h = 1;
     const auto rows = [&](const Matrix<double>& m, Eigen::Index col, Eigen::Index d) {
       return Matrix<double>(m.block(begin, col, len, d));
     };
