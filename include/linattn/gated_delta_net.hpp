@@ -280,23 +280,8 @@ class GatedDeltaNet {
   }
 
   static const GatedDeltaNetOptions& checked_options(const GatedDeltaNetOptions& options) {
-    constexpr const char* where = "GatedDeltaNet";
-    if (!(options.norm_eps > 0.0) || !std::isfinite(options.norm_eps)) {
-      throw Error(std::string(where) + ": GatedDeltaNetOptions::norm_eps must be finite and > " +
-                  "0 (the config's rms_norm_eps), got " + std::to_string(options.norm_eps));
-    }
-    if (options.chunk < 1) {
-      throw Error(std::string(where) + ": GatedDeltaNetOptions::chunk must be >= 1, got " +
-                  std::to_string(options.chunk));
-    }
-    if (options.threads < 0) {
-      throw Error(std::string(where) + ": GatedDeltaNetOptions::threads must be >= 0 (0 = " +
-                  "OpenMP's default), got " + std::to_string(options.threads));
-    }
-    if (options.form != DeltaForm::automatic && options.form != DeltaForm::chunked &&
-        options.form != DeltaForm::streamed) {
-      throw Error(std::string(where) + ": GatedDeltaNetOptions::form is not a DeltaForm");
-    }
+    detail::require_mixer_options(options, "GatedDeltaNet", "GatedDeltaNetOptions",
+                                  "the config's rms_norm_eps");
     return options;
   }
 

@@ -243,24 +243,8 @@ class Rwkv7TimeMix {
   }
 
   static const Rwkv7TimeMixOptions& checked_options(const Rwkv7TimeMixOptions& options) {
-    constexpr const char* where = "Rwkv7TimeMix";
-    if (!(options.norm_eps > 0.0) || !std::isfinite(options.norm_eps)) {
-      throw Error(std::string(where) + ": Rwkv7TimeMixOptions::norm_eps must be finite and > 0 " +
-                  "(ln_x's eps, 64e-5 in the released models), got " +
-                  std::to_string(options.norm_eps));
-    }
-    if (options.chunk < 1) {
-      throw Error(std::string(where) + ": Rwkv7TimeMixOptions::chunk must be >= 1, got " +
-                  std::to_string(options.chunk));
-    }
-    if (options.threads < 0) {
-      throw Error(std::string(where) + ": Rwkv7TimeMixOptions::threads must be >= 0 (0 = " +
-                  "OpenMP's default), got " + std::to_string(options.threads));
-    }
-    if (options.form != DeltaForm::automatic && options.form != DeltaForm::chunked &&
-        options.form != DeltaForm::streamed) {
-      throw Error(std::string(where) + ": Rwkv7TimeMixOptions::form is not a DeltaForm");
-    }
+    detail::require_mixer_options(options, "Rwkv7TimeMix", "Rwkv7TimeMixOptions",
+                                  "ln_x's eps, 64e-5 in the released models");
     return options;
   }
 

@@ -31,6 +31,7 @@
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/delta_chunk_backward.hpp>
 #include <linattn/detail/dplr_delta_rule.hpp>
+#include <linattn/detail/dplr_delta_rule_backward.hpp>
 #include <linattn/detail/feature_pairs.hpp>
 #include <linattn/detail/openmp.hpp>
 #include <linattn/gates.hpp>
@@ -117,16 +118,8 @@ class DplrChunkBackward {
       load_rows(grad_out.middleRows(begin, len), dout_);
       load_gates(gate_rows, begin, len);
       backward_chunk(c, len, LogSpace);
-      const auto store = [&](const Matrix<T>& src, Matrix<S>& dst) {
-        auto rows = dst.middleRows(begin, len);
-        store_rows<S>(src, len, rows);
-      };
-      store(grad_q_, grads.q);
-      store(grad_k_, grads.k);
-      store(grad_v_, grads.v);
-      store(grad_a_, grads.a);
-      store(grad_b_, grads.b);
-      store(grad_gate_, grads.gates);
+      store_dplr_gradients<T, S>({&grad_q_, &grad_k_, &grad_v_, &grad_a_, &grad_b_, &grad_gate_},
+                                 begin, len, grads);
     }
   }
 

@@ -39,6 +39,19 @@ class OffsetGateRows final : public GateRows {
   Eigen::Index first_;
 };
 
+/// Rows [begin, begin + len) of grads' q, k, v, a, b and gates from the first len rows of a
+/// backward's buffers for them (in that order), converted to S.
+template <class T, class S>
+void store_dplr_gradients(const std::array<const Matrix<T>*, 6>& rows, Eigen::Index begin,
+                          Eigen::Index len, DplrGradients<S>& grads) {
+  const std::array<Matrix<S>*, 6> out = {&grads.q, &grads.k, &grads.v,
+                                         &grads.a, &grads.b, &grads.gates};
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    auto dst = out[i]->middleRows(begin, len);
+    store_rows<S>(*rows[i], len, dst);
+  }
+}
+
 /// The recurrent-form backward of one sequence of the generalized delta rule on validated
 /// inputs, in T. Workspace, allocated once: the checkpoints (ceil(N / L) states) and one block's
 /// L states and rows; nothing else grows with N.
@@ -92,16 +105,8 @@ class DplrBackward {
       logs_.resize(len, gates_);
       gate_rows.log_rows(begin, len, logs_);
       reverse_block(blk, len, LogSpace);
-      const auto store = [&](const Matrix<T>& src, Matrix<S>& dst) {
-        auto rows = dst.middleRows(begin, len);
-        store_rows<S>(src, len, rows);
-      };
-      store(grad_q_, grads.q);
-      store(grad_k_, grads.k);
-      store(grad_v_, grads.v);
-      store(grad_a_, grads.a);
-      store(grad_b_, grads.b);
-      store(grad_gates_, grads.gates);
+      store_dplr_gradients<T, S>({&grad_q_, &grad_k_, &grad_v_, &grad_a_, &grad_b_, &grad_gates_},
+                                 begin, len, grads);
     }
   }
 

@@ -17,6 +17,30 @@
 
 namespace linattn::detail {
 
+/// Throws unless a mixer's shared settings are in range: norm_eps finite and > 0 (`eps_meaning`
+/// says which eps), chunk >= 1, threads >= 0 and form a DeltaForm; `type` names the settings'
+/// struct in messages.
+template <class MixerOptions>
+void require_mixer_options(const MixerOptions& options, const char* where, const char* type,
+                           const char* eps_meaning) {
+  const std::string field = std::string(where) + ": " + type + "::";
+  if (!(options.norm_eps > 0.0) || !std::isfinite(options.norm_eps)) {
+    throw Error(field + "norm_eps must be finite and > 0 (" + eps_meaning + "), got " +
+                std::to_string(options.norm_eps));
+  }
+  if (options.chunk < 1) {
+    throw Error(field + "chunk must be >= 1, got " + std::to_string(options.chunk));
+  }
+  if (options.threads < 0) {
+    throw Error(field + "threads must be >= 0 (0 = OpenMP's default), got " +
+                std::to_string(options.threads));
+  }
+  if (options.form != DeltaForm::automatic && options.form != DeltaForm::chunked &&
+      options.form != DeltaForm::streamed) {
+    throw Error(field + "form is not a DeltaForm");
+  }
+}
+
 /// Throws unless `view` is [batch, heads, tokens, dim] with adjacent features; `meaning` says
 /// what the mixer reads there.
 template <class S>
