@@ -409,7 +409,9 @@ void DeltaChunkBackward<T>::piece_decays(DeltaChunkPart<T>& part, Eigen::Index p
   cum.row(0) = part.log_gate.row(p);
   for (Eigen::Index i = 1; i < m; ++i) cum.row(i) = cum.row(i - 1) + part.log_gate.row(p + i);
   exp_of(cum, part.gamma.topRows(m));
-  exp_of(cum.row(m - 1).replicate(m, 1) - cum, part.to_end.topRows(m));
+  // G_m - G broadcast row by row, then one exp (a difference with replicate() runs one element
+  // at a time; exp_of still casts the expression, the whole of it at once).
+  exp_of((-cum).rowwise() + cum.row(m - 1), part.to_end.topRows(m));
   if (gates_ == 1) {
     // exp(G_i - G_j) for j <= i (all <= 1); zeros above.
     auto decay = part.decay.topLeftCorner(m, m);

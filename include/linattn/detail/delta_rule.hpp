@@ -235,6 +235,7 @@ struct DeltaBuffers {
   LogRows log_gate;    ///< L x G: the chunk's log gates, G = 1 or Dk
   LogRows cum;         ///< L x G: log gates summed within a piece
   LogRows ref;         ///< 1 x Dk: G at a KDA sub-block's reference token
+  LogRows spread;      ///< L x Dk: differences of G, converted to T as a whole buffer
   Matrix<T> attn;      ///< L x L: decayed q_i . k_j, i >= j
   Matrix<T> kk;        ///< L x L: beta_i times the decayed k_i . k_j, i > j
   Matrix<T> wu;        ///< L x (Dk + Dv): [W U], solved in place
@@ -399,7 +400,11 @@ class DeltaKernel {
     buf_.lhs.middleRows(m, m).array() = q * from_start;
     buf_.wu.topLeftCorner(m, dk).array() = k * from_start;
     buf_.last = from_start.row(m - 1).transpose().matrix();
-    buf_.kd.topRows(m).array() = (cum.row(m - 1).replicate(m, 1) - cum).template cast<T>();
+    // Differences of G formed in double first, broadcast row by row: a cast of the difference
+    // itself, or a difference with replicate(), runs one element at a time.
+    buf_.spread.resize(chunk_, dk);
+    buf_.spread.topRows(m) = (-cum).rowwise() + cum.row(m - 1);
+    buf_.kd.topRows(m).array() = buf_.spread.topRows(m).template cast<T>();
     buf_.kd.topRows(m).array() = k * buf_.kd.topRows(m).array().exp();
     for (Eigen::Index i0 = 0; i0 < m; i0 += kDeltaSubBlock) {
       const Eigen::Index b = std::min(kDeltaSubBlock, m - i0);
@@ -410,15 +415,16 @@ class DeltaKernel {
       } else {
         buf_.ref.setZero();
       }
-      const auto ref = [&](Eigen::Index rows) { return buf_.ref.replicate(rows, 1); };
       const double spread = (buf_.ref - cum.row(i0 + b - 1)).maxCoeff();
       const bool inside = spread <= kDeltaSpread;
       const Eigen::Index width = inside ? i0 + b : i0;
       if (width > 0) {
-        buf_.right.topRows(width) = (ref(width) - cum.topRows(width)).template cast<T>();
+        buf_.spread.topRows(width) = (-cum.topRows(width)).rowwise() + buf_.ref.row(0);
+        buf_.right.topRows(width) = buf_.spread.topRows(width).template cast<T>();
         buf_.right.topRows(width) = k.topRows(width) * buf_.right.topRows(width).exp();
         auto to_ref = buf_.factor.topLeftCorner(b, dk);
-        to_ref = (cum.middleRows(i0, b) - ref(b)).template cast<T>();
+        buf_.spread.topRows(b) = cum.middleRows(i0, b).rowwise() - buf_.ref.row(0);
+        to_ref = buf_.spread.topRows(b).template cast<T>();
         to_ref = to_ref.exp();
         buf_.left.topRows(b) = q.middleRows(i0, b) * to_ref;
         buf_.left.middleRows(b, b) = k.middleRows(i0, b) * to_ref;

@@ -182,9 +182,10 @@ class DplrChunkBackward {
     exp_of(cum, gamma_.topRows(len));
     gamma_prev_.row(0).setOnes();
     if (len > 1) gamma_prev_.middleRows(1, len - 1) = gamma_.topRows(len - 1);
-    // G_m - G_t in log_gate_'s rows (read no more), then converted: a cast of the difference
-    // itself would run one element at a time.
-    log_gate_.topRows(len) = cum.row(len - 1).replicate(len, 1) - cum;
+    // G_m - G_t in log_gate_'s rows (read no more), broadcast row by row, then converted: a
+    // cast of the difference itself, or a difference with replicate(), runs one element at a
+    // time.
+    log_gate_.topRows(len) = (-cum).rowwise() + cum.row(len - 1);
     exp_of(log_gate_.topRows(len), to_end_.topRows(len));
     pairs_.decays(cum_, len);
   }
