@@ -5,8 +5,8 @@
 #include <linattn/detail/compiled.hpp>
 #include <linattn/detail/delta_rule.hpp>
 #include <linattn/detail/delta_rule_backward.hpp>
-#include <linattn/detail/dplr_delta_rule.hpp>
 #include <linattn/detail/dplr_chunk_backward.hpp>
+#include <linattn/detail/dplr_delta_rule.hpp>
 #include <linattn/detail/dplr_delta_rule_backward.hpp>
 #include <linattn/detail/gradient_stream.hpp>
 #include <linattn/dplr_delta_rule.hpp>
