@@ -12,6 +12,7 @@
 #include <linattn/linear_attention.hpp>
 #include <linattn/multi_head.hpp>
 #include <linattn/recurrent_state.hpp>
+#include <linattn/state_batch.hpp>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -127,6 +128,111 @@ void BM_Heads(benchmark::State& state, Transition transition, bool token_major, 
   set_rates(state, kHeads * recurrence_flops(n, kDim, kDim), double(kHeads * n));
 }
 
+/// The transitions of the decoding-step rows.
+enum class StepGate { ungated, scalar_log, feature_log, feature_linear };
+
+/// One decoding step of 8 heads of C = Dv = 64 (a RecurrentStateBatch, one thread) at context
+/// range(0): the states hold that many tokens of the same transition (prefilled outside the
+/// timing), and each timed step takes one more token for every head.
+void BM_Step(benchmark::State& state, StepGate gate) {
+  constexpr Eigen::Index kHeads = 8, kDim = 64;
+  const Eigen::Index context = state.range(0);
+  const bool per_feature = gate == StepGate::feature_log || gate == StepGate::feature_linear;
+  const Eigen::Index gate_cols = per_feature ? kDim : 1;
+  linattn::Options options;
+  options.threads = 1;
+  linattn::RecurrentStateBatch<float> batch(kHeads, kDim, kDim, options);
+  const Head<float> history(context, kDim, kDim, gate_cols);
+  const linattn::HeadShape shape{1, kHeads, context, kDim};
+  const linattn::HeadShape gate_shape{1, kHeads, context, gate_cols};
+  // Every head prefills the same history: the state's contents do not change the step's work.
+  Matrix<float> q(kHeads * context, kDim), k(kHeads * context, kDim), v(kHeads * context, kDim),
+      g(kHeads * context, gate_cols), prefill_out(kHeads * context, kDim);
+  for (Eigen::Index h = 0; h < kHeads; ++h) {
+    q.middleRows(h * context, context) = history.phi_q;
+    k.middleRows(h * context, context) = history.phi_k;
+    v.middleRows(h * context, context) = history.v;
+    g.middleRows(h * context, context) = history.log_gates;
+  }
+  const auto view = [](auto* data, const linattn::HeadShape& s) {
+    return HeadsView<std::remove_pointer_t<decltype(data)>>::bhnd(data, s);
+  };
+  if (gate == StepGate::ungated) {
+    batch.prefill_into(view(static_cast<const float*>(q.data()), shape),
+                       view(static_cast<const float*>(k.data()), shape),
+                       view(static_cast<const float*>(v.data()), shape), linattn::Identity{},
+                       view(prefill_out.data(), shape));
+  } else {
+    batch.prefill_into(view(static_cast<const float*>(q.data()), shape),
+                       view(static_cast<const float*>(k.data()), shape),
+                       view(static_cast<const float*>(v.data()), shape),
+                       linattn::log_gates(view(static_cast<const float*>(g.data()), gate_shape)),
+                       linattn::Identity{}, view(prefill_out.data(), shape));
+  }
+  const Head<float> token(kHeads, kDim, kDim, gate_cols);
+  const Matrix<float> linear_gates = token.log_gates.array().exp().matrix();
+  Matrix<float> out(kHeads, kDim);
+  linattn_bench::measure(state, [&] {
+    switch (gate) {
+      case StepGate::ungated:
+        batch.step_into(token.phi_q, token.phi_k, token.v, linattn::Identity{}, out);
+        break;
+      case StepGate::scalar_log:
+      case StepGate::feature_log:
+        batch.step_into(token.phi_q, token.phi_k, token.v, linattn::log_gates(token.log_gates),
+                        linattn::Identity{}, out);
+        break;
+      case StepGate::feature_linear:
+        batch.step_into(token.phi_q, token.phi_k, token.v, linear_gates, linattn::Identity{}, out);
+        break;
+    }
+    benchmark::DoNotOptimize(out.data());
+  });
+  set_rates(state, kHeads * recurrence_flops(1, kDim, kDim), double(kHeads));
+}
+
+/// The obvious per-token loop of the same step in Eigen (ggml's gated op's form): per head,
+/// S = diag(a) S + k v^T and out = S^T q, the gates given as a. The baseline a step must beat.
+void BM_StepEigenLoop(benchmark::State& state) {
+  constexpr Eigen::Index kHeads = 8, kDim = 64;
+  const Head<float> token(kHeads, kDim, kDim, kDim);
+  const Matrix<float> linear_gates = token.log_gates.array().exp().matrix();
+  std::vector<Matrix<float>> s(kHeads, random_matrix<float>(kDim, kDim, 25));
+  Matrix<float> out(kHeads, kDim);
+  linattn_bench::measure(state, [&] {
+    for (Eigen::Index h = 0; h < kHeads; ++h) {
+      Matrix<float>& sh = s[static_cast<std::size_t>(h)];
+      sh = linear_gates.row(h).transpose().asDiagonal() * sh;
+      sh.noalias() += token.phi_k.row(h).transpose() * token.v.row(h);
+      out.row(h).noalias() = token.phi_q.row(h) * sh;
+    }
+    benchmark::DoNotOptimize(out.data());
+  });
+  set_rates(state, kHeads * recurrence_flops(1, kDim, kDim), double(kHeads));
+}
+
+/// The step rows at contexts of 1 and 16,384 tokens.
+void register_steps() {
+  struct Kind {
+    const char* name;
+    StepGate gate;
+  };
+  for (const Eigen::Index context : {Eigen::Index(16), Eigen::Index(16384)}) {
+    for (const Kind kind :
+         {Kind{"Ungated", StepGate::ungated}, Kind{"ScalarLogGates", StepGate::scalar_log},
+          Kind{"FeatureLogGates", StepGate::feature_log},
+          Kind{"FeatureGates", StepGate::feature_linear}}) {
+      benchmark::RegisterBenchmark(
+          ("BM_GatedStep_Heads8_C64_" + std::string(kind.name) + "<float>").c_str(), BM_Step,
+          kind.gate)
+          ->Arg(context)
+          ->Unit(benchmark::kMicrosecond);
+    }
+  }
+  benchmark::RegisterBenchmark("BM_GatedStep_Heads8_C64_EigenLoop<float>", BM_StepEigenLoop)
+      ->Unit(benchmark::kMicrosecond);
+}
+
 /// The multi-head rows: every transition in both layouts, the scan on and off.
 void register_heads(const std::vector<Eigen::Index>& sizes) {
   struct Kind {
@@ -193,6 +299,7 @@ int main(int argc, char** argv) {
   register_shape<float>("GLA128", 128, 128, {4096}, true);
   register_shape<float>("Mamba2", 128, 64, {4096}, false);
   register_shape<double>("C64", 64, 64, {4096}, false);
+  register_steps();
   register_heads(quick ? std::vector<Eigen::Index>{4096}
                        : std::vector<Eigen::Index>{1024, 4096, 16384});
   benchmark::Initialize(&argc, argv);

@@ -95,7 +95,8 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
         key_(feature_dim),
         value_(value_dim),
         output_(std::is_same_v<T, Acc> ? 0 : value_dim),
-        feature_log_gate_(feature_dim) {
+        feature_log_gate_(feature_dim),
+        feature_factor_(feature_dim) {
     detail::validate_options(options, "RecurrentState");
   }
 
@@ -875,10 +876,14 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
     if (carried_.empty()) carried_.log_scale = 0.0;  // s and z are zero
     const double base = carried_.log_scale;
     carried_.settle_rows(carried_.row_log + feature_log_gate_, detail::kGateDrift);
-    for (Eigen::Index c = 0; c < feature_dim(); ++c) {
-      const double x = carried_.row_log(c);
-      if (x != 0.0) query_(c) *= detail::exp_as<Acc>(x);
-      if (x != 0.0 || base != 0.0) key_(c) *= detail::exp_as<Acc>(-x - base);
+    // The pending logs stay exact in double; the factors they give this token (within a
+    // factor of e of 1) are taken in Acc, vectorised.
+    feature_factor_ = carried_.row_log.template cast<Acc>();
+    query_.array() *= feature_factor_.exp();
+    if (base == 0.0) {
+      key_.array() *= (-feature_factor_).exp();
+    } else {
+      key_.array() *= (-carried_.row_log - base).exp().template cast<Acc>();
     }
     stream_token(base, out);
   }
@@ -906,9 +911,11 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
       token_log_gate_ = log_of(static_cast<double>(values(0, 0)));
       return;
     }
-    for (Eigen::Index c = 0; c < feature_dim(); ++c) {
-      feature_log_gate_(c) = log_of(static_cast<double>(values.reshaped()(c)));
-    }
+    // The logs of gates a_t are taken in Acc over the whole vector (vectorised): a float log
+    // of a float gate is within an ulp of the gate's own log; the sums stay in double.
+    feature_factor_ = values.reshaped().template cast<Acc>();
+    if constexpr (!Traits::log_space) feature_factor_ = feature_factor_.log();
+    feature_log_gate_ = feature_factor_.template cast<double>();
     token_gate_ = TokenGate::feature;
   }
 
@@ -1101,6 +1108,7 @@ class RecurrentState : public detail::StateCore<detail::CarriedState<Acc>, Optio
   TokenGate token_gate_ = TokenGate::decay;                   ///< the stepped token's transition
   double token_log_gate_ = 0.0;                               ///< its scalar log gate
   Eigen::Array<double, Eigen::Dynamic, 1> feature_log_gate_;  ///< C: its per-feature log gates
+  Eigen::Array<Acc, Eigen::Dynamic, 1> feature_factor_;       ///< C: their logs, or factors, in Acc
 };
 
 /// The gated state of linattn 0.2.0 is RecurrentState: one state for every transition.

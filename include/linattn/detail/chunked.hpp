@@ -60,6 +60,12 @@ struct CarriedState {
   /// applied to s and z (and that row_log cleared) once it passes.
   template <class Reach>
   void settle_rows(const Reach& reach, double drift) {
+    rows_pending = true;
+    // Usually every row stays pending: one vectorised pass.
+    if (reach.minCoeff() >= -drift) {
+      row_log = reach;
+      return;
+    }
     for (Eigen::Index c = 0; c < s.rows(); ++c) {
       const double r = reach(c);
       if (r >= -drift) {
@@ -68,7 +74,6 @@ struct CarriedState {
       }
       apply_row(c, r);
     }
-    rows_pending = true;
   }
 
  private:
@@ -978,46 +983,67 @@ class ChunkedKernel {
     }
   }
 
-  /// One chunk with per-feature gates, as pieces [p, m] within which e_t = sum_{p < i <= t} g_i
-  /// stays within kStreamRange of 0 in every feature (a reset, g = -infinity, starts a piece).
-  /// With x_t = e_t - e_m + row_log' per feature, the stream runs on q_t exp(x_t) and
-  /// k_t exp(-x_t - log_scale) from the state moved on by exp(row_log + g_p + e_m - row_log'):
-  /// within a piece the pending per-feature logs (row_log) absorb the gates, so S is only
-  /// multiplied when they pass the drift, and a gate of 1 - 1e-8 is not lost to rounding.
+  /// One chunk with per-feature gates, as pieces [p, m]. Token p's gate moves the state on
+  /// (settle_rows: into the pending row logs R while they stay within the drift), and then
+  /// x_t = R + sum_{p < i <= t} g_i per feature, in double, while it stays within kStreamRange
+  /// of 0 in every feature (a reset, g = -infinity, ends the piece). The stream runs on
+  /// q_t exp(x_t) and k_t exp(-x_t - log_scale): S read and written at token p's reference,
+  /// every pair's weight exp(x_t - x_j) <= 1; then x_m settles as the rows' new pending logs.
+  /// So S is only multiplied when the logs pass the drift, and a gate of 1 - 1e-8 is not lost
+  /// to rounding. The sums and weights are formed a few tokens at a time, in cache.
   void feature_gated_chunk(Eigen::Index len, const ChunkRows<T>& in, CarriedState<T>& state,
                            OutRows<O>& out) {
     using Rows = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
                             0, Eigen::OuterStride<>>;
+    // Tokens whose sums are formed and range-checked together: x_t only falls, so the last
+    // one's check covers them all.
+    constexpr Eigen::Index kAhead = 8;
     if (state.empty()) state.log_scale = 0.0;  // s and z are zero
     const double base = state.log_scale;
     const Eigen::Index c = state.s.rows();
-    LogRows& cum = buf_.cum;
+    LogRows& x = buf_.cum;  // row t: x_t
     // The weighted q and k go to the buffers; v is read where it is.
     const ChunkRows<T> rows{buf_.q.data(), buf_.q.cols(), buf_.k.data(),
                             buf_.k.cols(), in.v,          in.ldv};
+    // q_t exp(x_t) and k_t exp(-x_t - base) for tokens [first, first + n).
+    const auto weigh = [&](Eigen::Index first, Eigen::Index n) {
+      Eigen::Ref<Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> w =
+          buf_.feature_weights.topRows(n);
+      w = x.middleRows(first, n).template cast<T>();  // a plain block: converted vectorised
+      const Rows queries(in.q + first * in.ldq, n, c, Eigen::OuterStride<>(in.ldq));
+      const Rows keys(in.k + first * in.ldk, n, c, Eigen::OuterStride<>(in.ldk));
+      if (base == 0.0) {
+        // One exponential a weight: the key's is the query's inverse.
+        w = w.exp();
+        buf_.q.middleRows(first, n).array() = queries * w;
+        buf_.k.middleRows(first, n).array() = keys / w;
+      } else {
+        buf_.q.middleRows(first, n).array() = queries * w.exp();
+        buf_.k.middleRows(first, n).array() = keys * (-w - static_cast<T>(base)).exp();
+      }
+    };
     Eigen::Index p = 0;
     while (p < len) {
-      cum.row(p).setZero();
-      Eigen::Index m = p;
+      state.settle_rows(state.row_log + buf_.log_gate.row(p).transpose(), kGateDrift);
+      x.row(p) = state.row_log.transpose();
+      weigh(p, 1);
+      Eigen::Index m = p;  // the piece's last token so far
       while (m + 1 < len) {
-        cum.row(m + 1) = cum.row(m) + buf_.log_gate.row(m + 1);
-        if (!(cum.row(m + 1).minCoeff() >= -kStreamRange)) break;
-        ++m;
+        const Eigen::Index ahead = std::min(kAhead, len - 1 - m);
+        for (Eigen::Index t = m + 1; t <= m + ahead; ++t) {
+          x.row(t) = x.row(t - 1) + buf_.log_gate.row(t);
+        }
+        Eigen::Index fits = ahead;
+        if (!(x.row(m + ahead).minCoeff() >= -kStreamRange)) {
+          fits = 0;
+          while (x.row(m + 1 + fits).minCoeff() >= -kStreamRange) ++fits;
+        }
+        if (fits > 0) weigh(m + 1, fits);
+        m += fits;
+        if (fits < ahead) break;
       }
-      const Eigen::Index n = m - p + 1;
-      state.settle_rows(state.row_log + (buf_.log_gate.row(p) + cum.row(m)).transpose(),
-                        kGateDrift);
-      // x_t per feature, in T: the differences are taken in double, so tiny gates survive.
-      Eigen::Ref<Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x =
-          buf_.feature_weights.topRows(n);
-      x = ((cum.middleRows(p, n).rowwise() - cum.row(m)).rowwise() + state.row_log.transpose())
-              .template cast<T>();
-      buf_.q.middleRows(p, n).array() =
-          Rows(in.q + p * in.ldq, n, c, Eigen::OuterStride<>(in.ldq)) * x.exp();
-      buf_.k.middleRows(p, n).array() =
-          Rows(in.k + p * in.ldk, n, c, Eigen::OuterStride<>(in.ldk)) *
-          (-x - static_cast<T>(base)).exp();
-      stream_chunk(p, n, rows, state);
+      stream_chunk(p, m - p + 1, rows, state);
+      state.settle_rows(x.row(m).transpose(), kGateDrift);
       p = m + 1;
     }
     if (base == 0.0) {
