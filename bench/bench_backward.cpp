@@ -8,10 +8,6 @@
 #include <string>
 #include <vector>
 
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
-
 #include <linattn/backward.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/delta_rule_backward.hpp>
@@ -134,6 +130,37 @@ void BM_LinearForwardBackwardWorkspace(benchmark::State& state) {
     benchmark::DoNotOptimize(in.grad_v.data());
   });
   set_rates(state, 12.0 * double(n) * double(kDim) * double(kDim), double(n));
+  state.counters["C"] = double(kDim);
+}
+
+/// The linear backward alone (elu+1, the forward's output not needed), through the allocating
+/// call (`workspace` false: what a user who keeps no BackwardWorkspace runs, under the
+/// allocator's defaults: this binary sets no mallopt) or the caller's workspace. Useful FLOPs
+/// 8 N C Dv: the backward's four C x Dv products per token.
+template <class T>
+void BM_LinearBackward(benchmark::State& state, int form) {
+  const Eigen::Index n = state.range(0);
+  Inputs<T> in(n);
+  const linattn::EluPlusOne map;
+  const linattn::Options options;
+  linattn::BackwardWorkspace<T> kept;
+  linattn_bench::measure(state, [&] {
+    if (form == 2) {
+      const linattn::AttentionGradients<T> grads =
+          linattn::causal_linear_attention_backward(in.q, in.k, in.v, in.grad_out, map, options);
+      benchmark::DoNotOptimize(grads.q.data());
+    } else if (form == 1) {
+      linattn::causal_linear_attention_backward_into(in.q, in.k, in.v, in.grad_out, map, in.grad_q,
+                                                     in.grad_k, in.grad_v, options, kept);
+    } else {
+      linattn::causal_linear_attention_backward_into(in.q, in.k, in.v, in.grad_out, map, in.grad_q,
+                                                     in.grad_k, in.grad_v, options);
+    }
+    benchmark::DoNotOptimize(in.grad_q.data());
+    benchmark::DoNotOptimize(in.grad_k.data());
+    benchmark::DoNotOptimize(in.grad_v.data());
+  });
+  set_rates(state, 8.0 * double(n) * double(kDim) * double(kDim), double(n));
   state.counters["C"] = double(kDim);
 }
 
@@ -344,6 +371,18 @@ void register_scalar(const std::vector<Eigen::Index>& sizes) {
     benchmark::RegisterBenchmark(("BM_LinearForward<" + t + ">").c_str(), BM_LinearForward<T>)
         ->Arg(n)
         ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_LinearBackward<" + t + ">").c_str(), BM_LinearBackward<T>,
+                                 0)
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_LinearBackwardWorkspace<" + t + ">").c_str(),
+                                 BM_LinearBackward<T>, 1)
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_LinearBackwardReturned<" + t + ">").c_str(),
+                                 BM_LinearBackward<T>, 2)
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("BM_GatedForwardBackward<" + t + ">").c_str(),
                                  BM_GatedForwardBackward<T>)
         ->Arg(n)
@@ -366,15 +405,6 @@ void register_scalar(const std::vector<Eigen::Index>& sizes) {
 }  // namespace
 
 int main(int argc, char** argv) {
-#ifdef __GLIBC__
-  // Both backward passes allocate workspace on every call. By default glibc hands freed memory
-  // back to the kernel (trimming the heap top, unmapping blocks over a threshold that moves
-  // with what ran before) and the next call faults it in again: on a virtual machine that
-  // cost more than the arithmetic at small N, and varied tenfold from run to run. Freed memory
-  // stays in the process here, as in a training loop's allocator, so the rows time the kernels.
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest; blocks above it are still unmapped
-#endif
   const bool quick = linattn_bench::quick();
   register_scalar<float>(quick ? std::vector<Eigen::Index>{256, 1024, 4096}
                                : std::vector<Eigen::Index>{256, 1024, 4096, 16384, 65536});
