@@ -343,6 +343,54 @@ TEMPLATE_TEST_CASE("gated: gates near 0 and near 1 with long chunks stay finite 
   WARN("extreme gates worst relative error " << worst);
 }
 
+TEST_CASE("gated step: per-feature gates within float's rounding of 1 still decay the state",
+          "[gated]") {
+  // Ten tokens, then 100,000 that only decay (zero keys): log gates of -1e-8 round to a factor
+  // of exactly 1 in float and a_t = 1 - 2^-24 (c + 1) moves S by about one rounding step, so a
+  // state multiplied in float each step would keep little of the decay (1e-3 to 4e-3 of S
+  // here); the pending logs in double must give exp(sum of the logs).
+  const Eigen::Index c = 4, dv = 3, written = 10, n = 100000;
+  const Matrix<float> phi_q = gaussian<float>(1, c, 611).array().exp().matrix();
+  const Matrix<float> phi_k = gaussian<float>(written, c, 612).array().exp().matrix();
+  const Matrix<float> v = gaussian<float>(written, dv, 613);
+  const Vector<float> zero_key = Vector<float>::Zero(c), zero_value = Vector<float>::Zero(dv);
+  Eigen::RowVectorXf log_gate(c), gate(c);
+  Eigen::ArrayXd total_log(c), total_linear(c);
+  for (Eigen::Index j = 0; j < c; ++j) {
+    log_gate(j) = -1e-8f * static_cast<float>(j + 1);
+    gate(j) = 1.0f - std::ldexp(1.0f, -24) * static_cast<float>(j + 1);
+    total_log(j) = static_cast<double>(n) * static_cast<double>(log_gate(j));
+    total_linear(j) = static_cast<double>(n) * std::log(static_cast<double>(gate(j)));
+  }
+  REQUIRE(std::exp(log_gate(0)) == 1.0f);  // what a per-step float factor would be
+  linattn::Options options;
+  options.normalize = false;
+  for (const bool log_space : {true, false}) {
+    INFO((log_space ? "log gates" : "gates a_t"));
+    linattn::RecurrentState<float> state(c, dv, options);
+    Matrix<double> s = Matrix<double>::Zero(c, dv);
+    Vector<float> out(dv);
+    const auto step = [&](const auto& key, const auto& value) {
+      if (log_space) {
+        state.step_into(phi_q.row(0), key, value, linattn::log_gates(log_gate), linattn::Identity{},
+                        out);
+      } else {
+        state.step_into(phi_q.row(0), key, value, gate, linattn::Identity{}, out);
+      }
+    };
+    for (Eigen::Index t = 0; t < written; ++t) {
+      step(phi_k.row(t), v.row(t));
+      s += phi_k.row(t).transpose().cast<double>() * v.row(t).cast<double>();
+    }
+    for (Eigen::Index t = 0; t < n; ++t) step(zero_key, zero_value);
+    const Eigen::ArrayXd decay = (log_space ? total_log : total_linear).exp();
+    const Matrix<double> expected = decay.matrix().asDiagonal() * s;
+    REQUIRE((decay < 1.0 - 1e-4).all());  // the decay is well above float's rounding
+    CHECK(relative_error(state.s(), expected) <= 1e-6);
+    CHECK(relative_error(out, (phi_q.cast<double>() * expected).transpose().eval()) <= 1e-6);
+  }
+}
+
 TEST_CASE("gated: float inputs accumulated in double", "[gated]") {
   const Eigen::Index n = 1000;
   for (const Eigen::Index gate_cols : {Eigen::Index{1}, kC}) {
