@@ -61,10 +61,12 @@ void BM_DeltaCall(benchmark::State& state, Eigen::Index dk, Eigen::Index dv, Eig
   set_rates(state, useful_flops(n, dk, dv), double(n));
 }
 
-/// DeltaRuleState::step_into over every token (Gated DeltaNet's scalar gates).
-void BM_DeltaStep(benchmark::State& state, Eigen::Index dk, Eigen::Index dv) {
+/// DeltaRuleState::step_into over every token: Gated DeltaNet's scalar gates (gate_cols 1) or
+/// KDA's per-feature gates (Dk).
+void BM_DeltaStep(benchmark::State& state, Eigen::Index dk, Eigen::Index dv,
+                  Eigen::Index gate_cols) {
   const Eigen::Index n = state.range(0);
-  Head in(n, dk, dv, 1);
+  Head in(n, dk, dv, gate_cols);
   Vector<float> out(dv);
   linattn::DeltaRuleState<float> recurrent(dk, dv);
   linattn_bench::measure(state, [&] {
@@ -79,16 +81,24 @@ void BM_DeltaStep(benchmark::State& state, Eigen::Index dk, Eigen::Index dv) {
 }
 
 /// The per-token Eigen loop the issue names as the baseline: three passes over a row-major S.
-void BM_DeltaEigenLoop(benchmark::State& state, Eigen::Index dk, Eigen::Index dv) {
+/// Gated DeltaNet's scalar gate (gate_cols 1) or KDA's per-feature gates (Dk: S = diag(a) S).
+void BM_DeltaEigenLoop(benchmark::State& state, Eigen::Index dk, Eigen::Index dv,
+                       Eigen::Index gate_cols) {
   const Eigen::Index n = state.range(0);
-  Head in(n, dk, dv, 1);
+  Head in(n, dk, dv, gate_cols);
   Matrix<float> s(dk, dv);
   Eigen::RowVectorXf pred(dv);
+  Eigen::ArrayXf gate(dk);
   const float scale = 1.0f / std::sqrt(float(dk));
   linattn_bench::measure(state, [&] {
     s.setZero();
     for (Eigen::Index t = 0; t < n; ++t) {
-      s *= std::exp(in.log_gates(t, 0));
+      if (gate_cols == 1) {
+        s *= std::exp(in.log_gates(t, 0));
+      } else {
+        gate = in.log_gates.row(t).transpose().array().exp();
+        s.array().colwise() *= gate;
+      }
       pred.noalias() = in.k.row(t) * s;
       pred = in.beta(t) * (in.v.row(t) - pred);
       s.noalias() += in.k.row(t).transpose() * pred;
@@ -123,11 +133,20 @@ void register_shape(Eigen::Index d, const std::vector<Eigen::Index>& sizes) {
           ->Arg(n)
           ->Unit(benchmark::kMillisecond);
     }
-    benchmark::RegisterBenchmark(("BM_DeltaStep_" + shape + "<float>").c_str(), BM_DeltaStep, d, d)
+    benchmark::RegisterBenchmark(("BM_DeltaStep_" + shape + "<float>").c_str(), BM_DeltaStep, d, d,
+                                 Eigen::Index{1})
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_DeltaStep_KDA_" + shape + "<float>").c_str(), BM_DeltaStep, d,
+                                 d, d)
         ->Arg(n)
         ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("BM_DeltaEigenLoop_" + shape + "<float>").c_str(),
-                                 BM_DeltaEigenLoop, d, d)
+                                 BM_DeltaEigenLoop, d, d, Eigen::Index{1})
+        ->Arg(n)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_DeltaEigenLoop_KDA_" + shape + "<float>").c_str(),
+                                 BM_DeltaEigenLoop, d, d, d)
         ->Arg(n)
         ->Unit(benchmark::kMillisecond);
   }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <istream>
+#include <limits>
 #include <linattn/config.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/delta_rule.hpp>
@@ -841,9 +842,19 @@ class DeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, DeltaOp
   /// The step's gates a_t from a checked vector of 1 or Dk gates (log gates when LogSpace).
   template <bool LogSpace, class DG>
   void load_gates(const Eigen::MatrixBase<DG>& values) {
-    for (Eigen::Index i = 0; i < values.size(); ++i) {
-      const double g = static_cast<double>(values.reshaped()(i));
-      token_.gate(i) = static_cast<Acc>(LogSpace ? std::exp(g) : g);
+    const Eigen::Index n = values.size();
+    for (Eigen::Index i = 0; i < n; ++i) token_.gate(i) = static_cast<Acc>(values.reshaped()(i));
+    if constexpr (LogSpace) {
+      // One vectorised exp in Acc (a double exp a gate, one at a time, was 40% of KDA's step).
+      // Eigen's exp stops at the smallest normal number: a reset (-infinity) is set to 0.
+      constexpr Acc kReset = -std::numeric_limits<Acc>::infinity();
+      const bool reset = token_.gate.head(n).minCoeff() == kReset;
+      token_.gate.head(n) = token_.gate.head(n).array().exp().matrix();
+      if (reset) {
+        for (Eigen::Index i = 0; i < n; ++i) {
+          if (static_cast<Acc>(values.reshaped()(i)) == kReset) token_.gate(i) = Acc(0);
+        }
+      }
     }
   }
 

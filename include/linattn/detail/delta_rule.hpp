@@ -795,7 +795,19 @@ void DeltaStream<T, O>::run(const ChunkSource<T>& src, const BetaRows<T>& beta, 
     if (gates > 0) {
       log_gate_.resize(kBlock, gates);
       src.load_log_gates(begin, len, log_gate_);
-      gate_ = log_gate_.topRows(len).template cast<T>().exp();  // -inf: 0, a reset
+      // Converted first, then one vectorised exp (an exp of the cast expression ran scalar
+      // expf: 30% of KDA's streamed prefill at D = 64). Eigen's exp stops at the smallest
+      // normal number, so a reset (-infinity) is set to 0 after it.
+      gate_ = log_gate_.topRows(len).template cast<T>();
+      const bool reset =
+          log_gate_.topRows(len).minCoeff() == -std::numeric_limits<double>::infinity();
+      gate_ = gate_.exp();
+      if (reset) {
+        // Both row-major, gates wide: element i of one is element i of the other.
+        for (Eigen::Index i = 0; i < gate_.size(); ++i) {
+          if (std::isinf(log_gate_.data()[i])) gate_.data()[i] = T(0);
+        }
+      }
     }
     const BlockTokenAt block{*this, dk, dv, gates};
     for (Eigen::Index t = 0; t < len; ++t) {
