@@ -301,7 +301,7 @@ int main(int argc, char** argv) {
   register_shape<double>("C64", 64, 64, {4096}, false);
   register_steps();
   register_heads(quick ? std::vector<Eigen::Index>{4096}
-                       : std::vector<Eigen::Index>{1024, 4096, 16384});
+                       : std::vector<Eigen::Index>{1024, 4096, 16384, 65536});
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
