@@ -1,7 +1,7 @@
 # Cross build for 64-bit ARM Linux with Debian's g++-aarch64-linux-gnu; ctest runs the binaries
 # under qemu-user (Debian: apt-get install g++-aarch64-linux-gnu qemu-user). See
 # docs/development.md:
-#   cmake --preset aarch64 && cmake --build build/aarch64 && ctest --test-dir build/aarch64
+#   cmake --preset aarch64 && cmake --build build/aarch64 && ctest --preset aarch64
 set(CMAKE_SYSTEM_NAME Linux)
 set(CMAKE_SYSTEM_PROCESSOR aarch64)
 

@@ -17,8 +17,8 @@ endif()
 
 list(APPEND CMAKE_MODULE_PATH "${LINATTN_HOST_CATCH2_DIR}")  # include(Catch)
 
-# The header through a directory of its own: -isystem /usr/include would put the host's C
-# headers ahead of the sysroot's.
+# The header through a directory of its own: CMake leaves /usr/include off the command line
+# (an implicit directory), and a cross compiler must not search it (host C headers).
 set(_linattn_catch2_dir "${CMAKE_BINARY_DIR}/linattn_cross_catch2")
 file(MAKE_DIRECTORY "${_linattn_catch2_dir}/include")
 if(NOT EXISTS "${_linattn_catch2_dir}/include/catch2")
