@@ -167,14 +167,19 @@ struct Relu {
   /// @return   N x Dk features
   template <class Derived>
   Matrix<typename Derived::Scalar> queries(const Eigen::MatrixBase<Derived>& x) const {
-    return x.cwiseMax(typename Derived::Scalar(0));
+    // max(x, 0) + 0: the added 0 turns max(-0, 0) into +0, which Eigen's vectorised max (ARM)
+    // and its scalar tail give with different signs, so that every form of the map (whole
+    // matrices, _into, blocks, single rows) gives the same bits.
+    using Scalar = typename Derived::Scalar;
+    return (x.cwiseMax(Scalar(0)).array() + Scalar(0)).matrix();
   }
 
   /// @param x  N x Dk keys
   /// @return   N x Dk features
   template <class Derived>
   Matrix<typename Derived::Scalar> keys(const Eigen::MatrixBase<Derived>& x) const {
-    return x.cwiseMax(typename Derived::Scalar(0));
+    using Scalar = typename Derived::Scalar;
+    return (x.cwiseMax(Scalar(0)).array() + Scalar(0)).matrix();  // as queries
   }
 
   /// As queries(x), bit for bit, into a caller's N x Dk `out` (which may be x itself).
@@ -184,7 +189,8 @@ struct Relu {
   void queries_into(const Eigen::MatrixBase<Derived>& x,
                     Eigen::Ref<Matrix<typename Derived::Scalar>> out) const {
     detail::require_out_shape(out, x.rows(), x.cols(), "Relu::queries_into");
-    out = x.cwiseMax(typename Derived::Scalar(0));
+    using Scalar = typename Derived::Scalar;
+    out = (x.cwiseMax(Scalar(0)).array() + Scalar(0)).matrix();  // as queries
   }
 
   /// As keys(x), bit for bit, into a caller's N x Dk `out`; see queries_into.
@@ -192,7 +198,8 @@ struct Relu {
   void keys_into(const Eigen::MatrixBase<Derived>& x,
                  Eigen::Ref<Matrix<typename Derived::Scalar>> out) const {
     detail::require_out_shape(out, x.rows(), x.cols(), "Relu::keys_into");
-    out = x.cwiseMax(typename Derived::Scalar(0));
+    using Scalar = typename Derived::Scalar;
+    out = (x.cwiseMax(Scalar(0)).array() + Scalar(0)).matrix();  // as queries
   }
 
   /// Carries a gradient through the map: d phi / d x is 1 for x > 0 and 0 otherwise.
@@ -206,6 +213,7 @@ struct Relu {
     detail::require_same_shape(x, grad_phi, "Relu::backward");
     return (x.array() > Scalar(0)).select(grad_phi, Scalar(0));
   }
+
 };
 
 /// How the random projection W (m x Dk) is drawn.
