@@ -213,7 +213,6 @@ struct Relu {
     detail::require_same_shape(x, grad_phi, "Relu::backward");
     return (x.array() > Scalar(0)).select(grad_phi, Scalar(0));
   }
-
 };
 
 /// How the random projection W (m x Dk) is drawn.
