@@ -1,19 +1,18 @@
 // Causal forward + backward: linear attention (elu+1) against the tiled softmax baseline
 // (FlashAttention-2 style), float, d = C = Dv = 64, one thread, with the forward alone beside
 // each so the report can give the backward's cost, and Eigen's GEMM rate in the same binary.
-#include <linattn/feature_maps.hpp>
-#include <linattn/gradients.hpp>
-#include <linattn/linear_attention.hpp>
-#include <linattn/softmax.hpp>
-#include <string>
-#include <vector>
-
 #include <linattn/backward.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/delta_rule_backward.hpp>
 #include <linattn/dplr_delta_rule.hpp>
 #include <linattn/dplr_delta_rule_backward.hpp>
+#include <linattn/feature_maps.hpp>
 #include <linattn/gated.hpp>
+#include <linattn/gradients.hpp>
+#include <linattn/linear_attention.hpp>
+#include <linattn/softmax.hpp>
+#include <string>
+#include <vector>
 
 #include "bench_common.hpp"
 
@@ -371,8 +370,7 @@ void register_scalar(const std::vector<Eigen::Index>& sizes) {
     benchmark::RegisterBenchmark(("BM_LinearForward<" + t + ">").c_str(), BM_LinearForward<T>)
         ->Arg(n)
         ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("BM_LinearBackward<" + t + ">").c_str(), BM_LinearBackward<T>,
-                                 0)
+    benchmark::RegisterBenchmark(("BM_LinearBackward<" + t + ">").c_str(), BM_LinearBackward<T>, 0)
         ->Arg(n)
         ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("BM_LinearBackwardWorkspace<" + t + ">").c_str(),
