@@ -155,6 +155,38 @@ TEMPLATE_TEST_CASE("the delta rule's gates: 1 exactly, down to 1e-30, hard reset
   }
 }
 
+TEMPLATE_TEST_CASE("a reset gate forgets exactly: the row of a feature whose key stays 0 is 0",
+                   "[delta_rule]", float, double) {
+  // Eigen's vectorised exp stops at the smallest normal number: without care a reset would
+  // leave 1e-38 S in the row (float), which a key of 0 then never overwrites.
+  const Eigen::Index dk = 16, dv = 8, n = 3, forgotten = 5;
+  const Matrix<TestType> s0 = Matrix<TestType>::Ones(dk, dv);
+  Matrix<TestType> q = gaussian<TestType>(n, dk, 17);
+  Matrix<TestType> k = gaussian<TestType>(n, dk, 18);
+  const Matrix<TestType> v = gaussian<TestType>(n, dv, 19);
+  const Vector<TestType> beta = Vector<TestType>::Constant(n, TestType(0.5));
+  Matrix<TestType> g = Matrix<TestType>::Constant(n, dk, TestType(-0.01));
+  g(1, forgotten) = -std::numeric_limits<TestType>::infinity();
+  k.bottomRows(2).col(forgotten).setZero();
+  for (const linattn::DeltaForm form :
+       {linattn::DeltaForm::chunked, linattn::DeltaForm::streamed}) {
+    DeltaOptions options;
+    options.l2_normalize = true;
+    options.form = form;
+    auto prefilled = DeltaRuleState<TestType>::from_state(s0, options);
+    prefilled.prefill(q, k, v, linattn::log_gates(g), beta);
+    CHECK(prefilled.s().row(forgotten).isZero(0));
+    CHECK(prefilled.s().row(forgotten + 1).cwiseAbs().minCoeff() > TestType(1e-3));
+  }
+  DeltaOptions options;
+  options.l2_normalize = true;
+  auto stepped = DeltaRuleState<TestType>::from_state(s0, options);
+  for (Eigen::Index t = 0; t < n; ++t) {
+    stepped.step(q.row(t), k.row(t), v.row(t), linattn::log_gates(g.row(t)), beta(t));
+  }
+  CHECK(stepped.s().row(forgotten).isZero(0));
+}
+
 TEMPLATE_TEST_CASE("the delta rule's beta: near 0, 1, and 2 with negative eigenvalues",
                    "[delta_rule]", float, double) {
   const linattn::DeltaForm form =

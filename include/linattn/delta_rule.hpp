@@ -844,18 +844,7 @@ class DeltaRuleState : public detail::StateCore<detail::HeldMatrix<Acc>, DeltaOp
   void load_gates(const Eigen::MatrixBase<DG>& values) {
     const Eigen::Index n = values.size();
     for (Eigen::Index i = 0; i < n; ++i) token_.gate(i) = static_cast<Acc>(values.reshaped()(i));
-    if constexpr (LogSpace) {
-      // One vectorised exp in Acc (a double exp a gate, one at a time, was 40% of KDA's step).
-      // Eigen's exp stops at the smallest normal number: a reset (-infinity) is set to 0.
-      constexpr Acc kReset = -std::numeric_limits<Acc>::infinity();
-      const bool reset = token_.gate.head(n).minCoeff() == kReset;
-      token_.gate.head(n) = token_.gate.head(n).array().exp().matrix();
-      if (reset) {
-        for (Eigen::Index i = 0; i < n; ++i) {
-          if (static_cast<Acc>(values.reshaped()(i)) == kReset) token_.gate(i) = Acc(0);
-        }
-      }
-    }
+    if constexpr (LogSpace) detail::exp_log_gates(token_.gate.data(), n);
   }
 
   /// The loaded token through the recurrence; out = its output.

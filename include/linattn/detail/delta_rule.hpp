@@ -180,6 +180,21 @@ inline const char* delta_transition_name(TransitionKind kind) {
   }
 }
 
+/// gates[i] = exp(gates[i]) for n log gates in T, one vectorised exp (an exp of a cast expression,
+/// or one std::exp at a time, was 30-40% of KDA's prefill and step). Eigen's vectorised exp stops
+/// at the smallest normal number, so a reset (-infinity) would not give 0: gates holding one
+/// (a document boundary, rare) take the scalar exp instead, exact 0 included.
+template <class T>
+void exp_log_gates(T* gates, Eigen::Index n) {
+  Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> logs(gates, n);
+  constexpr T kReset = -std::numeric_limits<T>::infinity();
+  if (n == 0 || logs.minCoeff() > kReset) {
+    logs = logs.exp();
+    return;
+  }
+  for (Eigen::Index i = 0; i < n; ++i) gates[i] = gates[i] == kReset ? T(0) : std::exp(gates[i]);
+}
+
 /// Where the delta kernel reads beta_t, one chunk at a time, in the accumulation type.
 template <class T>
 class BetaRows {
@@ -795,19 +810,8 @@ void DeltaStream<T, O>::run(const ChunkSource<T>& src, const BetaRows<T>& beta, 
     if (gates > 0) {
       log_gate_.resize(kBlock, gates);
       src.load_log_gates(begin, len, log_gate_);
-      // Converted first, then one vectorised exp (an exp of the cast expression ran scalar
-      // expf: 30% of KDA's streamed prefill at D = 64). Eigen's exp stops at the smallest
-      // normal number, so a reset (-infinity) is set to 0 after it.
-      gate_ = log_gate_.topRows(len).template cast<T>();
-      const bool reset =
-          log_gate_.topRows(len).minCoeff() == -std::numeric_limits<double>::infinity();
-      gate_ = gate_.exp();
-      if (reset) {
-        // Both row-major, gates wide: element i of one is element i of the other.
-        for (Eigen::Index i = 0; i < gate_.size(); ++i) {
-          if (std::isinf(log_gate_.data()[i])) gate_.data()[i] = T(0);
-        }
-      }
+      gate_ = log_gate_.topRows(len).template cast<T>();  // converted first: see exp_log_gates
+      exp_log_gates(gate_.data(), gate_.size());
     }
     const BlockTokenAt block{*this, dk, dv, gates};
     for (Eigen::Index t = 0; t < len; ++t) {
