@@ -1,10 +1,11 @@
 // Gated causal linear attention on the one engine: scalar gates (Mamba-2, simple GLA) and
-// per-feature gates (GLA, RWKV-6) beside the ungated kernel and a per-token recurrent loop
-// (RecurrentState::step over every token, the form ggml's gated op runs), all on featurized
-// inputs and one thread, with Eigen's GEMM rate measured in the same binary. Shapes: C = Dv = 64
-// at several N, GLA's 128-dim heads, and Mamba-2's head (head dim 64, state 128). And 8 heads
-// of C = Dv = 64 on the multi-head views, head-contiguous ([B, H, N, D]) and token-major
-// ([B, N, H, D], a QKV projection's layout), for every transition, with and without the scan.
+// per-feature gates (GLA, RWKV-6) beside the ungated kernel and two per-token loops
+// (RecurrentState::step over every token, and the obvious Eigen loop of each transition, the
+// form ggml's gated op runs), all on featurized inputs and one thread, with Eigen's GEMM rate
+// measured in the same binary. Shapes: C = Dv = 64 at several N, GLA's 128-dim heads, and
+// Mamba-2's head (head dim 64, state 128). And 8 heads of C = Dv = 64 on the multi-head views,
+// head-contiguous ([B, H, N, D]) and token-major ([B, N, H, D], a QKV projection's layout), for
+// every transition, with and without the scan.
 #include <cmath>
 #include <cstdint>
 #include <linattn/gated.hpp>
@@ -75,6 +76,33 @@ void BM_StepLoop(benchmark::State& state, Eigen::Index c, Eigen::Index dv, Eigen
                           linattn::log_gates(in.log_gates.row(t)), linattn::Identity{}, out);
     }
     benchmark::DoNotOptimize(out.data());
+  });
+  set_rates(state, recurrence_flops(n, c, dv), double(n));
+  state.counters["C"] = double(c);
+}
+
+/// The obvious per-token loop of the same recurrence in Eigen, the baseline a kernel must beat:
+/// per token S = S (no gates), a S (scalar) or diag(a) S (per feature), then S += k v^T and
+/// out = S^T q; the gates given as a.
+template <class T>
+void BM_EigenLoop(benchmark::State& state, Eigen::Index c, Eigen::Index dv,
+                  Eigen::Index gate_cols) {
+  const Eigen::Index n = state.range(0);
+  Head<T> in(n, c, dv, gate_cols);
+  const Matrix<T> linear_gates = in.log_gates.array().exp().matrix();
+  Matrix<T> s(c, dv);
+  linattn_bench::measure(state, [&] {
+    s.setZero();
+    for (Eigen::Index t = 0; t < n; ++t) {
+      if (gate_cols == 1) {
+        s *= linear_gates(t, 0);
+      } else if (gate_cols > 1) {
+        s = linear_gates.row(t).transpose().asDiagonal() * s;
+      }
+      s.noalias() += in.phi_k.row(t).transpose() * in.v.row(t);
+      in.out.row(t).noalias() = in.phi_q.row(t) * s;
+    }
+    benchmark::DoNotOptimize(in.out.data());
   });
   set_rates(state, recurrence_flops(n, c, dv), double(n));
   state.counters["C"] = double(c);
@@ -258,7 +286,7 @@ void register_heads(const std::vector<Eigen::Index>& sizes) {
   }
 }
 
-/// Registers one shape's rows: ungated, scalar and per-feature chunked, and the step loop.
+/// Registers one shape's rows: ungated, scalar and per-feature chunked, and the loops.
 template <class T>
 void register_shape(const std::string& shape, Eigen::Index c, Eigen::Index dv,
                     const std::vector<Eigen::Index>& sizes, bool step_loop) {
@@ -280,6 +308,14 @@ void register_shape(const std::string& shape, Eigen::Index c, Eigen::Index dv,
                                    BM_StepLoop<T>, c, dv, c)
           ->Arg(n)
           ->Unit(benchmark::kMillisecond);
+      for (const Kind kind :
+           {Kind{"Ungated", 0}, Kind{"ScalarGates", 1}, Kind{"FeatureGates", c}}) {
+        benchmark::RegisterBenchmark(
+            ("BM_Gated_EigenLoop_" + std::string(kind.name) + "_" + shape + "<" + t + ">").c_str(),
+            BM_EigenLoop<T>, c, dv, kind.gate_cols)
+            ->Arg(n)
+            ->Unit(benchmark::kMillisecond);
+      }
     }
   }
 }
