@@ -626,6 +626,11 @@ void BM_StorageDrift(benchmark::State& state) {
 
 int main(int argc, char** argv) {
   const bool quick = linattn_bench::quick();
+  // Eigen's float GEMM in the same binary, to read the recurrence rows as a share of it.
+  benchmark::RegisterBenchmark("BM_EigenGemm<float>", linattn_bench::BM_EigenGemm<float>)
+      ->Arg(512)
+      ->MinTime(0.5)
+      ->Unit(benchmark::kMillisecond);
   std::vector<std::int64_t> token_counts{64};
   if (!quick) token_counts.push_back(4096);
   for (const std::int64_t tokens : token_counts) {
