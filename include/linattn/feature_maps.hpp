@@ -167,19 +167,18 @@ struct Relu {
   /// @return   N x Dk features
   template <class Derived>
   Matrix<typename Derived::Scalar> queries(const Eigen::MatrixBase<Derived>& x) const {
-    // max(x, 0) + 0: the added 0 turns max(-0, 0) into +0, which Eigen's vectorised max (ARM)
-    // and its scalar tail give with different signs, so that every form of the map (whole
-    // matrices, _into, blocks, single rows) gives the same bits.
-    using Scalar = typename Derived::Scalar;
-    return (x.cwiseMax(Scalar(0)).array() + Scalar(0)).matrix();
+    Matrix<typename Derived::Scalar> out(x.rows(), x.cols());
+    features(x, out);
+    return out;
   }
 
   /// @param x  N x Dk keys
   /// @return   N x Dk features
   template <class Derived>
   Matrix<typename Derived::Scalar> keys(const Eigen::MatrixBase<Derived>& x) const {
-    using Scalar = typename Derived::Scalar;
-    return (x.cwiseMax(Scalar(0)).array() + Scalar(0)).matrix();  // as queries
+    Matrix<typename Derived::Scalar> out(x.rows(), x.cols());
+    features(x, out);
+    return out;
   }
 
   /// As queries(x), bit for bit, into a caller's N x Dk `out` (which may be x itself).
@@ -189,8 +188,7 @@ struct Relu {
   void queries_into(const Eigen::MatrixBase<Derived>& x,
                     Eigen::Ref<Matrix<typename Derived::Scalar>> out) const {
     detail::require_out_shape(out, x.rows(), x.cols(), "Relu::queries_into");
-    using Scalar = typename Derived::Scalar;
-    out = (x.cwiseMax(Scalar(0)).array() + Scalar(0)).matrix();  // as queries
+    features(x, out);
   }
 
   /// As keys(x), bit for bit, into a caller's N x Dk `out`; see queries_into.
@@ -198,8 +196,7 @@ struct Relu {
   void keys_into(const Eigen::MatrixBase<Derived>& x,
                  Eigen::Ref<Matrix<typename Derived::Scalar>> out) const {
     detail::require_out_shape(out, x.rows(), x.cols(), "Relu::keys_into");
-    using Scalar = typename Derived::Scalar;
-    out = (x.cwiseMax(Scalar(0)).array() + Scalar(0)).matrix();  // as queries
+    features(x, out);
   }
 
   /// Carries a gradient through the map: d phi / d x is 1 for x > 0 and 0 otherwise.
@@ -212,6 +209,16 @@ struct Relu {
     using Scalar = typename DX::Scalar;
     detail::require_same_shape(x, grad_phi, "Relu::backward");
     return (x.array() > Scalar(0)).select(grad_phi, Scalar(0));
+  }
+
+ private:
+  /// out = max(x, 0) + 0 (out N x Dk, may be x): the added 0 turns max(-0, 0) into +0, which
+  /// Eigen's vectorised max (ARM) and its scalar tail give with different signs, so that every
+  /// form of the map (whole matrices, _into, blocks, single rows) gives the same bits.
+  template <class Derived, class Out>
+  static void features(const Eigen::MatrixBase<Derived>& x, Out& out) {
+    using Scalar = typename Derived::Scalar;
+    out = (x.cwiseMax(Scalar(0)).array() + Scalar(0)).matrix();
   }
 };
 
