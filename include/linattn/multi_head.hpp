@@ -698,12 +698,13 @@ void causal_head_group(const ConstHeadsView<S>& q, const ConstHeadsView<S>& k,
         }
       }
     }
+    // The block's rows of one head of a view, in the caller's memory.
+    const auto rows_of = [&](const ConstHeadsView<S>& view, Eigen::Index input) {
+      return HeadRows<S>(view.head_rows(b, input).row(at).data(), len, view.dim(),
+                         Eigen::OuterStride<>(view.strides().token));
+    };
     for (Eigen::Index h = h0; h < h1; ++h) {
       Head& head = heads[static_cast<std::size_t>(h - h0)];
-      const auto rows_of = [&](const ConstHeadsView<S>& view, Eigen::Index input) {
-        return HeadRows<S>(view.head_rows(b, input).row(at).data(), len, view.dim(),
-                           Eigen::OuterStride<>(view.strides().token));
-      };
       const HeadRows<S> qs = rows_of(q, input_head(q, out.heads(), h, grouping));
       const HeadRows<S> ks = rows_of(k, input_head(k, out.heads(), h, grouping));
       const HeadRows<S> vs = rows_of(v, input_head(v, out.heads(), h, grouping));
